@@ -1,0 +1,153 @@
+"""`costmodel` command line. Starts fast: no torch, scipy or matplotlib on this path."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from .clitools import UserError, print_json, run
+from .predict import Prediction, predict
+from .presets import UnknownPresetError, get_hardware, get_model
+from .specs import Workload
+from .units import (
+    UnitError,
+    format_bytes,
+    parse_bandwidth,
+    parse_bytes,
+    parse_duration,
+    parse_flops,
+)
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Predict and explain the decoding speed of looped language models.")
+
+
+@app.callback()
+def _root() -> None:
+    """Cost model of AR, draft-then-verify (DtV) and WaveFront Decoding (WFD)."""
+
+
+def _hardware_with_overrides(name: str, bandwidth: str | None, flops: str | None,
+                             memory: str | None, launch_overhead: str | None, dtype: str,
+                             cuda_graphs: bool | None):
+    hw = get_hardware(name)
+    changes: dict[str, object] = {}
+    if bandwidth is not None:
+        changes["memory_bandwidth_bytes_per_s"] = parse_bandwidth(bandwidth)
+    if flops is not None:
+        changes["peak_flops_per_s"] = {**hw.peak_flops_per_s, dtype: parse_flops(flops)}
+    if memory is not None:
+        changes["memory_capacity_bytes"] = parse_bytes(memory)
+    if launch_overhead is not None:
+        changes["launch_overhead_s"] = parse_duration(launch_overhead)
+    if cuda_graphs is not None:
+        changes["cuda_graphs"] = cuda_graphs
+    if changes:
+        changes["name"] = f"{hw.name}*"  # the star marks a preset with overridden figures
+    return hw.model_copy(update=changes)
+
+
+def _print_table(p: Prediction) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 132))
+    wl, hw, mem = p.workload, p.hardware, p.memory
+    alpha = next((r.acceptance for r in p.schedules.values() if r.acceptance is not None), None)
+    console.print(
+        f"[bold]{p.model}[/] on [bold]{hw.name}[/] ({hw.memory_bandwidth_bytes_per_s / 1e9:.0f} "
+        f"GB/s, {hw.peak_flops_per_s.get(wl.dtype, 0) / 1e12:.0f} TFLOPS {wl.dtype}, "
+        f"{format_bytes(hw.memory_capacity_bytes)}), R = {p.depth}, context {wl.context_length}"
+        f" + {wl.new_tokens} new, batch {wl.batch_size}, "
+        + ("recurrence-specific KV" if wl.kv_sharing == 0 else f"KV shared over "
+           f"{wl.kv_sharing} slot(s)")
+        + (f", acceptance {alpha:.2f}" if alpha is not None else "")
+        + (", CUDA graphs" if hw.cuda_graphs else ""))
+    fit = "fits" if mem.fits else "DOES NOT FIT"
+    console.print(
+        f"memory: {fit}: weights {format_bytes(mem.weights_bytes)} + KV "
+        f"{format_bytes(mem.kv_bytes)} + activations {format_bytes(mem.activation_bytes)} = "
+        f"{format_bytes(mem.total_bytes)} of {format_bytes(mem.capacity_bytes)}; the longest "
+        f"sequence that fits is {mem.max_context:,} tokens")
+    if not mem.fits:
+        return
+    table = Table(show_header=True, header_style="bold")
+    for col in ("schedule", "ms/token", "tokens/s", "speedup", "B calls/token", "weights ms",
+                "KV ms", "compute ms", "overhead ms", "roofline", "bound"):
+        table.add_column(col, justify="left" if col in ("schedule", "bound") else "right",
+                         no_wrap=col == "schedule")
+    for key, r in p.schedules.items():
+        label = {"ar": "AR", "dtv": f"DtV k={r.block_length} d={r.draft_depth}",
+                 "wfd": f"WFD d={r.draft_depth} W={r.width}"}[key]
+        b = r.breakdown
+        table.add_row(label, f"{r.latency_per_token_s * 1e3:.2f}", f"{r.tokens_per_s:.1f}",
+                      f"{r.speedup_vs_ar:.2f}x", f"{r.block_calls_per_token:.2f}",
+                      *(f"{t * 1e3:.2f}" for t in (b.weights_s, b.kv_s, b.compute_s,
+                                                    b.overhead_s)),
+                      f"{r.roofline_fraction:.0%}", r.bound)
+    console.print(table)
+
+
+@app.command("predict")
+def predict_cmd(
+    model: Annotated[str, typer.Option(help="model preset")] = "huginn-3.5b",
+    hardware: Annotated[str, typer.Option(help="hardware preset")] = "a6000",
+    bandwidth: Annotated[str | None, typer.Option(help="memory bandwidth, e.g. 768GB/s")] = None,
+    flops: Annotated[str | None, typer.Option(help="peak matrix flops, e.g. 155TFLOPS")] = None,
+    memory: Annotated[str | None, typer.Option(help="memory capacity, e.g. 48GB, 48GiB")] = None,
+    launch_overhead: Annotated[str | None, typer.Option(
+        help="per-kernel launch overhead, e.g. 5us")] = None,
+    width: Annotated[int | None, typer.Option(
+        help="WFD width W (draft depth ceil(R/W))")] = None,
+    draft_depth: Annotated[int | None, typer.Option(help="draft depth d (< R)")] = None,
+    block_length: Annotated[int | None, typer.Option(
+        help="DtV block length k (default: the best in 1..32)")] = None,
+    acceptance: Annotated[float | None, typer.Option(
+        help="draft acceptance alpha in [0, 1] (default: the model's)")] = None,
+    context: Annotated[int, typer.Option(help="prompt/context length in tokens")] = 1024,
+    new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 512,
+    depth: Annotated[int | None, typer.Option(help="recurrence depth R (default: model's)")] = None,
+    kv_sharing: Annotated[int, typer.Option(
+        help="0: one KV slot per depth; S >= 1: S shared slots")] = 0,
+    batch: Annotated[int, typer.Option(help="sequences decoded together")] = 1,
+    dtype: Annotated[str, typer.Option(help="fp32, bf16, fp16")] = "bf16",
+    cuda_graphs: Annotated[bool | None, typer.Option(
+        "--cuda-graphs/--no-cuda-graphs", help="replay kernels from CUDA graphs")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Per-token latency, speedup and its breakdown for AR, DtV and WFD."""
+    if acceptance is not None and not 0 <= acceptance <= 1:
+        raise UserError(f"acceptance must be in [0, 1], got {acceptance}")
+    for name, value in (("context", context), ("new tokens", new_tokens), ("batch", batch)):
+        if value < 1:
+            raise UserError(f"{name} must be at least 1, got {value}")
+    if kv_sharing < 0:
+        raise UserError(f"KV sharing must be 0 (per-depth slots) or a slot count >= 1, "
+                        f"got {kv_sharing}")
+    if depth is not None and depth < 2:
+        raise UserError(f"depth R must be at least 2, got {depth}")
+    if dtype not in ("fp32", "bf16", "fp16"):
+        raise UserError(f"unknown dtype {dtype!r}; use fp32, bf16 or fp16")
+    hw = _hardware_with_overrides(hardware, bandwidth, flops, memory, launch_overhead, dtype,
+                                  cuda_graphs)
+    spec = get_model(model)
+    workload = Workload(context_length=context, new_tokens=new_tokens, acceptance=acceptance,
+                        batch_size=batch, dtype=dtype, kv_sharing=kv_sharing, depth=depth)
+    result = predict(spec, hw, workload, width=width, draft_depth=draft_depth,
+                     block_length=block_length)
+    if as_json:
+        payload = result.model_dump(mode="json")
+        payload["hardware"] = result.hardware.name
+        payload["hardware_spec"] = result.hardware.model_dump(mode="json")
+        print_json(payload)
+    else:
+        _print_table(result)
+    if not result.memory.fits:
+        typer.echo(f"error: {context} + {new_tokens} tokens do not fit in "
+                   f"{format_bytes(result.memory.capacity_bytes)} (at most "
+                   f"{result.memory.max_context:,} fit)", err=True)
+        raise typer.Exit(1)
+
+
+main = run(app, (UnitError, UnknownPresetError))

@@ -1,0 +1,66 @@
+"""What both command lines share: one-line errors with exit code 2, and JSON printing."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+
+import typer
+from pydantic import ValidationError
+
+try:  # typer >= 0.20 vendors its own copy of click
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+except ImportError:  # pragma: no cover - older typer on the real click
+    from click.exceptions import ClickException, UsageError
+
+    NoArgsIsHelpError = UsageError
+
+
+class UserError(Exception):
+    """Bad input: printed as one line on stderr, exit code 2."""
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def _validation_message(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err.get("loc", ()))
+    return f"{where}: {err['msg']}" if where else err["msg"]
+
+
+def run(app: typer.Typer, user_errors: tuple[type[BaseException], ...] = ()) -> Callable[[], None]:
+    """Entry point for ``app`` that turns usage errors and bad input into one line and exit 2."""
+
+    def main() -> None:
+        try:
+            code = app(standalone_mode=False)
+            sys.exit(code if isinstance(code, int) else 0)
+        except typer.Exit as exc:
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            sys.exit(130)
+        except NoArgsIsHelpError as exc:
+            typer.echo(exc.format_message(), err=True)
+            sys.exit(2)
+        except UsageError as exc:
+            typer.echo(f"error: {exc.format_message()}", err=True)
+            sys.exit(2)
+        except ClickException as exc:
+            typer.echo(f"error: {exc.format_message()}", err=True)
+            sys.exit(exc.exit_code)
+        except ValidationError as exc:
+            typer.echo(f"error: {_validation_message(exc)}", err=True)
+            sys.exit(2)
+        except (UserError, ValueError, *user_errors) as exc:
+            typer.echo(f"error: {exc}", err=True)
+            sys.exit(2)
+
+    return main
+
+
+def print_json(payload: object) -> None:
+    typer.echo(json.dumps(payload, indent=2))

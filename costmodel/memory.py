@@ -1,0 +1,48 @@
+"""Memory fit: weights + KV cache + decode activations against the device's capacity.
+
+KV: every token of the sequence (prompt and generated) holds one entry per prelude layer, one per
+core layer and slot (R slots, or s when shared: depth r uses slot r mod s), and one per coda layer
+and readout depth (DtV and WFD read out at d and at R). Activations: the decode workspace of the
+widest call (positions per call x (hidden activations + fp32 logits)); prefill is assumed chunked.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from .cost import activation_elements_per_position
+from .specs import DTYPE_BYTES, HardwareSpec, LoopedModelSpec, Workload
+
+
+class MemoryReport(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    fits: bool
+    weights_bytes: int
+    kv_bytes: int
+    activation_bytes: int
+    total_bytes: int
+    capacity_bytes: int
+    kv_bytes_per_token: int
+    # The longest sequence (prompt + generated tokens) whose KV fits beside the weights; 0 when the
+    # weights alone do not fit.
+    max_context: int
+
+
+def memory_report(model: LoopedModelSpec, hw: HardwareSpec, workload: Workload, *, depth: int,
+                  readout_depths: int, positions_per_call: int) -> MemoryReport:
+    dtype = workload.dtype
+    weights = model.weight_bytes(dtype)
+    per_token = model.kv_bytes_per_token(dtype, depth, workload.kv_sharing, readout_depths)
+    sequence = workload.context_length + workload.new_tokens
+    kv = workload.batch_size * sequence * per_token
+    per_position = (activation_elements_per_position(model, model.part("block"))
+                    * DTYPE_BYTES[dtype] + 4 * model.vocab_size)
+    activations = workload.batch_size * positions_per_call * per_position
+    total = weights + kv + activations
+    capacity = int(hw.memory_capacity_bytes)
+    room = capacity - weights - activations
+    max_context = max(0, room // (workload.batch_size * per_token))
+    return MemoryReport(fits=total <= capacity, weights_bytes=weights, kv_bytes=kv,
+                        activation_bytes=activations, total_bytes=total,
+                        capacity_bytes=capacity, kv_bytes_per_token=per_token,
+                        max_context=max_context)

@@ -1,0 +1,280 @@
+"""Per-token latency of AR, DtV and WFD from the closed forms, for one point (``predict``) or for
+arrays of points (``sweep``). Both price the same call groups with the same per-call cost."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from .cost import call_cost
+from .memory import MemoryReport, memory_report
+from .presets import get_hardware, get_model
+from .schedules import (
+    CallGroup,
+    basis_value,
+    block_calls_per_token,
+    call_groups,
+    merge_groups,
+)
+from .specs import AR, WFD, DtV, HardwareSpec, LoopedModelSpec, Workload
+
+MAX_BLOCK_LENGTH = 32
+_TERMS = ("weights_s", "kv_s", "compute_s", "overhead_s")
+
+
+class Breakdown(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    weights_s: float
+    kv_s: float
+    compute_s: float
+    overhead_s: float
+
+
+class ScheduleResult(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    schedule: Literal["ar", "dtv", "wfd"]
+    latency_per_token_s: float
+    tokens_per_s: float
+    speedup_vs_ar: float
+    block_calls_per_token: float
+    draft_depth: int | None
+    width: int | None
+    width_cap: int | None = None
+    block_length: int | None
+    acceptance: float | None
+    breakdown: Breakdown
+    roofline_fraction: float
+    bound: Literal["bandwidth", "compute", "overhead"]
+    prefill_s: float
+
+
+class Prediction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    hardware: HardwareSpec
+    workload: Workload
+    depth: int
+    memory: MemoryReport
+    schedules: dict[str, ScheduleResult]
+
+
+class _Pricer:
+    """Prices call groups over broadcast arrays, computing each distinct call shape once."""
+
+    def __init__(self, model: LoopedModelSpec, hw: HardwareSpec, dtype: str,
+                 mean_context: np.ndarray, batch: np.ndarray, bandwidth: np.ndarray | None):
+        self.model, self.hw, self.dtype = model, hw, dtype
+        self.context, self.batch, self.bandwidth = mean_context, batch, bandwidth
+        self.parts = model.parts
+        self._memo: dict[tuple[str, int, int], tuple[np.ndarray, ...]] = {}
+
+    def shape_cost(self, part: str, positions: int, slots: int) -> tuple[np.ndarray, ...]:
+        key = (part, positions, slots)
+        if key not in self._memo:
+            n = self.batch * positions
+            c = call_cost(self.model, self.hw, self.parts[part], self.dtype, n_positions=n,
+                          n_slots=slots, context_sum_positions=n * self.context,
+                          context_sum_slots=self.batch * slots * self.context,
+                          bandwidth_bytes_per_s=self.bandwidth)
+            self._memo[key] = (c.weights_s, c.kv_s, c.compute_s, c.overhead_s, c.ideal_s)
+        return self._memo[key]
+
+    def per_token(self, groups: list[CallGroup], alpha: np.ndarray) -> dict[str, np.ndarray]:
+        alpha = np.asarray(alpha, dtype=float)
+        bases: dict[tuple, np.ndarray] = {}
+        totals = {k: 0.0 for k in (*_TERMS, "ideal_s")}
+        for g in merge_groups(groups):
+            if g.basis not in bases:
+                bases[g.basis] = basis_value(g.basis, alpha)
+            w = g.count * bases[g.basis]
+            for key, value in zip((*_TERMS, "ideal_s"), self.shape_cost(g.part, g.positions,
+                                                                        g.slots), strict=True):
+                totals[key] = totals[key] + w * value
+        totals["latency_s"] = sum(totals[k] for k in _TERMS)
+        return totals
+
+
+def _bound(b: dict[str, float]) -> Literal["bandwidth", "compute", "overhead"]:
+    terms = {"bandwidth": b["weights_s"] + b["kv_s"], "compute": b["compute_s"],
+             "overhead": b["overhead_s"]}
+    return max(terms, key=terms.__getitem__)  # type: ignore[return-value]
+
+
+def prefill_time_s(model: LoopedModelSpec, hw: HardwareSpec, workload: Workload, depth: int,
+                   readout_depths: int) -> float:
+    """Prefill of the prompt through P, R block calls and the coda readout(s)."""
+    parts = model.parts
+    L = workload.context_length
+    b = workload.batch_size
+    causal = L * (L + 1) / 2
+
+    def t(part: str, n: int, ctx_sum: float) -> float:
+        c = call_cost(model, hw, parts[part], workload.dtype, n_positions=b * n, n_slots=1,
+                      context_sum_positions=b * ctx_sum, context_sum_slots=b * L)
+        return float(c.time_s)
+
+    # a coda with attention must fill its KV for every prompt position, once per readout depth
+    coda_positions = L if model.coda_layers else 1
+    coda_ctx = causal if model.coda_layers else L
+    return (t("prelude", L, causal) + depth * t("block", L, causal)
+            + readout_depths * t("coda", coda_positions, coda_ctx))
+
+
+def resolve_draft_depth(model: LoopedModelSpec, depth: int, width: int | None,
+                        draft_depth: int | None) -> int:
+    if width is not None and draft_depth is not None:
+        raise ValueError("give either a width or a draft depth, not both")
+    if width is not None:
+        if not 1 <= width <= depth:
+            raise ValueError(f"width must be in 1..{depth} (R = {depth}), got {width}")
+        d = model.width_to_draft_depth(width, depth)
+        if d >= depth:
+            raise ValueError(f"width {width} leaves no room to draft (draft depth {d} = R); "
+                             f"use a width in 2..{depth}")
+        return d
+    d = draft_depth if draft_depth is not None else min(model.default_draft_depth, depth - 1)
+    if not 1 <= d < depth:
+        raise ValueError(f"draft depth must be in 1..{depth - 1} (below R = {depth}), got {d}")
+    return d
+
+
+def predict(
+    model: str | LoopedModelSpec = "huginn-3.5b",
+    hardware: str | HardwareSpec = "a6000",
+    workload: Workload | None = None,
+    *,
+    width: int | None = None,
+    draft_depth: int | None = None,
+    block_length: int | None = None,
+    width_cap: int | None = None,
+) -> Prediction:
+    """Predict AR, DtV and WFD per-token latency for one model, hardware and workload.
+
+    width W means draft depth ceil(R / W). block_length None picks DtV's best k in 1..32.
+    """
+    spec = get_model(model) if isinstance(model, str) else model
+    hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
+    wl = workload or Workload()
+    depth = wl.depth or spec.default_depth
+    d = resolve_draft_depth(spec, depth, width, draft_depth)
+    if block_length is not None and block_length < 1:
+        raise ValueError(f"block length must be at least 1, got {block_length}")
+    if width_cap is not None and width_cap < 1:
+        raise ValueError(f"width cap must be at least 1, got {width_cap}")
+    if wl.kv_sharing > depth:
+        raise ValueError(f"KV sharing uses at most R = {depth} slots, got {wl.kv_sharing}")
+    alpha = np.asarray(spec.default_acceptance if wl.acceptance is None else wl.acceptance)
+    hw.achievable_flops_per_s(wl.dtype)  # an unknown dtype fails here with a clear message
+
+    wfd = WFD(draft_depth=d, width_cap=width_cap)
+    natural_width = -(-depth // d)
+    width_used = min(natural_width, width_cap) if width_cap else natural_width
+    ks = [block_length] if block_length else list(range(1, MAX_BLOCK_LENGTH + 1))
+    memory = memory_report(spec, hw, wl, depth=depth, readout_depths=2,
+                           positions_per_call=max(width_used, max(ks) + 1))
+
+    pricer = _Pricer(spec, hw, wl.dtype, np.asarray(wl.mean_context()),
+                     np.asarray(float(wl.batch_size)), None)
+    results: dict[str, ScheduleResult] = {}
+    if not memory.fits:
+        return Prediction(model=spec.name, hardware=hw, workload=wl, depth=depth, memory=memory,
+                          schedules=results)
+
+    def result(kind, groups, totals, **fields) -> ScheduleResult:
+        latency = float(totals["latency_s"])
+        readouts = 1 if kind == "ar" else 2
+        return ScheduleResult(
+            schedule=kind, latency_per_token_s=latency,
+            tokens_per_s=wl.batch_size / latency,
+            speedup_vs_ar=1.0,
+            block_calls_per_token=float(block_calls_per_token(groups, alpha)),
+            breakdown=Breakdown(**{k: float(totals[k]) for k in _TERMS}),
+            roofline_fraction=float(totals["ideal_s"]) / latency,
+            bound=_bound({k: float(totals[k]) for k in _TERMS}),
+            prefill_s=prefill_time_s(spec, hw, wl, depth, readouts),
+            **fields)
+
+    ar_groups = call_groups(AR(), depth)
+    results["ar"] = result("ar", ar_groups, pricer.per_token(ar_groups, alpha),
+                           draft_depth=None, width=None, block_length=None, acceptance=None)
+    best = None
+    for k in ks:
+        groups = call_groups(DtV(block_length=k, draft_depth=d), depth)
+        totals = pricer.per_token(groups, alpha)
+        if best is None or float(totals["latency_s"]) < float(best[2]["latency_s"]):
+            best = (k, groups, totals)
+    k, groups, totals = best
+    results["dtv"] = result("dtv", groups, totals, draft_depth=d, width=k + 1, block_length=k,
+                            acceptance=float(alpha))
+    groups = call_groups(wfd, depth, wl.kv_sharing)
+    results["wfd"] = result("wfd", groups, pricer.per_token(groups, alpha), draft_depth=d,
+                            width=width_used, width_cap=width_cap, block_length=None,
+                            acceptance=float(alpha))
+    ar_latency = results["ar"].latency_per_token_s
+    for r in results.values():
+        r.speedup_vs_ar = ar_latency / r.latency_per_token_s
+    return Prediction(model=spec.name, hardware=hw, workload=wl, depth=depth, memory=memory,
+                      schedules=results)
+
+
+def sweep(
+    model: str | LoopedModelSpec = "huginn-3.5b",
+    hardware: str | HardwareSpec = "a6000",
+    *,
+    width: np.ndarray | int | None = None,
+    acceptance: np.ndarray | float | None = None,
+    context: np.ndarray | int = 1024,
+    bandwidth_bytes_per_s: np.ndarray | float | None = None,
+    batch: np.ndarray | int = 1,
+    new_tokens: int = 512,
+    dtype: str = "bf16",
+    kv_sharing: int = 0,
+    depth: int | None = None,
+    block_lengths: range = range(1, MAX_BLOCK_LENGTH + 1),
+) -> dict[str, np.ndarray]:
+    """Vectorized predictions over broadcast arrays of width, acceptance, context, bandwidth and
+    batch. Returns per-token latencies of AR, DtV (best k per point) and WFD, the speedups, the
+    chosen k, and the draft depth. Memory fit is not checked here (see ``memory_report``)."""
+    spec = get_model(model) if isinstance(model, str) else model
+    hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
+    depth = depth or spec.default_depth
+    alpha = spec.default_acceptance if acceptance is None else acceptance
+    width = -(-depth // spec.default_draft_depth) if width is None else width
+    bw = hw.memory_bandwidth_bytes_per_s if bandwidth_bytes_per_s is None else (
+        bandwidth_bytes_per_s)
+    w, a, ctx, bwa, b = np.broadcast_arrays(np.asarray(width), np.asarray(alpha, dtype=float),
+                                            np.asarray(context, dtype=float),
+                                            np.asarray(bw, dtype=float),
+                                            np.asarray(batch, dtype=float))
+    if np.any((w < 2) | (w > depth)):
+        raise ValueError(f"width must be in 2..{depth}")
+    if np.any((a < 0) | (a > 1)):
+        raise ValueError("acceptance must be in [0, 1]")
+    d = -(-depth // w)
+    out = {key: np.empty(w.shape) for key in ("ar_latency_s", "dtv_latency_s", "wfd_latency_s",
+                                              "dtv_block_length")}
+    mean_ctx = ctx + (new_tokens - 1) / 2
+    for dv in np.unique(d):
+        sel = d == dv
+        pricer = _Pricer(spec, hw, dtype, mean_ctx[sel], b[sel], bwa[sel])
+        alpha_sel = a[sel]
+        out["ar_latency_s"][sel] = pricer.per_token(call_groups(AR(), depth), alpha_sel)[
+            "latency_s"]
+        best = np.full(alpha_sel.shape, np.inf)
+        best_k = np.zeros(alpha_sel.shape)
+        for k in block_lengths:
+            lat = pricer.per_token(call_groups(DtV(block_length=k, draft_depth=int(dv)), depth),
+                                   alpha_sel)["latency_s"]
+            better = lat < best
+            best = np.where(better, lat, best)
+            best_k = np.where(better, k, best_k)
+        out["dtv_latency_s"][sel] = best
+        out["dtv_block_length"][sel] = best_k
+        out["wfd_latency_s"][sel] = pricer.per_token(
+            call_groups(WFD(draft_depth=int(dv)), depth, kv_sharing), alpha_sel)["latency_s"]
+    out["draft_depth"] = d
+    out["dtv_speedup"] = out["ar_latency_s"] / out["dtv_latency_s"]
+    out["wfd_speedup"] = out["ar_latency_s"] / out["wfd_latency_s"]
+    return out

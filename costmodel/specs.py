@@ -1,0 +1,242 @@
+"""The specifications the cost model reads: hardware, looped model, workload, schedules.
+
+Every quantity carries its unit in its field name (``_bytes``, ``_s``, ``_per_s``). Parameter
+counts and KV bytes are derived from the architecture, never typed in.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Dtype = Literal["fp32", "bf16", "fp16", "fp8"]
+DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+PartName = Literal["prelude", "block", "coda"]
+
+
+class Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class HardwareSpec(Spec):
+    """A device plus the software stack that drives it (launch and host overheads)."""
+
+    name: str
+    memory_bandwidth_bytes_per_s: Annotated[float, Field(gt=0)]
+    peak_flops_per_s: dict[str, Annotated[float, Field(gt=0)]]
+    memory_capacity_bytes: Annotated[float, Field(gt=0)]
+    # Per kernel launched eagerly (the gap a Python-driven framework leaves between kernels).
+    launch_overhead_s: Annotated[float, Field(ge=0)] = 5e-6
+    # Per kernel replayed from a CUDA graph.
+    graph_launch_overhead_s: Annotated[float, Field(ge=0)] = 1e-6
+    # Per call of a part (P, B or C): Python and framework dispatch outside the kernels.
+    host_overhead_s: Annotated[float, Field(ge=0)] = 20e-6
+    bandwidth_efficiency: Annotated[float, Field(gt=0, le=1)] = 0.8
+    # Achievable fraction for KV-cache traffic; None means the same as for weights.
+    kv_bandwidth_efficiency: Annotated[float, Field(gt=0, le=1)] | None = None
+    flops_efficiency: Annotated[float, Field(gt=0, le=1)] = 0.7
+    cuda_graphs: bool = False
+    # How the decoder's kernels are counted: per transformer layer (norms, matmuls, rope,
+    # activations, residuals), and for attention per distinct KV slot read when split by slot.
+    kernels_per_layer: Annotated[int, Field(ge=0)] = 14
+    attention_kernels_per_slot: Annotated[int, Field(ge=0)] = 2
+    attention_split_by_slot: bool = True
+
+    @property
+    def kernel_overhead_s(self) -> float:
+        return self.graph_launch_overhead_s if self.cuda_graphs else self.launch_overhead_s
+
+    def achievable_flops_per_s(self, dtype: str) -> float:
+        if dtype not in self.peak_flops_per_s:
+            known = ", ".join(sorted(self.peak_flops_per_s))
+            raise ValueError(f"hardware {self.name} has no peak flops for {dtype} (has {known})")
+        return self.peak_flops_per_s[dtype] * self.flops_efficiency
+
+    @property
+    def weight_bandwidth_bytes_per_s(self) -> float:
+        return self.memory_bandwidth_bytes_per_s * self.bandwidth_efficiency
+
+    @property
+    def kv_bandwidth_bytes_per_s(self) -> float:
+        eff = self.kv_bandwidth_efficiency or self.bandwidth_efficiency
+        return self.memory_bandwidth_bytes_per_s * eff
+
+
+class PartSpec(Spec):
+    """One of P, B, C: its transformer layers plus the extra matrices it multiplies once a call."""
+
+    name: PartName
+    layers: int
+    layer_params: int
+    # Matrices outside the layers that every call streams and multiplies: Huginn's adapter, the
+    # LM head, Ouro's exit gate.
+    extra_matrix_params: int
+    # Norm weights outside the layers (final norms).
+    extra_norm_params: int
+    # Embedding tables: a call gathers one row per position, it does not stream the table.
+    lookup_params: int
+    extra_kernels: int
+
+    @property
+    def weight_params(self) -> int:
+        """Parameters streamed from memory once per call, whatever the number of positions."""
+        return self.layers * self.layer_params + self.extra_matrix_params + self.extra_norm_params
+
+    @property
+    def matmul_params(self) -> int:
+        return self.layers * self.layer_params + self.extra_matrix_params
+
+
+class LoopedModelSpec(Spec):
+    """A looped LM: prelude P, recurrent block B applied R times, coda C.
+
+    Huginn: P = embedding + prelude layers, B = adapter + core layers, C = coda layers, the final
+    norm (applied twice) and the head. Ouro: P = embedding, B = every layer plus the final norm,
+    C = the head (and the exit gate).
+    """
+
+    name: str
+    family: Literal["huginn", "ouro"]
+    hidden_size: Annotated[int, Field(gt=0)]
+    num_heads: Annotated[int, Field(gt=0)]
+    num_kv_heads: Annotated[int, Field(gt=0)]
+    head_dim: Annotated[int, Field(gt=0)]
+    mlp_size: Annotated[int, Field(gt=0)]
+    vocab_size: Annotated[int, Field(gt=0)]
+    tied_head: bool
+    prelude_layers: Annotated[int, Field(ge=0)]
+    core_layers: Annotated[int, Field(gt=0)]
+    coda_layers: Annotated[int, Field(ge=0)]
+    qk_bias: bool = False
+    exit_gate: bool = False
+    default_depth: Annotated[int, Field(ge=2)]
+    default_acceptance: Annotated[float, Field(ge=0, le=1)]
+    default_draft_depth: Annotated[int, Field(ge=1)]
+    max_position_embeddings: Annotated[int, Field(gt=0)]
+
+    @model_validator(mode="after")
+    def _check(self) -> LoopedModelSpec:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.default_draft_depth >= self.default_depth:
+            raise ValueError("default_draft_depth must be below default_depth")
+        return self
+
+    # -- architecture arithmetic -------------------------------------------------------------
+    @property
+    def layer_params(self) -> int:
+        h, hd = self.hidden_size, self.head_dim
+        q = self.num_heads * hd
+        kv = self.num_kv_heads * hd
+        attention = h * (q + 2 * kv) + q * h
+        mlp = 3 * h * self.mlp_size  # gated: gate and up (h -> I each), down (I -> h)
+        norms = 4 * h  # sandwich: four RMSNorms per layer in both families
+        bias = 2 * q if self.qk_bias else 0
+        return attention + mlp + norms + bias
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def part(self, name: PartName) -> PartSpec:
+        h = self.hidden_size
+        head = self.embedding_params  # streamed by every coda call, tied or not
+        if self.family == "huginn":
+            if name == "prelude":
+                return PartSpec(name=name, layers=self.prelude_layers,
+                                layer_params=self.layer_params, extra_matrix_params=0,
+                                extra_norm_params=0, lookup_params=self.embedding_params,
+                                extra_kernels=2)
+            if name == "block":
+                # adapter: Linear(2h -> h) on concat(state, embedding); state init + concat
+                return PartSpec(name=name, layers=self.core_layers,
+                                layer_params=self.layer_params, extra_matrix_params=2 * h * h,
+                                extra_norm_params=0, lookup_params=0, extra_kernels=3)
+            # ln_f before and after the coda layers (one weight), then the (tied) head
+            return PartSpec(name=name, layers=self.coda_layers, layer_params=self.layer_params,
+                            extra_matrix_params=head, extra_norm_params=h,
+                            lookup_params=0, extra_kernels=3)
+        if name == "prelude":
+            return PartSpec(name=name, layers=0, layer_params=self.layer_params,
+                            extra_matrix_params=0, extra_norm_params=0,
+                            lookup_params=self.embedding_params, extra_kernels=1)
+        if name == "block":
+            return PartSpec(name=name, layers=self.core_layers, layer_params=self.layer_params,
+                            extra_matrix_params=0, extra_norm_params=h, lookup_params=0,
+                            extra_kernels=1)
+        gate = (h + 1) if self.exit_gate else 0
+        return PartSpec(name=name, layers=self.coda_layers, layer_params=self.layer_params,
+                        extra_matrix_params=head + gate, extra_norm_params=0, lookup_params=0,
+                        extra_kernels=2 if self.exit_gate else 1)
+
+    @property
+    def parts(self) -> dict[str, PartSpec]:
+        return {n: self.part(n) for n in ("prelude", "block", "coda")}
+
+    @property
+    def num_params(self) -> int:
+        """Unique trainable parameters (a tied head counted once)."""
+        streamed = sum(part.weight_params for part in self.parts.values())
+        return streamed + (0 if self.tied_head else self.embedding_params)
+
+    def kv_bytes_per_token_per_layer(self, dtype: str) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]
+
+    def core_slots(self, depth: int, kv_sharing: int) -> int:
+        """KV slots per core layer: one per depth, or the ``kv_sharing`` shared ones."""
+        return depth if kv_sharing == 0 else min(kv_sharing, depth)
+
+    def kv_bytes_per_token(self, dtype: str, depth: int | None = None, kv_sharing: int = 0,
+                           readout_depths: int = 1) -> int:
+        """KV bytes one token occupies: prelude slots, core slots (per depth or shared), and one
+        coda slot per readout depth (AR reads out at R only; DtV and WFD at d and R)."""
+        depth = depth or self.default_depth
+        layer_slots = (self.prelude_layers + self.core_layers * self.core_slots(depth, kv_sharing)
+                       + self.coda_layers * readout_depths)
+        return layer_slots * self.kv_bytes_per_token_per_layer(dtype)
+
+    def weight_bytes(self, dtype: str) -> int:
+        """Bytes of the weights held in memory (a tied head stored once)."""
+        return self.num_params * DTYPE_BYTES[dtype]
+
+    def width_to_draft_depth(self, width: int, depth: int | None = None) -> int:
+        depth = depth or self.default_depth
+        return math.ceil(depth / width)
+
+
+class Workload(Spec):
+    context_length: Annotated[int, Field(ge=1)] = 1024
+    new_tokens: Annotated[int, Field(ge=1)] = 512
+    # None: the model's default acceptance.
+    acceptance: Annotated[float, Field(ge=0, le=1)] | None = None
+    batch_size: Annotated[int, Field(ge=1)] = 1
+    dtype: Dtype = "bf16"
+    # 0: recurrence-specific KV (one slot per depth); s >= 1: s shared slots, depth r -> r mod s.
+    kv_sharing: Annotated[int, Field(ge=0)] = 0
+    # None: the model's default depth R.
+    depth: Annotated[int, Field(ge=2)] | None = None
+
+    def mean_context(self) -> float:
+        """The context a decode step sees on average over the generation."""
+        return self.context_length + (self.new_tokens - 1) / 2
+
+
+class AR(Spec):
+    kind: Literal["ar"] = "ar"
+
+
+class DtV(Spec):
+    kind: Literal["dtv"] = "dtv"
+    block_length: Annotated[int, Field(ge=1)]
+    draft_depth: Annotated[int, Field(ge=1)]
+
+
+class WFD(Spec):
+    kind: Literal["wfd"] = "wfd"
+    draft_depth: Annotated[int, Field(ge=1)]
+    width_cap: Annotated[int, Field(ge=1)] | None = None
+
+
+Schedule = Annotated[AR | DtV | WFD, Field(discriminator="kind")]

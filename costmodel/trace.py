@@ -1,0 +1,162 @@
+"""Traces: the bridge between the decoder (measured) and the simulator (predicted).
+
+Both are JSON Lines: a header line, then one record per line.
+
+- Call trace: one ``CallRecord`` per call of P, B or C: the positions, the depth each position
+  has after the call (B), or is read out at (C), the context each position attends over, the KV
+  slot each position reads and writes, and the wall time (measured or predicted).
+- Depth trace: one ``DepthRecord`` per generated position p: the greedy readout y(p, r) and its
+  top-1 probability at every depth r = 1..R. It tells whether draft depth d would be accepted at
+  p, for every d, so the simulator can replay any schedule without the model.
+
+Writes are atomic: a temporary file in the same folder, then a rename.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+TRACE_SCHEMA_VERSION = 1
+
+
+class TraceError(ValueError):
+    """A trace file that is missing, corrupt, or of another schema version."""
+
+
+class TraceHeader(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    schema_version: int = TRACE_SCHEMA_VERSION
+    trace: Literal["calls", "depths"]
+    source: Literal["measured", "predicted"]
+    model: str
+    device: str
+    dtype: str
+    commit: str = "unknown"
+    depth: int = Field(description="full recurrence depth R")
+    prompt_length: int = 0
+    schedule: str = "ar"
+    extra: dict[str, object] = Field(default_factory=dict)
+
+
+class CallRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["prelude", "block", "coda"]
+    positions: list[int]
+    depths: list[int]
+    contexts: list[int]
+    slots: list[int]
+    wall_s: float = 0.0
+
+    @property
+    def slots_read(self) -> list[int]:
+        return sorted(set(self.slots))
+
+    def slot_contexts(self) -> dict[int, int]:
+        """Length of each distinct slot read: the longest context among its readers."""
+        lengths: dict[int, int] = {}
+        for slot, ctx in zip(self.slots, self.contexts, strict=True):
+            lengths[slot] = max(lengths.get(slot, 0), ctx)
+        return lengths
+
+
+class DepthRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    position: int
+    token: int = Field(description="the token committed from this position (y at depth R)")
+    predictions: list[int] = Field(description="greedy readout y(p, r) for r = 1..R")
+    top1_prob: list[float]
+
+
+class DepthTrace(BaseModel):
+    header: TraceHeader
+    records: list[DepthRecord]
+
+    def acceptance_sequence(self, draft_depth: int) -> list[bool]:
+        """Whether the draft read out at ``draft_depth`` equals the full-depth readout, for each
+        decoded position in order (the prefill's readout, which commits the first token without a
+        draft, is skipped)."""
+        depth = self.header.depth
+        if not 1 <= draft_depth < depth:
+            raise TraceError(f"draft depth {draft_depth} outside 1..{depth - 1}")
+        return [rec.predictions[draft_depth - 1] == rec.predictions[depth - 1]
+                for rec in self.records if rec.position >= self.header.prompt_length]
+
+    def acceptance(self, draft_depth: int) -> float:
+        seq = self.acceptance_sequence(draft_depth)
+        if not seq:
+            raise TraceError("the depth trace has no decoded positions")
+        return sum(seq) / len(seq)
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_jsonl(path: str | os.PathLike[str], header: TraceHeader,
+                records: Iterable[BaseModel]) -> None:
+    lines = [header.model_dump_json()] + [r.model_dump_json() for r in records]
+    atomic_write_text(path, "\n".join(lines) + "\n")
+
+
+def _read_lines(path: str | os.PathLike[str]) -> tuple[TraceHeader, list[str]]:
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise TraceError(f"cannot read trace {path}: {exc.strerror}") from None
+    if not lines:
+        raise TraceError(f"trace {path} is empty")
+    try:
+        raw = json.loads(lines[0])
+    except json.JSONDecodeError:
+        raise TraceError(f"trace {path}: the header line is not JSON") from None
+    if not isinstance(raw, dict) or raw.get("schema_version") != TRACE_SCHEMA_VERSION:
+        version = raw.get("schema_version") if isinstance(raw, dict) else None
+        raise TraceError(f"trace {path} has schema version {version!r}; "
+                         f"this version reads {TRACE_SCHEMA_VERSION}")
+    try:
+        header = TraceHeader.model_validate(raw)
+    except ValidationError as exc:
+        raise TraceError(f"trace {path}: bad header ({exc.error_count()} errors)") from None
+    return header, [line for line in lines[1:] if line.strip()]
+
+
+def _records(path: str | os.PathLike[str], lines: Sequence[str], cls: type[BaseModel]) -> list:
+    out = []
+    for number, line in enumerate(lines, start=2):
+        try:
+            out.append(cls.model_validate_json(line))
+        except ValidationError:
+            raise TraceError(f"trace {path}: line {number} is not a valid {cls.__name__}") from None
+    return out
+
+
+def read_call_trace(path: str | os.PathLike[str]) -> tuple[TraceHeader, list[CallRecord]]:
+    header, lines = _read_lines(path)
+    if header.trace != "calls":
+        raise TraceError(f"{path} is a {header.trace} trace, not a call trace")
+    return header, _records(path, lines, CallRecord)
+
+
+def read_depth_trace(path: str | os.PathLike[str]) -> DepthTrace:
+    header, lines = _read_lines(path)
+    if header.trace != "depths":
+        raise TraceError(f"{path} is a {header.trace} trace, not a depth trace")
+    return DepthTrace(header=header, records=_records(path, lines, DepthRecord))

@@ -1,0 +1,67 @@
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from costmodel import get_hardware, get_model
+from costmodel.cost import call_cost
+
+MODELS = ["huginn-3.5b", "ouro-2.6b"]
+HW = ["a6000", "h100-sxm", "rtx4090"]
+
+
+def _block(model, hw, n, slots, ctx, dtype="bf16"):
+    m = get_model(model)
+    return call_cost(m, get_hardware(hw), m.part("block"), dtype, n_positions=n, n_slots=slots,
+                     context_sum_positions=n * ctx, context_sum_slots=slots * ctx)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(MODELS), st.sampled_from(HW), st.integers(1, 32), st.integers(1, 31),
+       st.integers(1, 32768))
+def test_more_distinct_slots_never_make_a_call_cheaper(model, hw, n, slots, ctx):
+    fewer = _block(model, hw, n, slots, ctx)
+    more = _block(model, hw, n, slots + 1, ctx)
+    assert float(more.time_s) >= float(fewer.time_s)
+    assert float(more.kv_read_bytes) > float(fewer.kv_read_bytes)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(MODELS), st.sampled_from(HW), st.integers(1, 63), st.integers(1, 8192))
+def test_weights_are_read_once_per_call(model, hw, n, ctx):
+    one = _block(model, hw, n, 1, ctx)
+    two = _block(model, hw, n + 1, 1, ctx)
+    assert float(one.weight_bytes) == float(two.weight_bytes)
+    assert float(two.time_s) >= float(one.time_s)
+    # a call over n + 1 positions costs far less than n + 1 single-position calls
+    single = _block(model, hw, 1, 1, ctx)
+    assert float(two.time_s) < (n + 1) * float(single.time_s) or n == 0
+
+
+def test_breakdown_sums_to_the_time_and_bytes_are_derived():
+    m = get_model("huginn-3.5b")
+    c = _block("huginn-3.5b", "a6000", 1, 1, 1000)
+    assert float(c.time_s) == float(c.weights_s + c.kv_s + c.compute_s + c.overhead_s)
+    assert float(c.weight_bytes) == m.part("block").weight_params * 2
+    assert float(c.kv_read_bytes) == 4 * 2 * 5280 * 2 * 1000
+
+
+def test_large_batches_turn_compute_bound():
+    c = _block("huginn-3.5b", "a6000", 4096, 1, 100)
+    assert float(c.compute_s) > 0 and float(c.weights_s) == 0
+
+
+def test_vectorized_equals_scalar():
+    ctx = np.array([10.0, 1000.0, 30000.0])
+    vec = _block("ouro-2.6b", "h200", 8, 4, ctx)
+    for i, x in enumerate(ctx):
+        assert float(vec.time_s[i]) == float(_block("ouro-2.6b", "h200", 8, 4, x).time_s)
+
+
+def test_cuda_graphs_cut_launch_overhead_only():
+    m = get_model("ouro-2.6b")
+    hw = get_hardware("a6000")
+    eager = call_cost(m, hw, m.part("block"), "bf16", 1, 1, 100, 100)
+    graphs = call_cost(m, hw.model_copy(update={"cuda_graphs": True}), m.part("block"), "bf16",
+                       1, 1, 100, 100)
+    assert float(graphs.overhead_s) < float(eager.overhead_s)
+    assert float(graphs.weights_s) == float(eager.weights_s)

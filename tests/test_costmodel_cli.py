@@ -1,0 +1,93 @@
+"""The `costmodel` command as a user runs it: in a subprocess, reading stdout, stderr and the
+exit code."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+COSTMODEL = [sys.executable, "-m", "costmodel"]
+
+
+def run(*args):
+    return subprocess.run([*COSTMODEL, *args], capture_output=True, text=True, timeout=60)
+
+
+def test_readme_example_prints_a_table_where_wfd_beats_dtv_beats_ar():
+    out = run("predict", "--bandwidth", "768GB/s", "--width", "8")
+    assert out.returncode == 0, out.stderr
+    assert "WFD d=4 W=8" in out.stdout and "AR" in out.stdout
+    payload = json.loads(run("predict", "--bandwidth", "768GB/s", "--width", "8",
+                             "--json").stdout)
+    s = payload["schedules"]
+    assert s["wfd"]["speedup_vs_ar"] > s["dtv"]["speedup_vs_ar"] > 1.0
+    assert s["ar"]["block_calls_per_token"] == 32
+
+
+def test_json_has_the_documented_shape():
+    payload = json.loads(run("predict", "--model", "ouro-2.6b", "--json").stdout)
+    assert payload["model"] == "ouro-2.6b" and payload["hardware"] == "a6000"
+    assert set(payload["memory"]) >= {"fits", "weights_bytes", "kv_bytes", "total_bytes",
+                                      "capacity_bytes", "max_context"}
+    for key in ("ar", "dtv", "wfd"):
+        entry = payload["schedules"][key]
+        assert set(entry) >= {"latency_per_token_s", "tokens_per_s", "speedup_vs_ar",
+                              "block_calls_per_token", "draft_depth", "width", "block_length",
+                              "breakdown"}
+        assert set(entry["breakdown"]) == {"weights_s", "kv_s", "compute_s", "overhead_s"}
+
+
+def test_overrides_change_the_prediction():
+    base = json.loads(run("predict", "--json").stdout)["schedules"]["ar"]
+    fast = json.loads(run("predict", "--bandwidth", "4.8TB/s", "--json").stdout)
+    assert fast["schedules"]["ar"]["latency_per_token_s"] < base["latency_per_token_s"]
+    assert fast["hardware_spec"]["memory_bandwidth_bytes_per_s"] == 4.8e12
+    graphs = json.loads(run("predict", "--cuda-graphs", "--json").stdout)["schedules"]["ar"]
+    assert graphs["breakdown"]["overhead_s"] < base["breakdown"]["overhead_s"]
+
+
+def test_context_that_does_not_fit_is_reported_not_priced():
+    out = run("predict", "--context", "100000", "--json")
+    assert out.returncode == 1
+    payload = json.loads(out.stdout)
+    assert payload["memory"]["fits"] is False and payload["schedules"] == {}
+    assert "do not fit" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    table = run("predict", "--context", "100000")
+    assert "DOES NOT FIT" in table.stdout and "ms/token" not in table.stdout
+
+
+def test_kv_sharing_lets_longer_contexts_fit():
+    out = run("predict", "--context", "100000", "--kv-sharing", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["memory"]["fits"] is True
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--bandwidth", "768GB"], ["--bandwidth", "-5GB/s"], ["--memory", "lots"],
+     ["--launch-overhead", "5 parsecs"], ["--flops", "1TB/s"], ["--model", "gpt-5"],
+     ["--hardware", "tpu"], ["--width", "0"], ["--width", "33"], ["--width", "1"],
+     ["--draft-depth", "32"], ["--draft-depth", "0"], ["--acceptance", "1.5"],
+     ["--acceptance", "-0.1"], ["--block-length", "0"], ["--batch", "0"], ["--context", "0"],
+     ["--kv-sharing", "-1"], ["--dtype", "int3"], ["--width", "8", "--draft-depth", "4"],
+     ["--depth", "1"], ["--no-such-flag"]],
+)
+def test_bad_input_is_one_line_and_exit_2(args):
+    out = run("predict", *args)
+    assert out.returncode == 2, (args, out.stdout, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_unknown_preset_error_lists_known_ones():
+    out = run("predict", "--model", "gpt-5")
+    assert "huginn-3.5b" in out.stderr and "ouro-2.6b" in out.stderr
+
+
+def test_the_cli_does_not_import_torch_scipy_or_matplotlib():
+    code = ("import sys, costmodel.cli; "
+            "print(sorted(m for m in ('torch', 'scipy', 'matplotlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,47 @@
+import pytest
+
+from costmodel import HARDWARE, MODELS, get_model
+from costmodel.presets import UnknownPresetError, get_hardware
+
+
+def test_parameter_counts_match_the_published_figures():
+    assert get_model("huginn-3.5b").num_params == 3_564_976_800
+    assert get_model("ouro-1.4b").num_params == 1_434_652_673
+    assert get_model("ouro-2.6b").num_params == 2_667_974_657
+
+
+def test_huginn_parts_match_the_reference_table():
+    m = get_model("huginn-3.5b")
+    assert m.layer_params == 395_398_080
+    assert m.part("block").weight_params == 1_637_349_120  # core + adapter
+    assert m.part("prelude").weight_params == 790_796_160
+
+
+def test_kv_bytes_per_token():
+    # Huginn: 2 prelude + 32 x 4 core + 2 coda layer-slots, 2 x 5280 bf16 values each: 2.79 MB
+    assert get_model("huginn-3.5b").kv_bytes_per_token("bf16") == 2_787_840
+    assert get_model("ouro-1.4b").kv_bytes_per_token("bf16") == 768 * 1024
+    assert get_model("ouro-2.6b").kv_bytes_per_token("bf16") == 1536 * 1024
+
+
+def test_kv_sharing_and_readout_slots():
+    m = get_model("huginn-3.5b")
+    per_layer = 2 * 5280 * 2
+    assert m.kv_bytes_per_token("bf16", kv_sharing=1) == (2 + 4 + 2) * per_layer
+    assert m.kv_bytes_per_token("bf16", kv_sharing=4) == (2 + 16 + 2) * per_layer
+    assert m.kv_bytes_per_token("bf16", readout_depths=2) == (2 + 128 + 4) * per_layer
+
+
+def test_hardware_presets_from_the_datasheet_table():
+    assert set(HARDWARE) == {"a6000", "a100-40g", "a100-80g", "h100-sxm", "h100-pcie", "h200",
+                             "l40s", "rtx4090", "mi300x", "b200"}
+    assert get_hardware("h200").memory_bandwidth_bytes_per_s == 4.8e12
+    assert get_hardware("a6000").peak_flops_per_s["bf16"] == pytest.approx(154.8e12)
+
+
+def test_unknown_presets_list_the_known_ones():
+    with pytest.raises(UnknownPresetError, match="huginn-3.5b"):
+        get_model("gpt-5")
+    with pytest.raises(UnknownPresetError, match="a6000"):
+        get_hardware("tpu")
+    assert "ouro-2.6b" in MODELS

@@ -1,0 +1,138 @@
+"""Closed forms against the event simulator, and the limits the design promises."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from costmodel import AR, WFD, DtV, Workload, get_hardware, get_model, predict, simulate
+from costmodel.predict import _Pricer
+from costmodel.schedules import block_calls_per_token, call_groups
+
+HUGINN = get_model("huginn-3.5b")
+A6000 = get_hardware("a6000")
+
+
+def closed_form(model, hw, schedule, alpha, context, new_tokens, kv_sharing=0):
+    depth = model.default_depth
+    pricer = _Pricer(model, hw, "bf16", np.asarray(context + (new_tokens - 2) / 2),
+                     np.asarray(1.0), None)
+    groups = call_groups(schedule, depth, kv_sharing)
+    totals = pricer.per_token(groups, np.asarray(alpha))
+    return float(totals["latency_s"]), float(block_calls_per_token(groups, np.asarray(alpha)))
+
+
+schedules = st.one_of(
+    st.builds(lambda d: WFD(draft_depth=d), st.integers(1, 31)),
+    st.builds(lambda d, w: WFD(draft_depth=d, width_cap=w), st.integers(1, 31),
+              st.integers(1, 12)),
+    st.builds(lambda k, d: DtV(block_length=k, draft_depth=d), st.integers(1, 8),
+              st.integers(1, 31)),
+)
+
+
+@settings(max_examples=15, deadline=None)
+@given(schedules, st.floats(0.0, 1.0), st.sampled_from([0, 1, 4]), st.integers(0, 2**16))
+def test_simulator_mean_agrees_with_closed_form(schedule, alpha, sharing, seed):
+    model = get_model("ouro-2.6b") if seed % 2 else HUGINN
+    if model.default_depth <= schedule.draft_depth:
+        schedule = schedule.model_copy(update={"draft_depth": model.default_depth - 1})
+    new_tokens = 800
+    sims = [simulate(model, A6000, schedule, context_length=2048, new_tokens=new_tokens,
+                     acceptance=alpha, seed=seed + i, kv_sharing=sharing) for i in range(3)]
+    sim_latency = np.mean([s.latency_per_token_s for s in sims])
+    sim_calls = np.mean([s.block_calls / s.committed_tokens for s in sims])
+    latency, calls = closed_form(model, A6000, schedule, alpha, 2048, new_tokens, sharing)
+    # sampling error of a renewal process over ~800 tokens, plus the end of the last wave
+    assert sim_calls == pytest.approx(calls, rel=0.1, abs=0.05)
+    assert sim_latency == pytest.approx(latency, rel=0.1)
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 4, 5, 8, 16, 31])
+def test_wfd_at_full_acceptance_takes_d_block_calls_per_token(d):
+    groups = call_groups(WFD(draft_depth=d), 32)
+    assert float(block_calls_per_token(groups, np.asarray(1.0))) == pytest.approx(d)
+    sim = simulate(HUGINN, A6000, WFD(draft_depth=d), context_length=64, new_tokens=801,
+                   acceptance=1.0)
+    # the wave's ramp-up costs R - d extra ticks once
+    assert sim.block_calls == 800 * d + (32 - d)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.7, 0.9, 1.0])
+def test_wfd_block_calls_closed_form(alpha):
+    groups = call_groups(WFD(draft_depth=4), 32)
+    expected = alpha * 4 + (1 - alpha) * 32
+    assert float(block_calls_per_token(groups, np.asarray(alpha))) == pytest.approx(expected)
+
+
+def test_dtv_tends_to_d_calls_per_token_as_k_grows():
+    calls = [float(block_calls_per_token(call_groups(DtV(block_length=k, draft_depth=4), 32),
+                                         np.asarray(1.0))) for k in (1, 4, 16, 64, 1024)]
+    assert all(a > b for a, b in zip(calls, calls[1:], strict=False))
+    assert calls[-1] == pytest.approx(4, rel=0.01)
+
+
+@pytest.mark.parametrize("model", ["huginn-3.5b", "ouro-2.6b", "ouro-1.4b"])
+@pytest.mark.parametrize("hw", ["a6000", "h100-sxm", "rtx4090"])
+def test_at_zero_acceptance_nothing_beats_ar(model, hw):
+    p = predict(model, hw, Workload(acceptance=0.0, context_length=512, new_tokens=128))
+    assert p.schedules["dtv"].speedup_vs_ar <= 1.0
+    assert p.schedules["wfd"].speedup_vs_ar <= 1.0
+
+
+def test_dtv_best_k_falls_as_acceptance_falls():
+    best = [predict("huginn-3.5b", "a6000", Workload(acceptance=a)).schedules["dtv"].block_length
+            for a in (0.99, 0.95, 0.9, 0.8, 0.6, 0.3)]
+    assert all(a >= b for a, b in zip(best, best[1:], strict=False))
+    assert best[0] > best[-1]
+
+
+def test_default_prediction_orders_the_schedules():
+    p = predict("huginn-3.5b", "a6000", width=8)
+    s = p.schedules
+    assert s["wfd"].latency_per_token_s < s["dtv"].latency_per_token_s < s[
+        "ar"].latency_per_token_s
+    assert s["wfd"].draft_depth == 4 and s["wfd"].width == 8
+
+
+def test_replaying_an_acceptance_sequence_is_deterministic():
+    seq = [True, True, False, True] * 100
+    a = simulate(HUGINN, A6000, WFD(draft_depth=4), context_length=10, new_tokens=300,
+                 accept_sequence=seq)
+    b = simulate(HUGINN, A6000, WFD(draft_depth=4), context_length=10, new_tokens=300,
+                 accept_sequence=seq)
+    assert a.latency_s == b.latency_s and a.rejected == b.rejected > 0
+    assert a.accepted + a.rejected == a.committed_tokens
+
+
+def test_simulated_calls_follow_the_trace_schema_and_reconcile():
+    res = simulate(HUGINN, A6000, WFD(draft_depth=4), context_length=10, new_tokens=200,
+                   acceptance=0.8, seed=3)
+    position_steps = sum(len(r.positions) for r in res.records if r.kind == "block")
+    # every committed position went through R steps; flushed ones through fewer
+    assert position_steps >= 32 * res.committed_tokens
+    for r in res.records:
+        assert len(r.positions) == len(r.depths) == len(r.contexts) == len(r.slots)
+        if r.kind == "block":
+            assert len(set(r.depths)) == len(r.depths)  # one slot per in-flight depth
+        assert r.wall_s > 0
+
+
+def test_width_cap_delays_entry():
+    free = simulate(HUGINN, A6000, WFD(draft_depth=4), context_length=8, new_tokens=101,
+                    acceptance=1.0)
+    capped = simulate(HUGINN, A6000, WFD(draft_depth=4, width_cap=4), context_length=8,
+                      new_tokens=101, acceptance=1.0)
+    assert max(len(r.positions) for r in capped.records if r.kind == "block") == 4
+    assert capped.block_calls > free.block_calls
+    assert capped.block_calls / capped.committed_tokens == pytest.approx(32 / 4, rel=0.1)
+
+
+def test_ar_simulation_equals_closed_form_exactly_at_fixed_context():
+    sim = simulate(HUGINN, A6000, AR(), context_length=1000, new_tokens=3)
+    latency, calls = closed_form(HUGINN, A6000, AR(), 0.0, 1000, 3)
+    assert calls == 32
+    assert sim.latency_per_token_s == pytest.approx(latency, rel=1e-3)
+    assert math.isclose(sim.block_calls / sim.committed_tokens, 32)
