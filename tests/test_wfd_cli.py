@@ -1,0 +1,70 @@
+"""`wfd generate` as a user runs it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+WFD = [sys.executable, "-m", "wfd"]
+
+
+def run(*args):
+    return subprocess.run([*WFD, *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("model", ["huginn-tiny:random", "ouro-tiny:random"])
+def test_generate_json_and_traces(model, tmp_path):
+    trace, depths = tmp_path / "calls.jsonl", tmp_path / "depths.jsonl"
+    out = run("generate", "--model", model, "--prompt", "def f(x):", "--max-new-tokens", "6",
+              "--trace", str(trace), "--depth-trace", str(depths), "--json")
+    assert out.returncode == 0, out.stderr
+    payload = json.loads(out.stdout)
+    assert payload["new_tokens"] == len(payload["tokens"]) == 6
+    assert payload["schedule"] == "ar" and payload["acceptance"] is None
+    assert isinstance(payload["text"], str) and payload["tokens_per_s"] > 0
+    from costmodel.trace import read_call_trace, read_depth_trace
+
+    header, records = read_call_trace(trace)
+    assert header.source == "measured" and header.prompt_length == len("def f(x):")
+    assert sum(r.kind == "block" for r in records) == payload["block_calls"]
+    dt = read_depth_trace(depths)
+    assert [r.token for r in dt.records] == payload["tokens"]
+
+
+def test_prompt_ids_without_tokenizer_prints_ids():
+    out = run("generate", "--model", "huginn-tiny:random", "--prompt-ids", "1,2,3",
+              "--max-new-tokens", "3", "--depth", "4", "--init-scale", "0")
+    assert out.returncode == 0, out.stderr
+    assert "3 tokens" in out.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ["--model", "no-such-model", "--prompt", "x"],
+    ["--model", "huginn-tiny:random", "--prompt", "x" * 3000],
+    ["--model", "huginn-tiny:random", "--prompt", "x", "--depth", "0"],
+    ["--model", "huginn-tiny:random", "--prompt", "x", "--dtype", "int4"],
+    ["--model", "huginn-tiny:random", "--prompt", "x", "--device", "cuda"],
+    ["--model", "huginn-tiny:random", "--prompt-ids", "1,a"],
+    ["--model", "huginn-tiny:random", "--prompt-ids", "999"],
+    ["--model", "huginn-tiny:random"],
+    ["--model", "huginn-tiny:random", "--prompt", "x", "--schedule", "beam"],
+    ["--model", "huginn-tiny:random", "--prompt", "x", "--temperature", "-1"],
+])
+def test_bad_input_is_one_line_and_exit_2(args):
+    out = run("generate", *args)
+    assert out.returncode == 2, (args, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), out.stderr
+
+
+def test_checkpoint_folder_by_path(tmp_path):
+    from conftest import tiny_model
+
+    from wfd.checkpoint import save
+
+    save(tiny_model("ouro"), tmp_path / "ckpt")
+    out = run("generate", "--model", str(tmp_path / "ckpt"), "--prompt-ids", "5,6,7",
+              "--max-new-tokens", "4", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["text"] is None  # vocabulary of 64: no tokenizer

@@ -1,0 +1,16 @@
+"""A decoder for looped (recurrent-depth) language models: Huginn and Ouro architectures, a
+recurrence-specific KV cache, and the AR, DtV and WaveFront schedules."""
+
+__all__ = ["load_model", "generate_ar"]
+
+
+def __getattr__(name: str):  # torch loads on first use, not on `import wfd`
+    if name == "load_model":
+        from .checkpoint import load_model
+
+        return load_model
+    if name == "generate_ar":
+        from .generate import generate_ar
+
+        return generate_ar
+    raise AttributeError(name)

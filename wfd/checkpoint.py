@@ -1,0 +1,199 @@
+"""Build, load and save looped models.
+
+A checkpoint folder holds config.json and model.safetensors, or shards listed in
+model.safetensors.index.json, with the release's tensor names. No pickle is read and no code
+from the folder is run. fp32 or bf16 on disk is cast to the requested dtype.
+
+Model names: a checkpoint folder; a shipped tiny model (``huginn-tiny``, ``ouro-tiny``); or
+``PRESET:random`` for random weights of any cost-model preset's architecture (for timing).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from costmodel.presets import MODELS
+
+from .config import ConfigError, ModelConfig
+from .huginn import HuginnModel
+from .layers import RMSNorm
+from .ouro import OuroModel
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SHIPPED_DIR = Path(__file__).parent / "models"
+# Tensors a release may carry that the model recomputes or ties.
+_OPTIONAL = {"freqs_cis"}
+
+
+class CheckpointError(ValueError):
+    """A model name or folder that cannot be loaded, with the reason in one line."""
+
+
+def build(cfg: ModelConfig, *, init_scale: float = 1.0, seed: int = 0,
+          device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    cls = HuginnModel if cfg.family == "huginn" else OuroModel
+    with torch.device(device):
+        model = cls(cfg, init_scale=init_scale, seed=seed)
+    return model.to(dtype).eval()
+
+
+def init_random(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Random weights (norm gains 1, matrices ~ N(0, 1/fan_in)): enough to time real sizes and
+    to test exactness. Drawn on the CPU, so a seed gives the same model on every device."""
+    gen = torch.Generator().manual_seed(seed)
+    norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    with torch.no_grad():
+        for p in model.parameters():
+            if id(p) in norm_weights:
+                p.fill_(1.0)
+                continue
+            std = 1.0 / p.shape[-1] ** 0.5 if p.ndim >= 2 else 0.02
+            p.copy_((torch.randn(p.shape, generator=gen) * std).to(p.dtype))
+    return model
+
+
+def save(model: nn.Module, folder: str | Path, *, dtype: str | None = None) -> Path:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    # a tied head is written twice, as in the Huginn release
+    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    if dtype is not None:
+        state = {k: v.to(DTYPES[dtype]) for k, v in state.items()}
+    tmp = folder / ".model.safetensors.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt"})
+    tmp.replace(folder / "model.safetensors")
+    config = model.config.to_hf()
+    config["torch_dtype"] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[
+        dtype or "fp32"]
+    (folder / ".config.json.tmp").write_text(json.dumps(config, indent=2) + "\n")
+    (folder / ".config.json.tmp").replace(folder / "config.json")
+    return folder
+
+
+def read_config(folder: Path) -> ModelConfig:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{folder} has no config.json")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc.msg}, line {exc.lineno})") from None
+    try:
+        return ModelConfig.from_hf(raw)
+    except (ConfigError, ValueError) as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise CheckpointError(f"{index} is not a safetensors index") from None
+        files = sorted({folder / name for name in weight_map.values()})
+    elif (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]
+    else:
+        raise CheckpointError(f"{folder} has no model.safetensors nor a sharded index")
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"{folder} lacks the shard(s) {', '.join(missing)}")
+    return files
+
+
+def load_state(folder: Path, device: str | torch.device, dtype: torch.dtype
+               ) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for path in _weight_files(folder):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    state[key] = f.get_tensor(key).to(device=device, dtype=dtype)
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{path.name} is not a readable safetensors file ({exc})") \
+                from None
+    return state
+
+
+def load_folder(folder: str | Path, *, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32, init_scale: float = 1.0,
+                seed: int = 0) -> nn.Module:
+    folder = Path(folder)
+    cfg = read_config(folder)
+    model = build(cfg, init_scale=init_scale, seed=seed, device="meta", dtype=dtype)
+    state = load_state(folder, device, dtype)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    head_key = "lm_head.weight"
+    if cfg.tied_head:
+        # the tied head may be stored (Huginn's release stores a copy) or not
+        embed_key = "transformer.wte.weight" if cfg.family == "huginn" else \
+            "model.embed_tokens.weight"
+        stored_head = state.pop(head_key, None)
+        if stored_head is not None and embed_key in state and not torch.equal(
+                stored_head, state[embed_key]):
+            raise CheckpointError(f"{folder}: {head_key} differs from {embed_key} in a model "
+                                  "with tied embeddings")
+        expected.pop(head_key, None)
+    unexpected = sorted(set(state) - set(expected) - _OPTIONAL)
+    missing = sorted(set(expected) - set(state))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(missing[:5])}" + (" ..." if len(missing) > 5
+                                                                 else ""))
+        if unexpected:
+            parts.append(f"unexpected {', '.join(unexpected[:5])}" + (
+                " ..." if len(unexpected) > 5 else ""))
+        raise CheckpointError(f"{folder} does not match a {cfg.family} model of its config: "
+                              + "; ".join(parts))
+    wrong = [f"{k} {tuple(state[k].shape)} (expected {tuple(shape)})"
+             for k, shape in expected.items() if state[k].shape != shape]
+    if wrong:
+        raise CheckpointError(f"{folder}: mis-shaped tensors: {', '.join(wrong[:5])}")
+    for key in _OPTIONAL:
+        state.pop(key, None)
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tied_head:
+        model.lm_head.weight = (model.transformer.wte.weight if cfg.family == "huginn"
+                                else model.model.embed_tokens.weight)
+    return model.eval()
+
+
+def shipped_models() -> list[str]:
+    if not SHIPPED_DIR.is_dir():
+        return []
+    return sorted(p.name for p in SHIPPED_DIR.iterdir() if (p / "config.json").is_file())
+
+
+def known_names() -> list[str]:
+    return shipped_models() + [f"{name}:random" for name in MODELS]
+
+
+def load_model(name: str, *, device: str | torch.device = "cpu", dtype: str = "fp32",
+               init_scale: float = 1.0, seed: int = 0) -> nn.Module:
+    """A model by name: a checkpoint folder, a shipped tiny model, or PRESET:random."""
+    if dtype not in DTYPES:
+        raise CheckpointError(f"unknown dtype {dtype!r}; use {', '.join(DTYPES)}")
+    torch_dtype = DTYPES[dtype]
+    if name.endswith(":random"):
+        preset = name.removesuffix(":random")
+        if preset not in MODELS:
+            raise CheckpointError(f"unknown preset {preset!r} for random weights; known: "
+                                  f"{', '.join(MODELS)}")
+        cfg = ModelConfig.from_spec(MODELS[preset])
+        model = build(cfg, init_scale=init_scale, seed=seed, device=device, dtype=torch_dtype)
+        return init_random(model, seed)
+    path = Path(name)
+    if not path.is_dir() and (SHIPPED_DIR / name).is_dir():
+        path = SHIPPED_DIR / name
+    if not path.is_dir():
+        raise CheckpointError(f"no model {name!r}: not a folder, and not one of "
+                              f"{', '.join(known_names())}")
+    return load_folder(path, device=device, dtype=torch_dtype, init_scale=init_scale, seed=seed)

@@ -1,0 +1,139 @@
+"""`wfd` command line: generate with a looped LM and write its traces."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from costmodel.clitools import UserError, print_json, run
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Decode looped language models (Huginn, Ouro) with AR, DtV or WFD.")
+
+DEFAULT_MODEL = "huginn-tiny"
+
+
+@app.callback()
+def _root() -> None:
+    """WaveFront Decoding of looped LMs."""
+
+
+def _parse_ids(text: str, what: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise UserError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise UserError(f"{what} is empty")
+    return ids
+
+
+def current_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=Path(__file__).parent, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+@app.command()
+def generate(
+    model: Annotated[str, typer.Option(
+        help="checkpoint folder, shipped model (huginn-tiny, ouro-tiny) or PRESET:random")
+    ] = DEFAULT_MODEL,
+    prompt: Annotated[str | None, typer.Option(help="prompt text")] = None,
+    prompt_ids: Annotated[str | None, typer.Option(help="prompt token ids, e.g. 1,2,3")] = None,
+    schedule: Annotated[str, typer.Option(help="ar")] = "ar",
+    max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 64,
+    temperature: Annotated[float, typer.Option(help="0: greedy")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="nucleus sampling mass")] = 1.0,
+    seed: Annotated[int, typer.Option(help="seeds sampling and Huginn's initial state")] = 0,
+    init_scale: Annotated[float, typer.Option(
+        help="Huginn's initial-state scale (0: the zero state)")] = 1.0,
+    depth: Annotated[int | None, typer.Option(help="recurrence depth R")] = None,
+    kv_sharing: Annotated[int, typer.Option(
+        help="0: one KV slot per depth; S >= 1: S shared slots")] = 0,
+    stop_ids: Annotated[str | None, typer.Option(help="token ids that end generation")] = None,
+    dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp16")] = "fp32",
+    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+    trace: Annotated[Path | None, typer.Option(help="write the call trace (JSON Lines)")] = None,
+    depth_trace: Annotated[Path | None, typer.Option(
+        help="write the depth trace (JSON Lines): y(p, r) for every depth")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Generate from a prompt; print the text (or token ids) and the decoding statistics."""
+    if (prompt is None) == (prompt_ids is None):
+        raise UserError("give exactly one of --prompt and --prompt-ids")
+    if schedule != "ar":
+        raise UserError(f"unknown schedule {schedule!r}; use ar")
+    if dtype not in ("fp32", "bf16", "fp16"):
+        raise UserError(f"unknown dtype {dtype!r}; use fp32, bf16 or fp16")
+    if depth is not None and depth < 1:
+        raise UserError(f"depth must be at least 1, got {depth}")
+    if init_scale < 0:
+        raise UserError(f"init scale must be >= 0, got {init_scale}")
+
+    import torch  # heavy: only once the arguments are known to be sane
+
+    from costmodel.trace import TraceHeader, write_jsonl
+
+    from .checkpoint import SHIPPED_DIR, CheckpointError, load_model
+    from .generate import GenerationError, Sampling, generate_ar
+    from .tokenizer import tokenizer_for
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"device {device!r} is not available (torch sees no CUDA device)")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise UserError(f"unknown device {device!r}; use cpu or cuda")
+    try:
+        net = load_model(model, device=device, dtype=dtype, init_scale=init_scale, seed=seed)
+        folder = Path(model) if Path(model).is_dir() else SHIPPED_DIR / model
+        tok = tokenizer_for(folder if folder.is_dir() else None, net.config.vocab_size)
+        if prompt is not None:
+            if tok is None:
+                raise UserError(f"{model} has no tokenizer.json; give --prompt-ids")
+            ids = tok.encode(prompt)
+        else:
+            ids = _parse_ids(prompt_ids, "--prompt-ids")
+        bad = [i for i in ids if not 0 <= i < net.config.vocab_size]
+        if bad:
+            raise UserError(f"token id {bad[0]} outside the vocabulary of "
+                            f"{net.config.vocab_size}")
+        stops = frozenset(_parse_ids(stop_ids, "--stop-ids")) if stop_ids else frozenset()
+        result = generate_ar(net, ids, max_new_tokens=max_new_tokens, depth=depth,
+                             kv_sharing=kv_sharing,
+                             sampling=Sampling(temperature, top_p, seed), stop_tokens=stops,
+                             depth_trace=depth_trace is not None)
+    except (CheckpointError, GenerationError) as exc:
+        raise UserError(str(exc)) from None
+
+    run_depth = depth or net.config.depth
+    header = dict(source="measured", model=model, device=str(device), dtype=dtype,
+                  commit=current_commit(), depth=run_depth, prompt_length=len(ids),
+                  schedule=schedule)
+    if trace is not None:
+        write_jsonl(trace, TraceHeader(trace="calls", **header), result.records)
+    if depth_trace is not None:
+        write_jsonl(depth_trace, TraceHeader(trace="depths", **header), result.depth_records)
+
+    text = tok.decode(result.tokens) if tok is not None else None
+    n = len(result.tokens)
+    if as_json:
+        print_json({
+            "text": text, "tokens": result.tokens, "new_tokens": n, "wall_s": result.wall_s,
+            "tokens_per_s": n / result.wall_s, "schedule": schedule,
+            "block_calls": result.block_calls, "block_calls_per_token": result.block_calls / n,
+            **result.stats,
+        })
+    else:
+        typer.echo(text if text is not None else ",".join(map(str, result.tokens)))
+        typer.echo(f"[{schedule}] {n} tokens in {result.wall_s:.2f} s "
+                   f"({n / result.wall_s:.1f} tokens/s), {result.block_calls} block calls",
+                   err=True)
+
+
+main = run(app)

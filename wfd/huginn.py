@@ -1,0 +1,150 @@
+"""Huginn (tomg-group-umd/huginn-0125): prelude, recurrent core, coda.
+
+Read top to bottom (../shared/reference/huginn.md section 2):
+
+    e   = prelude(wte[tokens] * sqrt(h))                  P: embedding + prelude sandwich blocks
+    s_0 = sqrt(h) * TruncNormal(0, sigma * init_scale)    a function of (seed, position)
+    s_r = core(adapter(concat[s_{r-1}, e]))               B: adapter + core sandwich blocks
+    y   = head(ln_f(coda(ln_f(s_R))))                     C: final norm, coda, final norm, head
+
+Tensor names are the release's (transformer.wte, transformer.prelude.{i}, ...).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import KVCache, LayerKV
+from .config import ModelConfig
+from .layers import RMSNorm, attend, rope_angles, rope_interleaved
+
+
+class HuginnAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.Wqkv = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=False)
+        # added to q and k before RoPE; [0] is q's, [1] is k's
+        self.qk_bias = nn.Parameter(torch.zeros(2, 1, cfg.num_heads, cfg.head_dim)) \
+            if cfg.qk_bias else None
+        self.proj = nn.Linear(q, cfg.hidden_size, bias=False)
+        self.rope_base = cfg.rope_base
+
+    def forward(self, x, positions, kv: LayerKV | None, slots):
+        n = x.shape[0]
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        q, k, v = self.Wqkv(x).split((q_size, kv_size, kv_size), dim=-1)
+        q = q.view(n, self.heads, self.head_dim)
+        k = k.view(n, self.kv_heads, self.head_dim)
+        v = v.view(n, self.kv_heads, self.head_dim)
+        if self.qk_bias is not None:
+            q = (q + self.qk_bias[0]).to(q.dtype)
+            k = (k + self.qk_bias[1]).to(k.dtype)
+        angles = rope_angles(torch.tensor(positions, device=x.device), self.head_dim,
+                             self.rope_base)
+        q, k = rope_interleaved(q, angles), rope_interleaved(k, angles)
+        out = attend(q, k, v, positions, kv, slots)
+        return self.proj(out.reshape(n, -1))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.hidden_size, 2 * cfg.mlp_size, bias=False)  # [gate | up]
+        self.proj = nn.Linear(cfg.mlp_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.fc(x).chunk(2, dim=-1)
+        return self.proj(F.silu(gate) * up)
+
+
+class SandwichBlock(nn.Module):
+    """Pre-norm and post-norm around both sub-layers; the residual stream is renormalized."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm_1 = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.attn = HuginnAttention(cfg)
+        self.norm_2 = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp = GatedMLP(cfg)
+        self.norm_3 = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.norm_4 = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+    def forward(self, x, positions, kv, slots):
+        x = self.norm_2(x + self.attn(self.norm_1(x), positions, kv, slots))
+        return self.norm_4(x + self.mlp(self.norm_3(x)))
+
+
+class HuginnTransformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.prelude = nn.ModuleList(SandwichBlock(cfg) for _ in range(cfg.prelude_layers))
+        self.adapter = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.core_block = nn.ModuleList(SandwichBlock(cfg) for _ in range(cfg.core_layers))
+        self.coda = nn.ModuleList(SandwichBlock(cfg) for _ in range(cfg.coda_layers))
+        self.ln_f = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+
+class HuginnModel(nn.Module):
+    family = "huginn"
+
+    def __init__(self, cfg: ModelConfig, init_scale: float = 1.0, seed: int = 0):
+        super().__init__()
+        self.config = cfg
+        self.transformer = HuginnTransformer(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tied_head:
+            self.lm_head.weight = self.transformer.wte.weight
+        self.embed_scale = math.sqrt(cfg.hidden_size)
+        self.state_std = math.sqrt(2 / (5 * cfg.hidden_size))
+        self.init_scale = init_scale
+        self.seed = seed
+
+    # -- P -------------------------------------------------------------------------------------
+    def prelude(self, tokens: torch.Tensor, positions: list[int], cache: KVCache | None):
+        """Returns (e, s_0): the injection every core step reads, and the initial state."""
+        x = self.transformer.wte(tokens) * self.embed_scale
+        for i, block in enumerate(self.transformer.prelude):
+            kv = cache.prelude[i] if cache else None
+            x = block(x, positions, kv, [0] * len(positions))
+        return x, self.initial_state(positions, x)
+
+    def initial_state(self, positions: list[int], like: torch.Tensor) -> torch.Tensor:
+        """sqrt(h) * truncated normal(0, std * init_scale, +-3 std), drawn from a generator seeded
+        by (seed, position): every schedule sees the same state for the same position."""
+        h = self.config.hidden_size
+        if self.init_scale == 0:
+            return torch.zeros(len(positions), h, dtype=like.dtype, device=like.device)
+        std = self.state_std * self.init_scale
+        rows = []
+        for p in positions:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + p)
+            row = torch.empty(h)
+            nn.init.trunc_normal_(row, 0.0, std, -3 * std, 3 * std, generator=gen)
+            rows.append(row)
+        return (torch.stack(rows) * self.embed_scale).to(device=like.device, dtype=like.dtype)
+
+    # -- B -------------------------------------------------------------------------------------
+    def block(self, state, e, positions: list[int], depths: list[int], cache: KVCache | None):
+        """One recurrence step for each position, bringing it to ``depths`` (1-based)."""
+        x = self.transformer.adapter(torch.cat([state, e], dim=-1))
+        slots = [cache.core_slot(r) for r in depths] if cache else None
+        for i, block in enumerate(self.transformer.core_block):
+            x = block(x, positions, cache.core[i] if cache else None, slots)
+        return x
+
+    # -- C -------------------------------------------------------------------------------------
+    def coda(self, state, positions: list[int], readout_depths: list[int],
+             cache: KVCache | None) -> torch.Tensor:
+        """fp32 logits of each position read out at its depth (one coda KV slot per depth)."""
+        x = self.transformer.ln_f(state)
+        slots = [cache.coda_slot(r) for r in readout_depths] if cache else None
+        for i, block in enumerate(self.transformer.coda):
+            x = block(x, positions, cache.coda[i] if cache else None, slots)
+        return self.lm_head(self.transformer.ln_f(x)).float()

@@ -1,0 +1,127 @@
+"""Ouro (ByteDance/Ouro-1.4B, -2.6B): the whole layer stack looped, shared final norm after every
+pass, untied head, exit gate.
+
+Read top to bottom (../shared/reference/ouro.md section 2):
+
+    h_0 = embed_tokens[tokens]                            P: embedding, no scaling
+    h_t = norm(layers(h_{t-1}))                           B: every layer, then the final norm
+    y   = lm_head(h_T)                                    C: the head (no further norm)
+    exit: lambda_t = sigmoid(gate(h_t)); p(t) = lambda_t prod_{j<t}(1 - lambda_j), p(T) = rest
+
+Tensor names are the release's (model.embed_tokens, model.layers.{i}.self_attn.q_proj, ...).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import KVCache, LayerKV
+from .config import ModelConfig
+from .layers import RMSNorm, attend, rope_angles, rope_rotate_half
+
+
+class OuroAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv, bias=False)
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
+        self.rope_base = cfg.rope_base
+
+    def forward(self, x, positions, kv: LayerKV | None, slots):
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        angles = rope_angles(torch.tensor(positions, device=x.device), self.head_dim,
+                             self.rope_base)
+        q, k = rope_rotate_half(q, angles), rope_rotate_half(k, angles)
+        return self.o_proj(attend(q, k, v, positions, kv, slots).reshape(n, -1))
+
+
+class OuroMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.mlp_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.mlp_size, bias=False)
+        self.down_proj = nn.Linear(cfg.mlp_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class OuroDecoderLayer(nn.Module):
+    """Sandwich norm: the *_2 norms act on each sub-layer's output before the residual add."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.self_attn = OuroAttention(cfg)
+        self.input_layernorm_2 = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp = OuroMLP(cfg)
+        self.post_attention_layernorm_2 = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+    def forward(self, x, positions, kv, slots):
+        x = x + self.input_layernorm_2(self.self_attn(self.input_layernorm(x), positions, kv,
+                                                      slots))
+        return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x)))
+
+
+class OuroInner(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(OuroDecoderLayer(cfg) for _ in range(cfg.core_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.early_exit_gate = nn.Linear(cfg.hidden_size, 1, bias=True)
+
+
+class OuroModel(nn.Module):
+    family = "ouro"
+
+    def __init__(self, cfg: ModelConfig, init_scale: float = 1.0, seed: int = 0):
+        super().__init__()
+        self.config = cfg
+        self.model = OuroInner(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tied_head:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # Ouro has no random initial state; kept so both families share one interface.
+        self.init_scale, self.seed = init_scale, seed
+
+    def prelude(self, tokens: torch.Tensor, positions: list[int], cache: KVCache | None):
+        """Returns (e, h_0): the embedding is both the injection (unused) and the initial state."""
+        x = self.model.embed_tokens(tokens)
+        return x, x
+
+    def block(self, state, e, positions: list[int], depths: list[int], cache: KVCache | None):
+        """One pass of the whole stack for each position, bringing it to ``depths``."""
+        slots = [cache.core_slot(r) for r in depths] if cache else None
+        x = state
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, positions, cache.core[i] if cache else None, slots)
+        return self.model.norm(x)
+
+    def coda(self, state, positions: list[int], readout_depths: list[int],
+             cache: KVCache | None) -> torch.Tensor:
+        return self.lm_head(state).float()
+
+    def exit_lambda(self, state: torch.Tensor) -> torch.Tensor:
+        """The gate's per-step exit hazard lambda_t = sigmoid(gate(h_t)): [n]."""
+        return torch.sigmoid(self.model.early_exit_gate(state)).squeeze(-1).float()
+
+
+def exit_distribution(lambdas: torch.Tensor) -> torch.Tensor:
+    """p(t) over steps from the hazards [n, T]: lambda_t prod_{j<t}(1 - lambda_j); the last step
+    takes the remaining mass."""
+    survive = torch.cumprod(1 - lambdas, dim=-1)
+    before = torch.cat([torch.ones_like(survive[:, :1]), survive[:, :-1]], dim=-1)
+    probs = lambdas * before
+    probs[:, -1] = before[:, -1]
+    return probs

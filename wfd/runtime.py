@@ -1,0 +1,78 @@
+"""The calls every schedule is made of: P, B and C over a list of positions, each timed and
+recorded in the call trace (costmodel.trace.CallRecord), against one KV cache."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from costmodel.trace import CallRecord
+
+from .cache import KVCache
+
+
+class Timer:
+    """Wall time of a call; on CUDA, events around the call, read after a synchronize."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def measure(self, fn: Callable[[], torch.Tensor]) -> tuple[object, float]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            end.synchronize()
+            return out, start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        out = fn()
+        return out, time.perf_counter() - t0
+
+
+class Runner:
+    """A model, its cache and the call trace of one generation."""
+
+    def __init__(self, model: nn.Module, cache: KVCache, record: bool = True):
+        self.model = model
+        self.cache = cache
+        self.device = next(model.parameters()).device
+        self.timer = Timer(self.device)
+        self.records: list[CallRecord] = []
+        self.record = record
+
+    def _log(self, kind: str, positions: list[int], depths: list[int], slots: list[int],
+             wall_s: float) -> None:
+        if self.record:
+            self.records.append(CallRecord(kind=kind, positions=list(positions),
+                                           depths=list(depths),
+                                           contexts=[p + 1 for p in positions],
+                                           slots=list(slots), wall_s=wall_s))
+
+    @torch.inference_mode()
+    def prelude(self, tokens: list[int], positions: list[int]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.tensor(tokens, device=self.device)
+        (e, state), wall = self.timer.measure(
+            lambda: self.model.prelude(ids, positions, self.cache))
+        self._log("prelude", positions, [0] * len(positions), [0] * len(positions), wall)
+        return e, state
+
+    @torch.inference_mode()
+    def block(self, state: torch.Tensor, e: torch.Tensor, positions: list[int],
+              depths: list[int]) -> torch.Tensor:
+        out, wall = self.timer.measure(
+            lambda: self.model.block(state, e, positions, depths, self.cache))
+        self._log("block", positions, depths, [self.cache.core_slot(r) for r in depths], wall)
+        return out
+
+    @torch.inference_mode()
+    def coda(self, state: torch.Tensor, positions: list[int],
+             readout_depths: list[int]) -> torch.Tensor:
+        logits, wall = self.timer.measure(
+            lambda: self.model.coda(state, positions, readout_depths, self.cache))
+        self._log("coda", positions, readout_depths, list(readout_depths), wall)
+        return logits
