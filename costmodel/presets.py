@@ -31,13 +31,13 @@ MODELS: dict[str, LoopedModelSpec] = {
     # shape of the shipped trained models, "mid" a few hundred MB (bandwidth-bound on a CPU).
     # Their acceptance defaults are the family's published figures above, not measurements.
     "huginn-tiny": LoopedModelSpec(
-        name="huginn-tiny", family="huginn", hidden_size=256, num_heads=4, num_kv_heads=4,
-        head_dim=64, mlp_size=768, vocab_size=256, tied_head=True, prelude_layers=1,
+        name="huginn-tiny", family="huginn", hidden_size=192, num_heads=3, num_kv_heads=3,
+        head_dim=64, mlp_size=512, vocab_size=256, tied_head=True, prelude_layers=1,
         core_layers=2, coda_layers=1, qk_bias=True, default_depth=32,
         default_acceptance=0.94, default_draft_depth=4, max_position_embeddings=2048),
     "ouro-tiny": LoopedModelSpec(
-        name="ouro-tiny", family="ouro", hidden_size=256, num_heads=4, num_kv_heads=4,
-        head_dim=64, mlp_size=768, vocab_size=256, tied_head=False, prelude_layers=0,
+        name="ouro-tiny", family="ouro", hidden_size=192, num_heads=3, num_kv_heads=3,
+        head_dim=64, mlp_size=512, vocab_size=256, tied_head=False, prelude_layers=0,
         core_layers=3, coda_layers=0, exit_gate=True, default_depth=4,
         default_acceptance=0.92, default_draft_depth=1, max_position_embeddings=2048),
     "huginn-mid": LoopedModelSpec(

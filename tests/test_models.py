@@ -136,10 +136,10 @@ def test_kv_sharing(family, sharing):
     writes = {}
     original = LayerKV.write
 
-    def logging_write(self, slots, positions, k, v):
+    def logging_write(self, slots, positions, k, v, *indices):
         for i, (slot, pos) in enumerate(zip(slots, positions, strict=True)):
             writes[(id(self), slot, pos)] = (k[i].clone(), v[i].clone())
-        return original(self, slots, positions, k, v)
+        return original(self, slots, positions, k, v, *indices)
 
     LayerKV.write = logging_write
     try:

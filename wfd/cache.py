@@ -32,9 +32,11 @@ class LayerKV:
     lengths: list[int]  # valid prefix per slot
     overwrite: bool  # whether a position may be written again without a truncate (sharing)
 
-    def write(self, slots: list[int], positions: list[int], k: torch.Tensor,
-              v: torch.Tensor) -> None:
-        """Store k, v ([n, kv_heads, head_dim]) of each position in its slot."""
+    def write(self, slots: list[int], positions: list[int], k: torch.Tensor, v: torch.Tensor,
+              slot_index: torch.Tensor | None = None, pos_index: torch.Tensor | None = None
+              ) -> None:
+        """Store k, v ([n, kv_heads, head_dim]) of each position in its slot (the index tensors
+        of slots and positions may be passed in, built once per call)."""
         max_len = self.keys.shape[2]
         lengths = list(self.lengths)
         for slot, pos in sorted(zip(slots, positions, strict=True)):
@@ -48,20 +50,24 @@ class LayerKV:
                 raise CacheError(f"slot {slot} already holds position {pos}; truncate first")
             lengths[slot] = max(lengths[slot], pos + 1)
         self.lengths = lengths
-        index_slots = torch.tensor(slots, device=self.keys.device)
-        index_pos = torch.tensor(positions, device=self.keys.device)
-        self.keys[index_slots, :, index_pos] = k.to(self.keys.dtype)
-        self.values[index_slots, :, index_pos] = v.to(self.values.dtype)
+        if slot_index is None:
+            slot_index = torch.tensor(slots, device=self.keys.device)
+        if pos_index is None:
+            pos_index = torch.tensor(positions, device=self.keys.device)
+        self.keys[slot_index, :, pos_index] = k.to(self.keys.dtype)
+        self.values[slot_index, :, pos_index] = v.to(self.values.dtype)
 
-    def read(self, slots: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, slots: list[int], positions: list[int],
+             slot_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values each position attends over: [1 or n, kv_heads, T, head_dim] with
         T = max position + 1 (the caller masks keys after each position)."""
         span = max(positions) + 1
         if len(set(slots)) == 1:  # one slot: a view, no copy (AR, prefill, DtV verify)
             s = slots[0]
             return self.keys[s, :, :span].unsqueeze(0), self.values[s, :, :span].unsqueeze(0)
-        index = torch.tensor(slots, device=self.keys.device)
-        return self.keys[index, :, :span], self.values[index, :, :span]
+        if slot_index is None:
+            slot_index = torch.tensor(slots, device=self.keys.device)
+        return self.keys[slot_index, :, :span], self.values[slot_index, :, :span]
 
     def truncate(self, length: int) -> None:
         self.lengths = [min(n, length) for n in self.lengths]

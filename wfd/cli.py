@@ -47,7 +47,17 @@ def generate(
     ] = DEFAULT_MODEL,
     prompt: Annotated[str | None, typer.Option(help="prompt text")] = None,
     prompt_ids: Annotated[str | None, typer.Option(help="prompt token ids, e.g. 1,2,3")] = None,
-    schedule: Annotated[str, typer.Option(help="ar")] = "ar",
+    schedule: Annotated[str, typer.Option(help="ar, dtv or wfd")] = "ar",
+    draft_depth: Annotated[int | None, typer.Option(
+        help="DtV/WFD draft depth d (default: the model's)")] = None,
+    width: Annotated[int | None, typer.Option(
+        help="WFD width W: draft depth ceil(R / W)")] = None,
+    width_cap: Annotated[int | None, typer.Option(
+        help="WFD: at most this many positions in flight")] = None,
+    block_length: Annotated[int, typer.Option(help="DtV block length k")] = 4,
+    force_acceptance: Annotated[float | None, typer.Option(
+        help="timing mode: verification accepts drafts with this probability instead of "
+             "comparing tokens (NOT a real decode)")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 64,
     temperature: Annotated[float, typer.Option(help="0: greedy")] = 0.0,
     top_p: Annotated[float, typer.Option(help="nucleus sampling mass")] = 1.0,
@@ -68,8 +78,12 @@ def generate(
     """Generate from a prompt; print the text (or token ids) and the decoding statistics."""
     if (prompt is None) == (prompt_ids is None):
         raise UserError("give exactly one of --prompt and --prompt-ids")
-    if schedule != "ar":
-        raise UserError(f"unknown schedule {schedule!r}; use ar")
+    if schedule not in ("ar", "dtv", "wfd"):
+        raise UserError(f"unknown schedule {schedule!r}; use ar, dtv or wfd")
+    if width is not None and draft_depth is not None:
+        raise UserError("give either --width or --draft-depth, not both")
+    if force_acceptance is not None and not 0 <= force_acceptance <= 1:
+        raise UserError(f"forced acceptance must be in [0, 1], got {force_acceptance}")
     if dtype not in ("fp32", "bf16", "fp16"):
         raise UserError(f"unknown dtype {dtype!r}; use fp32, bf16 or fp16")
     if depth is not None and depth < 1:
@@ -82,7 +96,7 @@ def generate(
     from costmodel.trace import TraceHeader, write_jsonl
 
     from .checkpoint import SHIPPED_DIR, CheckpointError, load_model
-    from .generate import GenerationError, Sampling, generate_ar
+    from .generate import GenerationError, Sampling, generate
     from .tokenizer import tokenizer_for
 
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -104,17 +118,27 @@ def generate(
             raise UserError(f"token id {bad[0]} outside the vocabulary of "
                             f"{net.config.vocab_size}")
         stops = frozenset(_parse_ids(stop_ids, "--stop-ids")) if stop_ids else frozenset()
-        result = generate_ar(net, ids, max_new_tokens=max_new_tokens, depth=depth,
-                             kv_sharing=kv_sharing,
-                             sampling=Sampling(temperature, top_p, seed), stop_tokens=stops,
-                             depth_trace=depth_trace is not None)
+        run_depth = depth or net.config.depth
+        if width is not None:
+            if not 2 <= width <= run_depth:
+                raise UserError(f"width must be in 2..{run_depth} (R = {run_depth}), got {width}")
+            draft_depth = -(-run_depth // width)
+        if depth_trace is not None and schedule != "ar":
+            raise UserError("--depth-trace is recorded by an AR run (--schedule ar)")
+        result = generate(net, ids, schedule=schedule, max_new_tokens=max_new_tokens,
+                          depth=run_depth, kv_sharing=kv_sharing,
+                          sampling=Sampling(temperature, top_p, seed), stop_tokens=stops,
+                          depth_trace=depth_trace is not None, draft_depth=draft_depth,
+                          block_length=block_length, width_cap=width_cap,
+                          force_acceptance=force_acceptance, seed=seed)
     except (CheckpointError, GenerationError) as exc:
         raise UserError(str(exc)) from None
 
-    run_depth = depth or net.config.depth
     header = dict(source="measured", model=model, device=str(device), dtype=dtype,
                   commit=current_commit(), depth=run_depth, prompt_length=len(ids),
-                  schedule=schedule)
+                  schedule=schedule, extra={k: v for k, v in result.stats.items()
+                                            if k in ("draft_depth", "block_length", "width",
+                                                     "width_cap", "forced_acceptance")})
     if trace is not None:
         write_jsonl(trace, TraceHeader(trace="calls", **header), result.records)
     if depth_trace is not None:
@@ -126,14 +150,16 @@ def generate(
         print_json({
             "text": text, "tokens": result.tokens, "new_tokens": n, "wall_s": result.wall_s,
             "tokens_per_s": n / result.wall_s, "schedule": schedule,
-            "block_calls": result.block_calls, "block_calls_per_token": result.block_calls / n,
-            **result.stats,
+            **result.call_stats(), **result.stats,
         })
     else:
         typer.echo(text if text is not None else ",".join(map(str, result.tokens)))
+        acceptance = result.stats.get("acceptance")
         typer.echo(f"[{schedule}] {n} tokens in {result.wall_s:.2f} s "
-                   f"({n / result.wall_s:.1f} tokens/s), {result.block_calls} block calls",
-                   err=True)
+                   f"({n / result.wall_s:.1f} tokens/s), {result.block_calls} block calls"
+                   + (f", acceptance {acceptance:.2f}" if acceptance is not None else "")
+                   + (", FORCED acceptance: not a real decode"
+                      if result.stats.get("forced_acceptance") else ""), err=True)
 
 
 main = run(app)

@@ -81,10 +81,20 @@ class GenerationResult:
     records: list[CallRecord]
     depth_records: list[DepthRecord] = field(default_factory=list)
     stats: dict[str, float | int | None] = field(default_factory=dict)
+    cache: KVCache | None = None
 
     @property
     def block_calls(self) -> int:
         return sum(1 for r in self.records if r.kind == "block")
+
+    def call_stats(self) -> dict[str, float | int]:
+        """Counts from the call trace: block calls, position-steps, positions per call."""
+        blocks = [len(r.positions) for r in self.records if r.kind == "block"]
+        steps = sum(blocks)
+        return {"block_calls": len(blocks), "position_steps": steps,
+                "positions_per_block_call": steps / len(blocks) if blocks else 0.0,
+                "block_calls_per_token": len(blocks) / len(self.tokens),
+                "tokens_per_block_call": len(self.tokens) / len(blocks) if blocks else 0.0}
 
 
 def make_cache(model: nn.Module, *, prompt_len: int, max_new_tokens: int, depth: int,
@@ -166,8 +176,43 @@ def generate_ar(model: nn.Module, prompt: list[int], *, max_new_tokens: int,
             depth_records.append(depth_record(p, token, logits))
     wall = time.perf_counter() - start
     return GenerationResult(prompt=list(prompt), tokens=tokens, wall_s=wall, schedule="ar",
-                            records=runner.records, depth_records=depth_records,
-                            stats={"acceptance": None, "flushed_positions": 0})
+                            records=runner.records, depth_records=depth_records, cache=cache,
+                            stats={"acceptance": None, "flushed_positions": 0,
+                                   "forced_acceptance": False})
+
+
+def forced_sequence(acceptance: float, count: int, seed: int) -> list[bool]:
+    """Seeded Bernoulli outcomes for forced-acceptance timing runs."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.rand(count, generator=gen) < acceptance).tolist()
+
+
+def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_new_tokens: int,
+             depth: int | None = None, kv_sharing: int = 0, sampling: Sampling | None = None,
+             stop_tokens: frozenset[int] = frozenset(), depth_trace: bool = False,
+             draft_depth: int | None = None, block_length: int = 4,
+             width_cap: int | None = None, force_acceptance: float | None = None,
+             seed: int = 0, record: bool = True) -> GenerationResult:
+    """Run one schedule: "ar", "dtv" (block_length, draft_depth) or "wfd" (draft_depth,
+    width_cap). Without a draft depth, ceil(R / 8) (Huginn at R = 32: 4; Ouro at R = 4: 1)."""
+    depth = depth or model.config.depth
+    if schedule == "ar":
+        return generate_ar(model, prompt, max_new_tokens=max_new_tokens, depth=depth,
+                           kv_sharing=kv_sharing, sampling=sampling, stop_tokens=stop_tokens,
+                           depth_trace=depth_trace, record=record)
+    from .speculative import generate_dtv, generate_wfd
+
+    d = draft_depth if draft_depth is not None else max(1, -(-depth // 8))
+    forced = None if force_acceptance is None else forced_sequence(
+        force_acceptance, max_new_tokens + 1, seed)
+    common = dict(max_new_tokens=max_new_tokens, draft_depth=d, depth=depth,
+                  kv_sharing=kv_sharing, sampling=sampling, stop_tokens=stop_tokens,
+                  forced_acceptance=forced, record=record)
+    if schedule == "dtv":
+        return generate_dtv(model, prompt, block_length=block_length, **common)
+    if schedule == "wfd":
+        return generate_wfd(model, prompt, width_cap=width_cap, **common)
+    raise GenerationError(f"unknown schedule {schedule!r}; use ar, dtv or wfd")
 
 
 @torch.inference_mode()

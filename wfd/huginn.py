@@ -20,7 +20,7 @@ from torch import nn
 
 from .cache import KVCache, LayerKV
 from .config import ModelConfig
-from .layers import RMSNorm, attend, rope_angles, rope_interleaved
+from .layers import CallPlan, RMSNorm, attend, rope_interleaved
 
 
 class HuginnAttention(nn.Module):
@@ -33,23 +33,19 @@ class HuginnAttention(nn.Module):
         self.qk_bias = nn.Parameter(torch.zeros(2, 1, cfg.num_heads, cfg.head_dim)) \
             if cfg.qk_bias else None
         self.proj = nn.Linear(q, cfg.hidden_size, bias=False)
-        self.rope_base = cfg.rope_base
 
-    def forward(self, x, positions, kv: LayerKV | None, slots):
-        n = x.shape[0]
+    def forward(self, x, plan: CallPlan, kv: LayerKV | None):
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         q, k, v = self.Wqkv(x).split((q_size, kv_size, kv_size), dim=-1)
-        q = q.view(n, self.heads, self.head_dim)
-        k = k.view(n, self.kv_heads, self.head_dim)
-        v = v.view(n, self.kv_heads, self.head_dim)
+        q = q.unflatten(-1, (self.heads, self.head_dim))
+        k = k.unflatten(-1, (self.kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.kv_heads, self.head_dim))
         if self.qk_bias is not None:
             q = (q + self.qk_bias[0]).to(q.dtype)
             k = (k + self.qk_bias[1]).to(k.dtype)
-        angles = rope_angles(torch.tensor(positions, device=x.device), self.head_dim,
-                             self.rope_base)
-        q, k = rope_interleaved(q, angles), rope_interleaved(k, angles)
-        out = attend(q, k, v, positions, kv, slots)
-        return self.proj(out.reshape(n, -1))
+        q, k = rope_interleaved(q, plan.angles), rope_interleaved(k, plan.angles)
+        out = attend(q, k, v, plan, kv)
+        return self.proj(out.flatten(-2))
 
 
 class GatedMLP(nn.Module):
@@ -75,8 +71,8 @@ class SandwichBlock(nn.Module):
         self.norm_3 = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.norm_4 = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
-    def forward(self, x, positions, kv, slots):
-        x = self.norm_2(x + self.attn(self.norm_1(x), positions, kv, slots))
+    def forward(self, x, plan: CallPlan, kv: LayerKV | None):
+        x = self.norm_2(x + self.attn(self.norm_1(x), plan, kv))
         return self.norm_4(x + self.mlp(self.norm_3(x)))
 
 
@@ -110,9 +106,9 @@ class HuginnModel(nn.Module):
     def prelude(self, tokens: torch.Tensor, positions: list[int], cache: KVCache | None):
         """Returns (e, s_0): the injection every core step reads, and the initial state."""
         x = self.transformer.wte(tokens) * self.embed_scale
+        plan = self._plan(positions, [0] * len(positions) if cache else None, x)
         for i, block in enumerate(self.transformer.prelude):
-            kv = cache.prelude[i] if cache else None
-            x = block(x, positions, kv, [0] * len(positions))
+            x = block(x, plan, cache.prelude[i] if cache else None)
         return x, self.initial_state(positions, x)
 
     def initial_state(self, positions: list[int], like: torch.Tensor) -> torch.Tensor:
@@ -134,9 +130,9 @@ class HuginnModel(nn.Module):
     def block(self, state, e, positions: list[int], depths: list[int], cache: KVCache | None):
         """One recurrence step for each position, bringing it to ``depths`` (1-based)."""
         x = self.transformer.adapter(torch.cat([state, e], dim=-1))
-        slots = [cache.core_slot(r) for r in depths] if cache else None
+        plan = self._plan(positions, [cache.core_slot(r) for r in depths] if cache else None, x)
         for i, block in enumerate(self.transformer.core_block):
-            x = block(x, positions, cache.core[i] if cache else None, slots)
+            x = block(x, plan, cache.core[i] if cache else None)
         return x
 
     # -- C -------------------------------------------------------------------------------------
@@ -144,7 +140,13 @@ class HuginnModel(nn.Module):
              cache: KVCache | None) -> torch.Tensor:
         """fp32 logits of each position read out at its depth (one coda KV slot per depth)."""
         x = self.transformer.ln_f(state)
-        slots = [cache.coda_slot(r) for r in readout_depths] if cache else None
-        for i, block in enumerate(self.transformer.coda):
-            x = block(x, positions, cache.coda[i] if cache else None, slots)
+        if self.transformer.coda:
+            slots = [cache.coda_slot(r) for r in readout_depths] if cache else None
+            plan = self._plan(positions, slots, x)
+            for i, block in enumerate(self.transformer.coda):
+                x = block(x, plan, cache.coda[i] if cache else None)
         return self.lm_head(self.transformer.ln_f(x)).float()
+
+    def _plan(self, positions: list[int], slots: list[int] | None, x: torch.Tensor) -> CallPlan:
+        return CallPlan.make(positions, slots, self.config.head_dim, self.config.rope_base,
+                             x.device)

@@ -3,6 +3,8 @@ positions that may sit at different depths (each reading its own KV slot)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,33 +50,57 @@ def rope_rotate_half(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     return x * cos + torch.cat((-second, first), dim=-1) * sin
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: list[int],
-           kv: LayerKV | None, slots: list[int] | None) -> torch.Tensor:
-    """Causal attention of n positions (q, k, v: [n, heads or kv_heads, head_dim], after RoPE).
+@dataclass
+class CallPlan:
+    """What every attention layer of one call shares, computed once per call: the positions, the
+    KV slot each reads and writes, RoPE angles, index tensors and the causal mask."""
 
-    With a cache, each position writes its k, v into its slot and attends over that slot's
-    positions 0..p: one batched kernel for all positions, whatever their slots (one slot: a view
-    of the cache; several: gathered, one row per position). Without a cache, the n positions
-    attend over each other only (a full forward).
+    positions: list[int]
+    slots: list[int] | None  # None: no cache (a full forward)
+    angles: torch.Tensor  # [n, head_dim / 2]
+    mask: torch.Tensor  # [n, T]: key j visible to position i iff j <= p_i
+    slot_index: torch.Tensor | None
+    pos_index: torch.Tensor
+
+    @classmethod
+    def make(cls, positions: list[int], slots: list[int] | None, head_dim: int, base: float,
+             device: torch.device) -> CallPlan:
+        pos = torch.tensor(positions, device=device)
+        keys = pos if slots is None else torch.arange(max(positions) + 1, device=device)
+        return cls(positions=positions, slots=slots, angles=rope_angles(pos, head_dim, base),
+                   mask=keys[None, :] <= pos[:, None],
+                   slot_index=None if slots is None else torch.tensor(slots, device=device),
+                   pos_index=pos)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CallPlan,
+           kv: LayerKV | None) -> torch.Tensor:
+    """Causal attention of n positions (q: [..., n, heads, head_dim], k, v: [..., n, kv_heads,
+    head_dim], after RoPE).
+
+    With a cache (one sequence), each position writes its k, v into its slot and attends over that
+    slot's positions 0..p: one batched kernel for all positions, whatever their slots (one slot: a
+    view of the cache; several: gathered, one row per position). Without a cache, the n positions
+    attend over each other only (a full forward; leading batch dimensions allowed, for training).
     """
-    n, heads, head_dim = q.shape
-    pos = torch.tensor(positions, device=q.device)
+    heads = q.shape[-2]
     if kv is None:
-        keys, values = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, kvh, n, hd]
-        key_pos = pos
+        keys, values = k.movedim(-3, -2), v.movedim(-3, -2)  # [..., kv_heads, n, hd]
+        shared = True
     else:
-        kv.write(slots, positions, k, v)
-        keys, values = kv.read(slots, positions)  # [1 or n, kvh, T, hd]
-        key_pos = torch.arange(keys.shape[2], device=q.device)
-    groups = heads // keys.shape[1]
+        kv.write(plan.slots, plan.positions, k, v, plan.slot_index, plan.pos_index)
+        keys, values = kv.read(plan.slots, plan.positions, plan.slot_index)
+        shared = keys.shape[0] == 1
+        if shared:
+            keys, values = keys[0], values[0]
+    groups = heads // keys.shape[-3]
     if groups > 1:
-        keys = keys.repeat_interleave(groups, dim=1)
-        values = values.repeat_interleave(groups, dim=1)
-    mask = key_pos[None, :] <= pos[:, None]  # [n, T]
-    if keys.shape[0] == 1:  # all positions share the key set: [1, heads, n, hd] queries
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values,
-                                             attn_mask=mask[None, None])
-        return out[0].transpose(0, 1)  # [n, heads, hd]
+        keys = keys.repeat_interleave(groups, dim=-3)
+        values = values.repeat_interleave(groups, dim=-3)
+    if shared:  # all positions attend over one key set
+        out = F.scaled_dot_product_attention(q.movedim(-3, -2), keys, values,
+                                             attn_mask=plan.mask)
+        return out.movedim(-2, -3)  # [..., n, heads, hd]
     out = F.scaled_dot_product_attention(q[:, :, None], keys, values,
-                                         attn_mask=mask[:, None, None, :])
+                                         attn_mask=plan.mask[:, None, None, :])
     return out[:, :, 0]

@@ -19,7 +19,7 @@ from torch import nn
 
 from .cache import KVCache, LayerKV
 from .config import ModelConfig
-from .layers import RMSNorm, attend, rope_angles, rope_rotate_half
+from .layers import CallPlan, RMSNorm, attend, rope_rotate_half
 
 
 class OuroAttention(nn.Module):
@@ -31,17 +31,13 @@ class OuroAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, kv, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, kv, bias=False)
         self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
-        self.rope_base = cfg.rope_base
 
-    def forward(self, x, positions, kv: LayerKV | None, slots):
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, self.heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
-        angles = rope_angles(torch.tensor(positions, device=x.device), self.head_dim,
-                             self.rope_base)
-        q, k = rope_rotate_half(q, angles), rope_rotate_half(k, angles)
-        return self.o_proj(attend(q, k, v, positions, kv, slots).reshape(n, -1))
+    def forward(self, x, plan: CallPlan, kv: LayerKV | None):
+        q = self.q_proj(x).unflatten(-1, (self.heads, self.head_dim))
+        k = self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
+        q, k = rope_rotate_half(q, plan.angles), rope_rotate_half(k, plan.angles)
+        return self.o_proj(attend(q, k, v, plan, kv).flatten(-2))
 
 
 class OuroMLP(nn.Module):
@@ -67,9 +63,8 @@ class OuroDecoderLayer(nn.Module):
         self.mlp = OuroMLP(cfg)
         self.post_attention_layernorm_2 = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
-    def forward(self, x, positions, kv, slots):
-        x = x + self.input_layernorm_2(self.self_attn(self.input_layernorm(x), positions, kv,
-                                                      slots))
+    def forward(self, x, plan: CallPlan, kv: LayerKV | None):
+        x = x + self.input_layernorm_2(self.self_attn(self.input_layernorm(x), plan, kv))
         return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -103,9 +98,11 @@ class OuroModel(nn.Module):
     def block(self, state, e, positions: list[int], depths: list[int], cache: KVCache | None):
         """One pass of the whole stack for each position, bringing it to ``depths``."""
         slots = [cache.core_slot(r) for r in depths] if cache else None
+        plan = CallPlan.make(positions, slots, self.config.head_dim, self.config.rope_base,
+                             state.device)
         x = state
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, cache.core[i] if cache else None, slots)
+            x = layer(x, plan, cache.core[i] if cache else None)
         return self.model.norm(x)
 
     def coda(self, state, positions: list[int], readout_depths: list[int],

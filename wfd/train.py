@@ -1,0 +1,200 @@
+"""Train the tiny looped models shipped in wfd/models/ (not run in CI).
+
+    python -m wfd.train --family huginn --minutes 50 --out wfd/models/huginn-tiny
+    python -m wfd.train --family ouro --minutes 50 --out wfd/models/ouro-tiny
+
+Corpus: the .py sources of the running interpreter's standard library, split by file into
+train (about 95%) and held-out sets by a hash of the file's path (deterministic). Byte-level
+vocabulary (256). Architectures: the `huginn-tiny` and `ouro-tiny` presets of costmodel.
+
+- Ouro: the whole stack looped R = 4 times; cross-entropy at every loop exit, averaged.
+- Huginn: a random depth per step, drawn as Huginn was trained (Poisson of a log-normal rate,
+  here with mean ``--mean-depth``), truncated backpropagation through the last
+  ``--backprop-depth`` steps, and the loss at the final depth plus, with weight
+  ``--intermediate-weight``, at the readouts of the steps inside the backprop window (so that
+  shallow depths are supervised as drafts while deep ones keep improving).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from costmodel.presets import MODELS
+
+from .checkpoint import build, init_random, save
+from .config import ModelConfig
+
+
+def corpus_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+
+
+def is_held_out(path: Path, root: Path) -> bool:
+    digest = hashlib.sha1(str(path.relative_to(root)).encode()).digest()
+    return digest[0] < 13  # about 5% of files
+
+
+def load_corpus(split: str) -> bytes:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks = []
+    for path in corpus_files():
+        if is_held_out(path, root) == (split == "heldout"):
+            try:
+                chunks.append(path.read_bytes())
+            except OSError:
+                continue
+    return b"\n\n".join(chunks)
+
+
+def batches(data: torch.Tensor, batch: int, length: int, gen: torch.Generator):
+    while True:
+        starts = torch.randint(0, data.numel() - length - 1, (batch,), generator=gen)
+        x = torch.stack([data[s:s + length + 1] for s in starts.tolist()])
+        yield x[:, :-1], x[:, 1:]
+
+
+def sample_depth(mean: float, cap: int, gen: torch.Generator) -> int:
+    """1 + Poisson(rate), rate ~ LogNormal with mean ``mean - 1`` (Huginn's sampler)."""
+    sigma = 0.5
+    mu = math.log(max(mean - 1, 1e-3)) - sigma**2 / 2
+    rate = math.exp(mu + sigma * float(torch.randn((), generator=gen)))
+    return int(min(cap, 1 + torch.poisson(torch.tensor(rate), generator=gen).item()))
+
+
+def forward_losses(model, x, y, depth: int, backprop: int, gen: torch.Generator,
+                   family: str) -> list[torch.Tensor]:
+    """Cross-entropy at the readouts that carry gradient, last one = the final depth."""
+    positions = list(range(x.shape[1]))
+    e, state = model.prelude(x, positions, None)
+    if family == "huginn":  # a fresh random initial state, as in training the release
+        std = model.state_std
+        state = torch.empty_like(e)
+        torch.nn.init.trunc_normal_(state, 0.0, std, -3 * std, 3 * std, generator=gen)
+        state = state * model.embed_scale
+    losses = []
+    no_grad_steps = max(depth - backprop, 0)
+    with torch.no_grad():
+        for r in range(1, no_grad_steps + 1):
+            state = model.block(state, e, positions, [r] * len(positions), None)
+    if no_grad_steps:
+        state = state.detach()
+    for r in range(no_grad_steps + 1, depth + 1):
+        state = model.block(state, e, positions, [r] * len(positions), None)
+        logits = model.coda(state, positions, [r] * len(positions), None)
+        losses.append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)))
+    return losses
+
+
+@torch.no_grad()
+def evaluate(model, data: torch.Tensor, depth: int, length: int = 256, windows: int = 16
+             ) -> dict[str, list[float]]:
+    """Held-out bits per byte at each depth, and greedy agreement of each depth with depth R."""
+    model.eval()
+    step = max((data.numel() - length - 1) // windows, 1)
+    nll = torch.zeros(depth)
+    agree = torch.zeros(depth)
+    count = 0
+    for w in range(windows):
+        chunk = data[w * step: w * step + length + 1]
+        x, y = chunk[:-1][None], chunk[1:]
+        positions = list(range(length))
+        e, state = model.prelude(x, positions, None)
+        state = state.expand_as(e)  # Huginn's (seed, position) state is one row per position
+        preds = []
+        for r in range(1, depth + 1):
+            state = model.block(state, e, positions, [r] * length, None)
+            logits = model.coda(state, positions, [r] * length, None)[0]
+            nll[r - 1] += F.cross_entropy(logits, y, reduction="sum")
+            preds.append(logits.argmax(-1))
+        for r in range(depth):
+            agree[r] += (preds[r] == preds[-1]).sum()
+        count += length
+    model.train()
+    return {"bits_per_byte": (nll / count / math.log(2)).tolist(),
+            "agreement_with_full_depth": (agree / count).tolist()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=("huginn", "ouro"), required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--minutes", type=float, default=50.0)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--length", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--mean-depth", type=float, default=12.0)
+    parser.add_argument("--max-depth", type=int, default=32)
+    parser.add_argument("--backprop-depth", type=int, default=4)
+    parser.add_argument("--intermediate-weight", type=float, default=0.5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    cfg = ModelConfig.from_spec(MODELS[f"{args.family}-tiny"])
+    model = init_random(build(cfg), seed=args.seed)
+    model.train()
+    train = torch.frombuffer(bytearray(load_corpus("train")), dtype=torch.uint8).long()
+    heldout = torch.frombuffer(bytearray(load_corpus("heldout")), dtype=torch.uint8).long()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                            weight_decay=0.01)
+    budget = args.minutes * 60
+    start = time.time()
+    step = 0
+    log = []
+    for x, y in batches(train, args.batch, args.length, gen):
+        elapsed = time.time() - start
+        if elapsed > budget:
+            break
+        # cosine decay over the time budget, after a short warm-up
+        frac = elapsed / budget
+        lr = args.lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * frac))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        if args.family == "ouro":
+            losses = forward_losses(model, x, y, cfg.depth, cfg.depth, gen, "ouro")
+            loss = sum(losses) / len(losses)
+        else:
+            depth = sample_depth(args.mean_depth, args.max_depth, gen)
+            losses = forward_losses(model, x, y, depth, args.backprop_depth, gen, "huginn")
+            loss = losses[-1]
+            if len(losses) > 1:
+                loss = loss + args.intermediate_weight * sum(losses[:-1]) / (len(losses) - 1)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % 50 == 0:
+            line = {"step": step, "minutes": round(elapsed / 60, 1), "loss": round(loss.item(), 4),
+                    "lr": lr}
+            log.append(line)
+            print(json.dumps(line), flush=True)
+    model.eval()
+    metrics = evaluate(model, heldout, cfg.depth)
+    save(model, args.out)
+    (args.out / "training.json").write_text(json.dumps({
+        "command": "python -m wfd.train " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        "steps": step, "minutes": round((time.time() - start) / 60, 1),
+        "train_bytes": train.numel(), "heldout_bytes": heldout.numel(),
+        "torch": torch.__version__, "heldout": metrics, "log": log,
+    }, indent=2) + "\n")
+    print(json.dumps(metrics))
+
+
+if __name__ == "__main__":
+    main()
