@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -9,7 +10,8 @@ import typer
 from .clitools import UserError, print_json, run
 from .predict import Prediction, predict
 from .presets import UnknownPresetError, get_hardware, get_model
-from .specs import Workload
+from .profile import ProfileError, load_profile
+from .specs import HardwareSpec, Workload
 from .units import (
     UnitError,
     format_bytes,
@@ -28,10 +30,8 @@ def _root() -> None:
     """Cost model of AR, draft-then-verify (DtV) and WaveFront Decoding (WFD)."""
 
 
-def _hardware_with_overrides(name: str, bandwidth: str | None, flops: str | None,
-                             memory: str | None, launch_overhead: str | None, dtype: str,
-                             cuda_graphs: bool | None):
-    hw = get_hardware(name)
+def _override(hw: HardwareSpec, bandwidth: str | None, flops: str | None, memory: str | None,
+              launch_overhead: str | None, dtype: str, cuda_graphs: bool | None) -> HardwareSpec:
     changes: dict[str, object] = {}
     if bandwidth is not None:
         changes["memory_bandwidth_bytes_per_s"] = parse_bandwidth(bandwidth)
@@ -93,6 +93,8 @@ def _print_table(p: Prediction) -> None:
 def predict_cmd(
     model: Annotated[str, typer.Option(help="model preset")] = "huginn-3.5b",
     hardware: Annotated[str, typer.Option(help="hardware preset")] = "a6000",
+    profile: Annotated[Path | None, typer.Option(
+        help="calibration profile (JSON): its fitted hardware replaces --hardware")] = None,
     bandwidth: Annotated[str | None, typer.Option(help="memory bandwidth, e.g. 768GB/s")] = None,
     flops: Annotated[str | None, typer.Option(help="peak matrix flops, e.g. 155TFLOPS")] = None,
     memory: Annotated[str | None, typer.Option(help="memory capacity, e.g. 48GB, 48GiB")] = None,
@@ -129,8 +131,12 @@ def predict_cmd(
         raise UserError(f"depth R must be at least 2, got {depth}")
     if dtype not in ("fp32", "bf16", "fp16"):
         raise UserError(f"unknown dtype {dtype!r}; use fp32, bf16 or fp16")
-    hw = _hardware_with_overrides(hardware, bandwidth, flops, memory, launch_overhead, dtype,
-                                  cuda_graphs)
+    if profile is not None:
+        base = load_profile(profile).hardware
+        hw = _override(base, bandwidth, flops, memory, launch_overhead, dtype, cuda_graphs)
+    else:
+        hw = _override(get_hardware(hardware), bandwidth, flops, memory, launch_overhead, dtype,
+                       cuda_graphs)
     spec = get_model(model)
     workload = Workload(context_length=context, new_tokens=new_tokens, acceptance=acceptance,
                         batch_size=batch, dtype=dtype, kv_sharing=kv_sharing, depth=depth)
@@ -150,4 +156,36 @@ def predict_cmd(
         raise typer.Exit(1)
 
 
-main = run(app, (UnitError, UnknownPresetError))
+@app.command("study")
+def study_cmd(
+    name: Annotated[str, typer.Argument(help="study name, or 'list'")],
+    profile: Annotated[Path | None, typer.Option(
+        help="calibration profile whose hardware the study uses")] = None,
+    out: Annotated[Path, typer.Option(help="folder for the table and figure")] = Path(
+        "out/studies"),
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Run a design-space study: writes NAME.csv, NAME.md and NAME.png into --out."""
+    import studies  # matplotlib is imported only here, when a figure is drawn
+
+    if name == "list":
+        typer.echo("\n".join(studies.STUDIES))
+        return
+    if name not in studies.STUDIES:
+        raise UserError(f"unknown study {name!r}; known: {', '.join(studies.STUDIES)}")
+    hw = load_profile(profile).hardware if profile is not None else None
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  transient=True, disable=as_json) as progress:
+        progress.add_task(f"study {name}", total=None)
+        result, paths = studies.run(name, profile=hw, out=out)
+    if as_json:
+        print_json({"name": name, "outputs": paths, "rows": result.rows, **result.summary})
+        return
+    from .studies_view import print_study
+
+    print_study(result, paths)
+
+
+main = run(app, (UnitError, UnknownPresetError, ProfileError))

@@ -2,6 +2,10 @@
 
     t = t_host + n_kernels * t_launch + max(bytes / BW_eff, flops / F_eff)
 
+on a device that runs its own kernels (a CPU). On a GPU, launches are asynchronous: the host's
+overhead overlaps the device's work and a call costs the larger of the two (``overhead_overlaps``);
+the breakdown then shows the exposed overhead, the part not hidden behind the device.
+
 bytes = the part's weights (once per call, whatever n) + the KV read (for each distinct slot, its
 context x KV bytes per token) + the KV written + activations. flops = 2 * matmul params * n +
 attention (4 * context * heads * head_dim per position per layer).
@@ -26,7 +30,7 @@ class CallCost:
     """Bytes, flops, kernels and the time they cost, split into the four terms of the roofline.
 
     The memory time is attributed to weights (weights and activations) and to KV; when the call is
-    compute-bound the whole roofline term is compute.
+    compute-bound the whole roofline term is compute. ``overhead_s`` is the exposed overhead.
     """
 
     weight_bytes: ArrayLike
@@ -108,6 +112,8 @@ def call_cost(
     memory_s = weights_mem_s + kv_mem_s
     compute_s = flops / (flops_peak * hw.flops_efficiency)
     memory_bound = memory_s >= compute_s
+    if hw.overhead_overlaps:
+        overhead = np.maximum(overhead - np.maximum(memory_s, compute_s), 0.0)
     total_bytes = weight_bytes + kv_read + kv_write + activation_bytes
     ideal = np.maximum(total_bytes / bw_peak, flops / flops_peak)
     return CallCost(

@@ -2,8 +2,9 @@
 
 Model shapes come from ../shared/reference/huginn.md and ouro.md; parameter counts and KV bytes
 are derived by ``LoopedModelSpec`` and checked against the published figures in the tests.
-Hardware figures are the datasheet table of reference/landscape.md (dense matrix flops). The
-efficiency and overhead values are priors (landscape.md: 70-93% of peak bandwidth is achievable;
+Hardware figures are the datasheet table of reference/landscape.md (dense matrix flops). GPUs
+launch asynchronously, so their overheads overlap the device's work. The efficiency and overhead
+values are priors (landscape.md: 70-93% of peak bandwidth is achievable;
 4-6 us per launch on a fast host); `costmodel calibrate` replaces them with measured ones.
 """
 
@@ -64,6 +65,7 @@ def _gpu(name: str, memory_gb: float, bandwidth_gb_s: float, bf16_tflops: float,
         peak_flops_per_s={"bf16": bf16_tflops * _TB, "fp16": bf16_tflops * _TB,
                           "fp32": fp32_tflops * _TB},
         memory_capacity_bytes=memory_gb * _GB,
+        overhead_overlaps=True,  # asynchronous launches
     )
 
 

@@ -38,6 +38,10 @@ class HardwareSpec(Spec):
     kv_bandwidth_efficiency: Annotated[float, Field(gt=0, le=1)] | None = None
     flops_efficiency: Annotated[float, Field(gt=0, le=1)] = 0.7
     cuda_graphs: bool = False
+    # Whether launch and host overheads overlap the device's work (a GPU runs kernels while the
+    # host enqueues the next ones: a call costs the larger of the two) or add to it (a CPU runs
+    # the kernels itself).
+    overhead_overlaps: bool = False
     # How the decoder's kernels are counted: per transformer layer (norms, matmuls, rope,
     # activations, residuals), and for attention per distinct KV slot read when split by slot.
     kernels_per_layer: Annotated[int, Field(ge=0)] = 14

@@ -59,9 +59,24 @@ def test_vectorized_equals_scalar():
 
 def test_cuda_graphs_cut_launch_overhead_only():
     m = get_model("ouro-2.6b")
-    hw = get_hardware("a6000")
+    hw = get_hardware("a6000").model_copy(update={"overhead_overlaps": False})
     eager = call_cost(m, hw, m.part("block"), "bf16", 1, 1, 100, 100)
     graphs = call_cost(m, hw.model_copy(update={"cuda_graphs": True}), m.part("block"), "bf16",
                        1, 1, 100, 100)
     assert float(graphs.overhead_s) < float(eager.overhead_s)
     assert float(graphs.weights_s) == float(eager.weights_s)
+
+
+def test_overlapped_overhead_is_hidden_behind_long_calls_only():
+    m = get_model("ouro-2.6b")
+    hw = get_hardware("a6000")
+    assert hw.overhead_overlaps
+    big = call_cost(m, hw, m.part("block"), "bf16", 1, 1, 100, 100)
+    assert float(big.overhead_s) == 0.0  # 3.9 ms of launches under 8 ms of weight reads
+    slow_host = hw.model_copy(update={"launch_overhead_s": 50e-6})
+    exposed = call_cost(m, slow_host, m.part("block"), "bf16", 1, 1, 100, 100)
+    serial = call_cost(m, slow_host.model_copy(update={"overhead_overlaps": False}),
+                       m.part("block"), "bf16", 1, 1, 100, 100)
+    assert 0 < float(exposed.overhead_s) < float(serial.overhead_s)
+    assert float(exposed.time_s) == max(float(serial.overhead_s),
+                                        float(serial.time_s - serial.overhead_s))

@@ -1,0 +1,66 @@
+"""Calibration profiles: a fitted hardware spec plus where and how it was measured.
+
+A profile is versioned JSON, written atomically. `costmodel predict --profile FILE` and
+`costmodel study NAME --profile FILE` use its hardware spec.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .specs import HardwareSpec
+from .trace import atomic_write_text
+
+PROFILE_SCHEMA_VERSION = 1
+
+
+class ProfileError(ValueError):
+    """A profile that is missing, corrupt, or of another schema version."""
+
+
+class FittedValue(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    value: float
+    stderr: float = Field(description="one standard error of the fit")
+    unit: str
+
+
+class CalibrationProfile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    schema_version: int = PROFILE_SCHEMA_VERSION
+    created: str
+    hardware: HardwareSpec
+    machine: str
+    device: str
+    torch_version: str
+    dtype: str
+    commit: str
+    models: list[str]
+    grid: dict[str, list[float | int | str]]
+    coefficients: dict[str, FittedValue]
+    fit_stats: dict[str, float]
+
+
+def save_profile(profile: CalibrationProfile, path: str | Path) -> None:
+    atomic_write_text(path, profile.model_dump_json(indent=2) + "\n")
+
+
+def load_profile(path: str | Path) -> CalibrationProfile:
+    try:
+        raw = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ProfileError(f"cannot read profile {path}: {exc.strerror}") from None
+    except json.JSONDecodeError:
+        raise ProfileError(f"profile {path} is not valid JSON") from None
+    version = raw.get("schema_version") if isinstance(raw, dict) else None
+    if version != PROFILE_SCHEMA_VERSION:
+        raise ProfileError(f"profile {path} has schema version {version!r}; this version reads "
+                           f"{PROFILE_SCHEMA_VERSION} (recalibrate with `costmodel calibrate`)")
+    try:
+        return CalibrationProfile.model_validate(raw)
+    except ValidationError as exc:
+        raise ProfileError(f"profile {path} is corrupt ({exc.error_count()} invalid fields)") \
+            from None

@@ -1,0 +1,32 @@
+"""Design-space studies built on the cost model: `costmodel study NAME` or `studies.run(NAME)`.
+
+Each study writes a table (CSV and Markdown) and a figure (PNG) into an output folder.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from pathlib import Path
+
+from costmodel.specs import HardwareSpec
+
+from .common import StudyResult, write_outputs
+
+STUDIES = {
+    "paper-table": "paper_table", "dtv-block-length": "dtv_block_length", "width": "width",
+    "hardware": "hardware", "context": "context", "batch": "batch", "memory": "memory",
+    "overhead": "overhead",
+}
+
+
+def run(name: str, *, profile: HardwareSpec | None = None, out: str | Path | None = None,
+        small: bool = False) -> tuple[StudyResult, dict[str, str]]:
+    """Run study ``name``; write its outputs into ``out`` when given."""
+    if name not in STUDIES:
+        raise ValueError(f"unknown study {name!r}; known: {', '.join(STUDIES)}")
+    result = import_module(f".{STUDIES[name]}", __name__).run(profile=profile, small=small)
+    paths = write_outputs(result, out) if out is not None else {}
+    return result, paths
+
+
+__all__ = ["STUDIES", "StudyResult", "run"]

@@ -1,0 +1,74 @@
+"""What every study shares: the result shape, the output files, and the hardware a profile gives.
+
+A study returns a ``StudyResult``: its rows (one dict per table row), a function that draws its
+figure, and a summary. ``write_outputs`` writes NAME.csv, NAME.md and NAME.png atomically.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from costmodel.specs import HardwareSpec
+from costmodel.trace import atomic_write_text
+
+
+@dataclass
+class StudyResult:
+    name: str
+    title: str
+    rows: list[dict]
+    draw: Callable[[object], None]  # draws on a matplotlib Figure
+    summary: dict = field(default_factory=dict)
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
+def to_markdown(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def write_outputs(result: StudyResult, out_dir: str | Path) -> dict[str, str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"csv": out / f"{result.name}.csv", "markdown": out / f"{result.name}.md",
+             "figure": out / f"{result.name}.png"}
+    atomic_write_text(paths["csv"], to_csv(result.rows))
+    atomic_write_text(paths["markdown"], f"# {result.title}\n\n" + to_markdown(result.rows))
+    fig = Figure(figsize=(9, 5.5), layout="constrained")
+    result.draw(fig)
+    tmp = paths["figure"].with_name(f".{paths['figure'].name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    tmp.replace(paths["figure"])
+    return {k: str(v) for k, v in paths.items()}
+
+
+def hardware_or_profile(default: str, profile: HardwareSpec | None) -> HardwareSpec | str:
+    return profile if profile is not None else default

@@ -1,0 +1,71 @@
+"""overhead: WFD speedup with a Python-heavy eager stack (the launch gap the paper-table study
+derives from the WFD paper's AR figures), with the preset's eager prior (5 us per launch), with
+CUDA graphs, and with no launch or host overhead at all: how much of WFD's gain is amortized
+launch overhead and how much amortized weight reads."""
+
+from __future__ import annotations
+
+import math
+
+from costmodel import Workload, predict
+from costmodel.specs import HardwareSpec
+
+from .common import StudyResult
+
+MODELS = ["huginn-3.5b", "ouro-2.6b"]
+
+
+def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult:
+    from costmodel.presets import get_hardware
+
+    names = ["a6000"] if small else ["a6000", "h100-sxm", "h200"]
+    hardware = [profile] if profile is not None else [get_hardware(n) for n in names]
+    from .paper_table import derive_overhead
+
+    # the host's launch gap is a property of the host and framework, derived once from the
+    # paper's A6000 figures and carried to every device
+    python_gap = derive_overhead(get_hardware("a6000"))["launch_overhead_s"]
+    rows = []
+    for hw in hardware:
+        variants = {"python-heavy": hw.model_copy(update={"cuda_graphs": False,
+                                                          "launch_overhead_s": python_gap}),
+                    "eager": hw.model_copy(update={"cuda_graphs": False}),
+                    "cuda graphs": hw.model_copy(update={"cuda_graphs": True}),
+                    "no overhead": hw.model_copy(update={"launch_overhead_s": 0.0,
+                                                         "graph_launch_overhead_s": 0.0,
+                                                         "host_overhead_s": 0.0})}
+        for model in MODELS:
+            speed = {}
+            for label, v in variants.items():
+                s = predict(model, v, Workload()).schedules
+                speed[label] = (s["wfd"].speedup_vs_ar, s["ar"].breakdown.overhead_s
+                                / s["ar"].latency_per_token_s, s["ar"].latency_per_token_s)
+            heavy = speed["python-heavy"][0]
+            from_weights = math.log(speed["no overhead"][0]) / math.log(heavy) if heavy > 1 \
+                else None
+            rows.append({"hardware": hw.name, "model": model,
+                         "launch_gap_python_heavy_us": python_gap * 1e6,
+                         "ar_ms_python_heavy": speed["python-heavy"][2] * 1e3,
+                         "ar_overhead_share_python_heavy": speed["python-heavy"][1],
+                         "ar_ms_eager": speed["eager"][2] * 1e3,
+                         "ar_ms_graphs": speed["cuda graphs"][2] * 1e3,
+                         "wfd_speedup_python_heavy": heavy,
+                         "wfd_speedup_eager": speed["eager"][0],
+                         "wfd_speedup_graphs": speed["cuda graphs"][0],
+                         "wfd_speedup_no_overhead": speed["no overhead"][0],
+                         "gain_share_from_weights": from_weights})
+
+    def draw(fig) -> None:
+        ax = fig.subplots()
+        x = range(len(rows))
+        keys = ("wfd_speedup_python_heavy", "wfd_speedup_eager", "wfd_speedup_graphs",
+                "wfd_speedup_no_overhead")
+        for j, key in enumerate(keys):
+            ax.bar([i + (j - 1.5) * 0.2 for i in x], [r[key] for r in rows], width=0.2,
+                   label=key.removeprefix("wfd_speedup_").replace("_", " "))
+        ax.set_xticks(list(x), [f"{r['model']}\n{r['hardware']}" for r in rows], fontsize=7)
+        ax.set_ylabel("WFD speedup over AR (x)")
+        ax.set_title("How much of WFD's gain is launch overhead, how much weight reads")
+        ax.legend()
+
+    return StudyResult("overhead", "WFD speedup with and without launch overhead", rows, draw)
