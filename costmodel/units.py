@@ -52,37 +52,32 @@ def _reject_sign(text: str, kind: str, example: str) -> str:
     return stripped
 
 
+def _parse_scaled(text: str | float, kind: str, pattern: re.Pattern[str], examples: str,
+                  rate: bool | None = None) -> float:
+    """A positive quantity: a bare number, or a number with an SI or binary prefix and a unit
+    (``rate`` says whether the unit must, or must not, end in /s)."""
+    if isinstance(text, (int, float)):
+        return _positive(float(text), kind)
+    stripped = _reject_sign(text, kind, examples.split(",")[0])
+    m = pattern.match(stripped)
+    if not m or (rate is not None and bool(m.groupdict().get("rate")) != rate):
+        raise UnitError(f"cannot read {kind} {text!r}; expected e.g. {examples}")
+    return _positive(float(_number(m, text) * _scale(m.group("prefix"))), kind)
+
+
 def parse_bandwidth(text: str | float) -> float:
     """'768GB/s', '4.8TB/s', '1.5TiB/s' -> bytes per second. A bare number is bytes/s."""
-    if isinstance(text, (int, float)):
-        return _positive(float(text), "bandwidth")
-    stripped = _reject_sign(text, "bandwidth", "768GB/s")
-    m = _BYTES_RE.match(stripped)
-    if not m or not m.group("rate"):
-        raise UnitError(f"cannot read bandwidth {text!r}; expected e.g. 768GB/s, 4.8TB/s, 1TiB/s")
-    return _positive(float(_number(m, text) * _scale(m.group("prefix"))), "bandwidth")
+    return _parse_scaled(text, "bandwidth", _BYTES_RE, "768GB/s, 4.8TB/s, 1TiB/s", rate=True)
 
 
 def parse_bytes(text: str | float) -> float:
     """'48GB', '48GiB', '512MiB' -> bytes. A bare number is bytes."""
-    if isinstance(text, (int, float)):
-        return _positive(float(text), "memory size")
-    stripped = _reject_sign(text, "memory size", "48GB")
-    m = _BYTES_RE.match(stripped)
-    if not m or m.group("rate"):
-        raise UnitError(f"cannot read memory size {text!r}; expected e.g. 48GB, 48GiB, 512MiB")
-    return _positive(float(_number(m, text) * _scale(m.group("prefix"))), "memory size")
+    return _parse_scaled(text, "memory size", _BYTES_RE, "48GB, 48GiB, 512MiB", rate=False)
 
 
 def parse_flops(text: str | float) -> float:
     """'155TFLOPS', '989 TFLOP/s' -> floating-point operations per second."""
-    if isinstance(text, (int, float)):
-        return _positive(float(text), "flop rate")
-    stripped = _reject_sign(text, "flop rate", "155TFLOPS")
-    m = _FLOPS_RE.match(stripped)
-    if not m:
-        raise UnitError(f"cannot read flop rate {text!r}; expected e.g. 155TFLOPS, 989TFLOP/s")
-    return _positive(float(_number(m, text) * _SI[m.group("prefix")]), "flop rate")
+    return _parse_scaled(text, "flop rate", _FLOPS_RE, "155TFLOPS, 989TFLOP/s")
 
 
 def parse_duration(text: str | float) -> float:

@@ -72,3 +72,11 @@ def write_outputs(result: StudyResult, out_dir: str | Path) -> dict[str, str]:
 
 def hardware_or_profile(default: str, profile: HardwareSpec | None) -> HardwareSpec | str:
     return profile if profile is not None else default
+
+
+def all_hardware(profile: HardwareSpec | None, small: bool) -> list[HardwareSpec | str]:
+    """Every hardware preset (two on a small grid), plus the profile's hardware when given."""
+    from costmodel import HARDWARE
+
+    names: list[HardwareSpec | str] = list(HARDWARE)[:2] if small else list(HARDWARE)
+    return names + ([profile] if profile is not None else [])

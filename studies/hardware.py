@@ -3,20 +3,17 @@ term that bounds each (bandwidth, compute or overhead)."""
 
 from __future__ import annotations
 
-from costmodel import HARDWARE, Workload, predict
+from costmodel import Workload, predict
 from costmodel.specs import HardwareSpec
 
-from .common import StudyResult
+from .common import StudyResult, all_hardware
 
 MODELS = ["huginn-3.5b", "ouro-2.6b"]
 
 
 def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult:
-    hardware: list = list(HARDWARE)[:2] if small else list(HARDWARE)
-    if profile is not None:
-        hardware.append(profile)
     rows = []
-    for hw in hardware:
+    for hw in all_hardware(profile, small):
         for model in MODELS:
             p = predict(model, hw, Workload())
             s = p.schedules

@@ -3,21 +3,18 @@ model, hardware preset and KV sharing, at batch 1 and bf16 (DtV/WFD readout slot
 
 from __future__ import annotations
 
-from costmodel import HARDWARE, Workload, predict
+from costmodel import Workload, predict
 from costmodel.specs import HardwareSpec
 
-from .common import StudyResult
+from .common import StudyResult, all_hardware
 from .context import SHARING
 
 MODELS = ["huginn-3.5b", "ouro-1.4b", "ouro-2.6b"]
 
 
 def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult:
-    hardware: list = list(HARDWARE)[:2] if small else list(HARDWARE)
-    if profile is not None:
-        hardware.append(profile)
     rows = []
-    for hw in hardware:
+    for hw in all_hardware(profile, small):
         for model in MODELS:
             row = {"hardware": getattr(hw, "name", hw), "model": model}
             for sharing, label in SHARING.items():
