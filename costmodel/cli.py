@@ -10,7 +10,7 @@ import typer
 from .clitools import UserError, print_json, run
 from .predict import Prediction, predict
 from .presets import UnknownPresetError, get_hardware, get_model
-from .profile import ProfileError, load_profile
+from .profile import ProfileError, load_profile, save_profile
 from .specs import HardwareSpec, Workload
 from .units import (
     UnitError,
@@ -186,6 +186,103 @@ def study_cmd(
     from .studies_view import print_study
 
     print_study(result, paths)
+
+
+@app.command("calibrate")
+def calibrate_cmd(
+    model: Annotated[str, typer.Option(help="family: huginn or ouro")],
+    checkpoint: Annotated[Path | None, typer.Option(
+        help="a checkpoint folder of that family (default: the shipped tiny model)")] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp16")] = "fp32",
+    quick: Annotated[bool, typer.Option(help="a small grid (about 2 minutes on a CPU)")] = False,
+    threads: Annotated[int | None, typer.Option(help="CPU threads (default: torch's)")] = None,
+    out: Annotated[Path | None, typer.Option(help="profile file to write")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Measure the decoder on this machine, fit the cost model, validate on held-out points and
+    save a versioned profile."""
+    if model not in ("huginn", "ouro"):
+        raise UserError(f"unknown model family {model!r}; use huginn or ouro")
+    if dtype not in ("fp32", "bf16", "fp16"):
+        raise UserError(f"unknown dtype {dtype!r}; use fp32, bf16 or fp16")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise UserError(f"unknown device {device!r}; use cpu or cuda")
+    if checkpoint is not None and not checkpoint.is_dir():
+        raise UserError(f"checkpoint {checkpoint} is not a folder")
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"device {device!r} is not available (torch sees no CUDA device)")
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from calibrate.run import calibrate
+    from calibrate.validate import plot, report
+    from wfd.checkpoint import CheckpointError
+
+    out = out or Path(f"out/profile-{model}-{device.split(':')[0]}-{dtype}.json")
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                      transient=True, disable=as_json) as progress:
+            profile = calibrate(model, checkpoint=str(checkpoint) if checkpoint else None,
+                                device=device, dtype=dtype, quick=quick, threads=threads,
+                                progress=progress)
+    except CheckpointError as exc:
+        raise UserError(str(exc)) from None
+    save_profile(profile, out)
+    rep = report(profile.validation, profile.hardware, profile.dtype)
+    plot_path = out.with_suffix(".png")
+    plot(rep, plot_path, profile.hardware.name)
+    _print_validation(profile, rep, out, plot_path, as_json)
+
+
+def _print_validation(profile, rep, path: Path, plot_path: Path, as_json: bool) -> None:
+    if as_json:
+        print_json({"profile": str(path), "plot": str(plot_path),
+                    "coefficients": {k: v.model_dump() for k, v in profile.coefficients.items()},
+                    "fit_stats": profile.fit_stats, **rep.model_dump()})
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 110))
+    coef = Table(title=f"fitted on {profile.machine} ({profile.device}, {profile.dtype})",
+                 header_style="bold")
+    for col in ("coefficient", "value", "std. error", "unit"):
+        coef.add_column(col)
+    for name, v in profile.coefficients.items():
+        coef.add_row(name, f"{v.value:.4g}", f"{v.stderr:.2g}", v.unit)
+    console.print(coef)
+    table = Table(title="held-out validation", header_style="bold")
+    for col in ("group", "points", "median |rel. error|", "max |rel. error|"):
+        table.add_column(col)
+    for group, stats in rep.per_schedule.items():
+        table.add_row(group, str(stats["points"]), f"{stats['median_rel_error']:.1%}",
+                      f"{stats['max_rel_error']:.1%}")
+    table.add_row("all", str(len(rep.points)), f"{rep.median_rel_error:.1%}",
+                  f"{rep.max_rel_error:.1%}")
+    console.print(table)
+    console.print(f"profile: {path}; plot: {plot_path}")
+
+
+@app.command("validate")
+def validate_cmd(
+    profile: Annotated[Path, typer.Option(help="calibration profile (JSON)")],
+    plot_file: Annotated[Path | None, typer.Option(
+        "--plot", help="measured-vs-predicted plot (default: beside the profile)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Re-price the profile's held-out points with its fitted hardware: median and max relative
+    error per schedule, and a measured-vs-predicted plot."""
+    from calibrate.validate import plot, report
+
+    prof = load_profile(profile)
+    if not prof.validation:
+        raise UserError(f"profile {profile} holds no validation points")
+    rep = report(prof.validation, prof.hardware, prof.dtype)
+    plot_path = plot_file or profile.with_suffix(".png")
+    plot(rep, plot_path, prof.hardware.name)
+    _print_validation(prof, rep, profile, plot_path, as_json)
 
 
 main = run(app, (UnitError, UnknownPresetError, ProfileError))

@@ -107,7 +107,9 @@ def call_cost(
     kernels = kernels + part.extra_kernels
     overhead = hw.host_overhead_s + kernels * hw.kernel_overhead_s
 
-    weights_mem_s = (weight_bytes + activation_bytes) / (bw_peak * hw.bandwidth_efficiency)
+    passes = 1.0 + hw.row_pass_fraction * (np.minimum(n_positions, hw.row_pass_limit) - 1)
+    weights_mem_s = (weight_bytes * passes + activation_bytes) / (
+        bw_peak * hw.bandwidth_efficiency)
     kv_mem_s = (kv_read + kv_write) / (bw_peak * kv_eff)
     memory_s = weights_mem_s + kv_mem_s
     compute_s = flops / (flops_peak * hw.flops_efficiency)

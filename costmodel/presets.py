@@ -29,7 +29,8 @@ MODELS: dict[str, LoopedModelSpec] = {
         core_layers=48, coda_layers=0, exit_gate=True, default_depth=4,
         default_acceptance=0.92, default_draft_depth=1, max_position_embeddings=65536),
     # Scaled-down architectures of the same families, for laptops and CPU timing: "tiny" is the
-    # shape of the shipped trained models, "mid" a few hundred MB (bandwidth-bound on a CPU).
+    # shape of the shipped trained models, "small" about 100 MB, "mid" a few hundred MB
+    # (bandwidth-bound on a CPU).
     # Their acceptance defaults are the family's published figures above, not measurements.
     "huginn-tiny": LoopedModelSpec(
         name="huginn-tiny", family="huginn", hidden_size=192, num_heads=3, num_kv_heads=3,
@@ -41,6 +42,16 @@ MODELS: dict[str, LoopedModelSpec] = {
         head_dim=64, mlp_size=512, vocab_size=256, tied_head=False, prelude_layers=0,
         core_layers=3, coda_layers=0, exit_gate=True, default_depth=4,
         default_acceptance=0.92, default_draft_depth=1, max_position_embeddings=2048),
+    "huginn-small": LoopedModelSpec(
+        name="huginn-small", family="huginn", hidden_size=512, num_heads=8, num_kv_heads=8,
+        head_dim=64, mlp_size=1408, vocab_size=256, tied_head=True, prelude_layers=2,
+        core_layers=4, coda_layers=2, qk_bias=True, default_depth=32,
+        default_acceptance=0.94, default_draft_depth=4, max_position_embeddings=4096),
+    "ouro-small": LoopedModelSpec(
+        name="ouro-small", family="ouro", hidden_size=512, num_heads=8, num_kv_heads=8,
+        head_dim=64, mlp_size=1408, vocab_size=256, tied_head=False, prelude_layers=0,
+        core_layers=8, coda_layers=0, exit_gate=True, default_depth=4,
+        default_acceptance=0.92, default_draft_depth=1, max_position_embeddings=4096),
     "huginn-mid": LoopedModelSpec(
         name="huginn-mid", family="huginn", hidden_size=1024, num_heads=16, num_kv_heads=16,
         head_dim=64, mlp_size=2816, vocab_size=256, tied_head=True, prelude_layers=2,

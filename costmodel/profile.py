@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .specs import HardwareSpec
-from .trace import atomic_write_text
+from .specs import HardwareSpec, LoopedModelSpec
+from .trace import CallRecord, atomic_write_text
 
 PROFILE_SCHEMA_VERSION = 1
 
@@ -26,6 +27,25 @@ class FittedValue(BaseModel):
     value: float
     stderr: float = Field(description="one standard error of the fit")
     unit: str
+
+
+class ValidationPoint(BaseModel):
+    """A measurement the fit did not use: a call, or a whole run's decode time per token."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["call", "run"]
+    model: str
+    spec: LoopedModelSpec
+    label: str
+    group: str  # "block", "prelude", "coda" for calls; "ar", "dtv", "wfd" for runs
+    measured_s: float  # a call's median time, or a run's decode time per token
+    record: CallRecord | None = None
+    draft_depth: int | None = None
+    block_length: int | None = None
+    prompt_length: int | None = None
+    tokens: int | None = None
+    depth: int | None = None
+    accept: list[bool] | None = None
 
 
 class CalibrationProfile(BaseModel):
@@ -42,6 +62,7 @@ class CalibrationProfile(BaseModel):
     grid: dict[str, list[float | int | str]]
     coefficients: dict[str, FittedValue]
     fit_stats: dict[str, float]
+    validation: list[ValidationPoint] = Field(default_factory=list)
 
 
 def save_profile(profile: CalibrationProfile, path: str | Path) -> None:

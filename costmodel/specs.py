@@ -42,6 +42,11 @@ class HardwareSpec(Spec):
     # host enqueues the next ones: a call costs the larger of the two) or add to it (a CPU runs
     # the kernels itself).
     overhead_overlaps: bool = False
+    # Small-row matrix products: the fraction of a call's weights streamed again for each position
+    # beyond the first, up to ``row_pass_limit`` positions (some CPU libraries run a few rows as
+    # separate vector products); 0 on GPUs. Calibration fits both.
+    row_pass_fraction: Annotated[float, Field(ge=0)] = 0.0
+    row_pass_limit: Annotated[int, Field(ge=1)] = 1
     # How the decoder's kernels are counted: per transformer layer (norms, matmuls, rope,
     # activations, residuals), and for attention per distinct KV slot read when split by slot.
     kernels_per_layer: Annotated[int, Field(ge=0)] = 14

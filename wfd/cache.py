@@ -58,13 +58,20 @@ class LayerKV:
         self.values[slot_index, :, pos_index] = v.to(self.values.dtype)
 
     def read(self, slots: list[int], positions: list[int],
-             slot_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             slot_index: torch.Tensor | None = None,
+             slot_range: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values each position attends over: [1 or n, kv_heads, T, head_dim] with
-        T = max position + 1 (the caller masks keys after each position)."""
+        T = max position + 1 (the caller masks keys after each position). One slot, or distinct
+        slots in arithmetic progression (given as ``slot_range``, ascending), are views of the
+        cache; other mixes are gathered, one row per position."""
         span = max(positions) + 1
-        if len(set(slots)) == 1:  # one slot: a view, no copy (AR, prefill, DtV verify)
+        if len(set(slots)) == 1:  # one slot: AR, prefill, DtV verify
             s = slots[0]
             return self.keys[s, :, :span].unsqueeze(0), self.values[s, :, :span].unsqueeze(0)
+        if slot_range is not None:  # a wave: depths d apart
+            first, last, step = slot_range
+            return (self.keys[first:last + 1:step, :, :span],
+                    self.values[first:last + 1:step, :, :span])
         if slot_index is None:
             slot_index = torch.tensor(slots, device=self.keys.device)
         return self.keys[slot_index, :, :span], self.values[slot_index, :, :span]

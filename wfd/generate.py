@@ -82,6 +82,13 @@ class GenerationResult:
     depth_records: list[DepthRecord] = field(default_factory=list)
     stats: dict[str, float | int | None] = field(default_factory=dict)
     cache: KVCache | None = None
+    outcomes: dict[int, bool] = field(default_factory=dict)  # position -> draft accepted
+
+    def acceptance_sequence(self) -> list[bool]:
+        """Draft outcomes by decoded position (as ``costmodel.simulate`` replays them); a
+        position whose draft was never verified (a DtV bonus position) counts as accepted."""
+        start = len(self.prompt)
+        return [self.outcomes.get(start + i, True) for i in range(len(self.tokens))]
 
     @property
     def block_calls(self) -> int:

@@ -61,16 +61,28 @@ class CallPlan:
     mask: torch.Tensor  # [n, T]: key j visible to position i iff j <= p_i
     slot_index: torch.Tensor | None
     pos_index: torch.Tensor
+    # Distinct slots in arithmetic progression (a full wave: depths d apart) are read as a strided
+    # view of the cache, no copy: (first, last, step) in ascending slot order, and whether the
+    # positions come in descending slot order (then queries are flipped to match).
+    slot_range: tuple[int, int, int] | None = None
+    descending: bool = False
 
     @classmethod
     def make(cls, positions: list[int], slots: list[int] | None, head_dim: int, base: float,
              device: torch.device) -> CallPlan:
         pos = torch.tensor(positions, device=device)
         keys = pos if slots is None else torch.arange(max(positions) + 1, device=device)
+        slot_range, descending = None, False
+        if slots is not None and len(slots) > 1 and len(set(slots)) == len(slots):
+            steps = {b - a for a, b in zip(slots, slots[1:], strict=False)}
+            if len(steps) == 1:
+                step = steps.pop()
+                descending = step < 0
+                slot_range = (min(slots), max(slots), abs(step))
         return cls(positions=positions, slots=slots, angles=rope_angles(pos, head_dim, base),
                    mask=keys[None, :] <= pos[:, None],
                    slot_index=None if slots is None else torch.tensor(slots, device=device),
-                   pos_index=pos)
+                   pos_index=pos, slot_range=slot_range, descending=descending)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CallPlan,
@@ -89,7 +101,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CallPlan,
         shared = True
     else:
         kv.write(plan.slots, plan.positions, k, v, plan.slot_index, plan.pos_index)
-        keys, values = kv.read(plan.slots, plan.positions, plan.slot_index)
+        keys, values = kv.read(plan.slots, plan.positions, plan.slot_index, plan.slot_range)
         shared = keys.shape[0] == 1
         if shared:
             keys, values = keys[0], values[0]
@@ -101,6 +113,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CallPlan,
         out = F.scaled_dot_product_attention(q.movedim(-3, -2), keys, values,
                                              attn_mask=plan.mask)
         return out.movedim(-2, -3)  # [..., n, heads, hd]
+    q, mask = (q.flip(0), plan.mask.flip(0)) if plan.descending else (q, plan.mask)
     out = F.scaled_dot_product_attention(q[:, :, None], keys, values,
-                                         attn_mask=plan.mask[:, None, None, :])
-    return out[:, :, 0]
+                                         attn_mask=mask[:, None, None, :])[:, :, 0]
+    return out.flip(0) if plan.descending else out

@@ -53,6 +53,7 @@ class Verifier:
         self.sampling = sampling
         self.forced = list(forced) if forced is not None else None
         self.verified = 0
+        self.outcomes: dict[int, bool] = {}  # position -> whether its draft was accepted
         self.accepted = 0
         self.corrections = 0
         self.bonus = 0
@@ -90,6 +91,7 @@ class Verifier:
                 if float(residual.sum()) <= 0:  # p == q: any draw from p is exact
                     residual = p
                 token = self.sampling.draw(residual / residual.sum(), position, RESIDUAL_STREAM)
+        self.outcomes[position] = ok
         if ok:
             self.accepted += 1
         else:
@@ -196,6 +198,7 @@ def generate_dtv(model: nn.Module, prompt: list[int], *, max_new_tokens: int, bl
     wall = time.perf_counter() - start
     return GenerationResult(prompt=list(prompt), tokens=out.tokens, wall_s=wall, schedule="dtv",
                             records=runner.records, cache=runner.cache,
+                            outcomes=verifier.outcomes,
                             stats={**verifier.stats(), "rounds": rounds, "flushed_positions": 0,
                                    "block_length": k, "draft_depth": d})
 
@@ -269,6 +272,7 @@ def generate_wfd(model: nn.Module, prompt: list[int], *, max_new_tokens: int, dr
     wall = time.perf_counter() - start
     return GenerationResult(prompt=list(prompt), tokens=out.tokens, wall_s=wall, schedule="wfd",
                             records=runner.records, cache=runner.cache,
+                            outcomes=verifier.outcomes,
                             stats={**verifier.stats(), "ticks": ticks,
                                    "flushed_positions": flushed, "draft_depth": d,
                                    "width": width, "width_cap": width_cap})

@@ -1,0 +1,146 @@
+"""Time the decoder's parts on this machine: single P, B and C calls over a grid of positions per
+call, context lengths and distinct KV slots, for a list of models; and whole AR, DtV and WFD runs
+with their call traces.
+
+Timing discipline: warm-up calls, repeated calls, the median; CUDA events after a synchronize on
+a GPU (wfd.runtime.Timer). Calls are timed at a given context by marking that many positions of
+every slot valid (their contents do not change the time) and writing the call's positions again
+on every repeat.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from costmodel.trace import CallRecord
+
+
+class CallSample(BaseModel):
+    """One grid point: the median time of a call shape, with the record the cost model prices."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    record: CallRecord
+    median_s: float
+    spread_s: float  # interquartile range of the repeats
+
+
+class RunSample(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    schedule: str
+    draft_depth: int | None
+    block_length: int | None
+    tokens: int
+    wall_s: float
+    records: list[CallRecord]
+    accept: list[bool]  # draft outcomes by decoded position
+
+
+@dataclass
+class Grid:
+    positions: list[int]
+    contexts: list[int]
+    slot_fractions: list[float]  # distinct slots as a fraction of positions (at least 1)
+    repeats: int = 7
+    warmup: int = 2
+    models: list[str] = field(default_factory=list)
+
+    def slots_for(self, n: int, depth: int) -> list[int]:
+        return sorted({max(1, min(depth, n, round(f * n))) for f in self.slot_fractions})
+
+
+QUICK = Grid(positions=[1, 2, 4, 8, 16, 32], contexts=[64, 1024], slot_fractions=[0.0, 1.0],
+             repeats=5)
+FULL = Grid(positions=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32], contexts=[64, 512, 2048],
+            slot_fractions=[0.0, 0.5, 1.0], repeats=9)
+
+
+def _median(times: list[float]) -> tuple[float, float]:
+    qs = statistics.quantiles(times, n=4) if len(times) >= 4 else [min(times), 0, max(times)]
+    return statistics.median(times), qs[2] - qs[0]
+
+
+def _timed_cache(model, context: int, positions: int, depth: int):
+    from wfd.generate import make_cache
+
+    cache = make_cache(model, prompt_len=context, max_new_tokens=positions + 1, depth=depth,
+                       kv_sharing=0, readout_depths=sorted({1, depth}))
+    for layer in cache.layers():
+        layer.overwrite = True  # the same positions are written on every repeat
+        layer.lengths = [context + positions] * len(layer.lengths)
+    return cache
+
+
+@torch.inference_mode()
+def time_call(model, name: str, kind: str, n: int, context: int, slots: int, grid: Grid
+              ) -> CallSample:
+    """Median time of one call of ``kind`` over n positions after ``context`` positions, the
+    positions spread over ``slots`` distinct depths (B) or readout depths (C)."""
+    from wfd.runtime import Runner
+
+    depth = model.config.depth
+    cache = _timed_cache(model, context, n, depth)
+    runner = Runner(model, cache, record=True)
+    positions = list(range(context, context + n))
+    hidden = model.config.hidden_size
+    param = next(model.parameters())
+    state = torch.randn(n, hidden, dtype=param.dtype, device=param.device)
+    e = torch.randn_like(state)
+    tokens = [(7 * i) % model.config.vocab_size for i in range(n)]
+    if kind == "block":
+        depths = [1 + (i % slots) for i in range(n)]
+        call = lambda: runner.block(state, e, positions, depths)  # noqa: E731
+    elif kind == "coda":
+        choices = sorted({1, depth})[:slots]
+        depths = [choices[i % len(choices)] for i in range(n)]
+        call = lambda: runner.coda(state, positions, depths)  # noqa: E731
+    else:
+        depths = [0] * n
+        call = lambda: runner.prelude(tokens, positions)  # noqa: E731
+    for _ in range(grid.warmup):
+        call()
+    runner.records.clear()
+    for _ in range(grid.repeats):
+        call()
+    times = [r.wall_s for r in runner.records]
+    median, spread = _median(times)
+    record = runner.records[0].model_copy(update={"wall_s": median})
+    return CallSample(model=name, record=record, median_s=median, spread_s=spread)
+
+
+def call_grid(name: str, model, grid: Grid) -> list[tuple[str, int, int, int]]:
+    depth = model.config.depth
+    points = []
+    for context in grid.contexts:
+        for n in grid.positions:
+            for slots in grid.slots_for(n, depth):
+                points.append(("block", n, context, slots))
+        points.append(("prelude", 1, context, 1))
+        points.append(("prelude", max(grid.positions), context, 1))
+        for n in (1, 2):
+            points.append(("coda", n, context, n))
+    return points
+
+
+def measure_runs(name: str, model, prompt: list[int], new_tokens: int,
+                 schedules: list[tuple[str, dict]], forced: float | None) -> list[RunSample]:
+    """Whole runs with their call traces (forced acceptance on random weights)."""
+    from wfd.generate import generate
+
+    out = []
+    for schedule, kw in schedules:
+        t0 = time.perf_counter()
+        res = generate(model, prompt, schedule=schedule, max_new_tokens=new_tokens,
+                       force_acceptance=forced if schedule != "ar" else None, **kw)
+        out.append(RunSample(model=name, schedule=schedule,
+                             draft_depth=kw.get("draft_depth"),
+                             block_length=kw.get("block_length"), tokens=len(res.tokens),
+                             wall_s=time.perf_counter() - t0, records=res.records,
+                             accept=res.acceptance_sequence()))
+    return out

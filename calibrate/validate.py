@@ -1,0 +1,99 @@
+"""Held-out validation of a calibration profile.
+
+Points are of two kinds: single calls the fit never saw (other positions per call, contexts, and
+a model size), priced by the cost model; and whole AR, DtV and WFD runs of the held-out size,
+replayed by the event simulator with the run's own draft outcomes and compared per decoded token.
+The profile stores the points with their measurements, so `costmodel validate` re-prices them
+with the profile's hardware without running the model again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel
+
+from costmodel.profile import ValidationPoint
+from costmodel.simulate import price_records, simulate
+from costmodel.specs import AR, WFD, DtV, HardwareSpec, LoopedModelSpec
+
+
+def predict_point(point: ValidationPoint, hw: HardwareSpec, dtype: str) -> float:
+    if point.kind == "call":
+        record = point.record.model_copy()
+        price_records(point.spec, hw, [record], dtype=dtype)
+        return record.wall_s
+    schedule = {"ar": AR(), "dtv": DtV(block_length=point.block_length or 1,
+                                       draft_depth=point.draft_depth or 1),
+                "wfd": WFD(draft_depth=point.draft_depth or 1)}[point.group]
+    res = simulate(point.spec, hw, schedule, context_length=point.prompt_length,
+                   new_tokens=point.tokens, accept_sequence=point.accept, depth=point.depth,
+                   dtype=dtype)
+    return res.latency_per_token_s
+
+
+def run_point(name: str, spec: LoopedModelSpec, run, prompt_length: int, depth: int
+              ) -> ValidationPoint:
+    """A measured run: its decode time per token (the wall time less the prefill's calls, the
+    ones over prompt positions)."""
+    prefill_s = sum(r.wall_s for r in run.records if min(r.positions) < prompt_length)
+    label = run.schedule + (f" d={run.draft_depth}" if run.draft_depth else "") + (
+        f" k={run.block_length}" if run.block_length else "")
+    return ValidationPoint(kind="run", model=name, spec=spec, label=label, group=run.schedule,
+                           measured_s=(run.wall_s - prefill_s) / (run.tokens - 1),
+                           draft_depth=run.draft_depth, block_length=run.block_length,
+                           prompt_length=prompt_length, tokens=run.tokens, depth=depth,
+                           accept=run.accept)
+
+
+class ValidationReport(BaseModel):
+    median_rel_error: float
+    max_rel_error: float
+    per_schedule: dict[str, dict[str, float]]
+    points: list[dict]
+
+
+def report(points: list[ValidationPoint], hw: HardwareSpec, dtype: str) -> ValidationReport:
+    rows = []
+    for p in points:
+        predicted = predict_point(p, hw, dtype)
+        rows.append({"kind": p.kind, "model": p.model, "group": p.group, "label": p.label,
+                     "measured_s": p.measured_s, "predicted_s": predicted,
+                     "rel_error": predicted / p.measured_s - 1})
+    per = {}
+    for group in sorted({r["group"] for r in rows}):
+        errs = np.abs([r["rel_error"] for r in rows if r["group"] == group])
+        per[group] = {"median_rel_error": float(np.median(errs)),
+                      "max_rel_error": float(errs.max()), "points": len(errs)}
+    errs = np.abs([r["rel_error"] for r in rows])
+    return ValidationReport(median_rel_error=float(np.median(errs)),
+                            max_rel_error=float(errs.max()), per_schedule=per, points=rows)
+
+
+def plot(rep: ValidationReport, path: str | Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 6), layout="constrained")
+    ax = fig.subplots()
+    groups = sorted({r["group"] for r in rep.points})
+    for i, g in enumerate(groups):
+        mine = [r for r in rep.points if r["group"] == g]
+        ax.scatter([r["measured_s"] * 1e3 for r in mine], [r["predicted_s"] * 1e3 for r in mine],
+                   label=g, s=18, color=f"C{i}")
+    lo = min(min(r["measured_s"], r["predicted_s"]) for r in rep.points) * 1e3
+    hi = max(max(r["measured_s"], r["predicted_s"]) for r in rep.points) * 1e3
+    ax.plot([lo, hi], [lo, hi], color="grey", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured (ms: per call, or per token for runs)")
+    ax.set_ylabel("predicted (ms)")
+    ax.set_title(f"{title}\nheld out: median error {rep.median_rel_error:.1%}, "
+                 f"max {rep.max_rel_error:.1%}", fontsize=9)
+    ax.legend(fontsize=8)
+    tmp = Path(path).with_name(f".{Path(path).name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    tmp.replace(path)
