@@ -1,11 +1,10 @@
 """Calibrate the cost model on this machine: measure peaks and calls, fit, validate, save.
 
-Models per family: the shipped tiny model (or its random twin), the ~100 MB "small" and the
-~420 MB "mid" random-weight variants (overhead-bound and bandwidth-bound on a CPU), or a given
-checkpoint plus the same random variants. Calls of the tiny and mid models are fitted on
-positions per call in ``TRAIN_POSITIONS`` and the shortest context; every other call, and whole
-AR, DtV and WFD runs of the small model (a size the fit never saw) at several draft depths, are
-held out for validation.
+Models per family, by default: the shipped tiny model (or its random twin, or a given checkpoint)
+and the ~420 MB "mid" random-weight variant are fitted (overhead-bound and bandwidth-bound on a
+CPU); the ~100 MB "small" variant is held out. Calls of the fitted models are fitted on positions
+per call in ``TRAIN_POSITIONS`` at the shortest context; every other call, and whole AR, DtV and
+WFD runs of the held-out size at several draft depths, are held out for validation.
 """
 
 from __future__ import annotations
@@ -85,13 +84,14 @@ def measure_peaks(device: str, dtype: str) -> tuple[float, float]:
     return bandwidth, flops
 
 
-def default_models(family: str, checkpoint: str | None) -> dict[str, str]:
-    """role -> model name: 'tiny' and 'mid' are fitted, 'small' is held out."""
+def default_models(family: str, checkpoint: str | None) -> tuple[list[str], str]:
+    """(models the fit uses, the model size held out): the checkpoint or shipped tiny model and
+    the ~420 MB random variant are fitted, the ~100 MB one is held out."""
     from wfd.checkpoint import shipped_models
 
     tiny = checkpoint or (f"{family}-tiny" if f"{family}-tiny" in shipped_models()
                           else f"{family}-tiny:random")
-    return {"tiny": tiny, "mid": f"{family}-mid:random", "small": f"{family}-small:random"}
+    return [tiny, f"{family}-mid:random"], f"{family}-small:random"
 
 
 def spec_for(name: str, model) -> object:
@@ -103,6 +103,7 @@ def spec_for(name: str, model) -> object:
 
 def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu",
               dtype: str = "fp32", quick: bool = False, threads: int | None = None,
+              fit_models: list[str] | None = None, holdout_model: str | None = None,
               progress=None) -> CalibrationProfile:
     import torch
 
@@ -111,7 +112,9 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
     if threads:
         torch.set_num_threads(threads)
     grid: Grid = QUICK if quick else FULL
-    models = default_models(family, checkpoint)
+    default_fit, default_holdout = default_models(family, checkpoint)
+    roles = {f"fit{i}": name for i, name in enumerate(fit_models or default_fit)}
+    roles["holdout"] = holdout_model or default_holdout
     peak_bw, peak_flops = measure_peaks(device, dtype)
     base = HardwareSpec(name=f"{machine_name(device)} ({device}, {dtype}, calibrated)",
                         memory_bandwidth_bytes_per_s=peak_bw,
@@ -119,14 +122,14 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
                         memory_capacity_bytes=_memory_capacity(device),
                         overhead_overlaps=device.startswith("cuda"))
     loaded = {}
-    for role, name in models.items():
+    for role, name in roles.items():
         model = load_model(name, device=device, dtype=dtype)
         if model.config.family != family:
             raise CheckpointError(f"{name} is a {model.config.family} model, not {family}")
         loaded[role] = (name, model, spec_for(name, model))
 
     plan = []
-    for role in ("tiny", "mid", "small"):
+    for role in roles:
         name, model, _ = loaded[role]
         plan += [(role, point) for point in call_grid(name, model, grid)]
     task = progress.add_task("measuring calls", total=len(plan) + 3) if progress else None
@@ -146,7 +149,7 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
     shortest = min(grid.contexts)
 
     def in_training(role: str, s: CallSample) -> bool:
-        return (role != "small" and len(s.record.positions) in TRAIN_POSITIONS
+        return (role != "holdout" and len(s.record.positions) in TRAIN_POSITIONS
                 and min(s.record.contexts) <= shortest + 1)
 
     train = [obs(r, s) for r, s in samples if in_training(r, s)]
@@ -156,7 +159,7 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
         label=f"{s.record.kind} n={len(s.record.positions)} context={min(s.record.contexts) - 1}"
               f" slots={len(s.record.slot_contexts())}", record=s.record)
         for r, s in samples if not in_training(r, s)]
-    name, model, spec = loaded["small"]
+    name, model, spec = loaded["holdout"]
     depth = model.config.depth
     prompt = [32 + (i * 7) % 90 for i in range(64)]
     tokens = 24 if quick else 48
@@ -185,8 +188,8 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
         models=[n for n, _, _ in loaded.values()],
         grid={"positions": list(grid.positions), "contexts": list(grid.contexts),
               "slot_fractions": list(grid.slot_fractions), "repeats": [grid.repeats],
-              "train_positions": list(TRAIN_POSITIONS), "train_models": [
-                  loaded["tiny"][0], loaded["mid"][0]]},
+              "train_positions": list(TRAIN_POSITIONS),
+              "train_models": [loaded[r][0] for r in roles if r != "holdout"]},
         coefficients=fitted,
         fit_stats={"train_points": len(train), "median_abs_rel_residual": float(np.median(rel)),
                    "max_abs_rel_residual": float(rel.max()), "cost": result.cost},

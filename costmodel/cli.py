@@ -113,7 +113,8 @@ def predict_cmd(
     kv_sharing: Annotated[int, typer.Option(
         help="0: one KV slot per depth; S >= 1: S shared slots")] = 0,
     batch: Annotated[int, typer.Option(help="sequences decoded together")] = 1,
-    dtype: Annotated[str, typer.Option(help="fp32, bf16, fp16")] = "bf16",
+    dtype: Annotated[str | None, typer.Option(
+        help="fp32, bf16, fp16 (default: bf16, or the profile's)")] = None,
     cuda_graphs: Annotated[bool | None, typer.Option(
         "--cuda-graphs/--no-cuda-graphs", help="replay kernels from CUDA graphs")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
@@ -129,10 +130,12 @@ def predict_cmd(
                         f"got {kv_sharing}")
     if depth is not None and depth < 2:
         raise UserError(f"depth R must be at least 2, got {depth}")
+    prof = load_profile(profile) if profile is not None else None
+    dtype = dtype or (prof.dtype if prof is not None else "bf16")
     if dtype not in ("fp32", "bf16", "fp16"):
         raise UserError(f"unknown dtype {dtype!r}; use fp32, bf16 or fp16")
-    if profile is not None:
-        base = load_profile(profile).hardware
+    if prof is not None:
+        base = prof.hardware
         hw = _override(base, bandwidth, flops, memory, launch_overhead, dtype, cuda_graphs)
     else:
         hw = _override(get_hardware(hardware), bandwidth, flops, memory, launch_overhead, dtype,
@@ -197,6 +200,11 @@ def calibrate_cmd(
     dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp16")] = "fp32",
     quick: Annotated[bool, typer.Option(help="a small grid (about 2 minutes on a CPU)")] = False,
     threads: Annotated[int | None, typer.Option(help="CPU threads (default: torch's)")] = None,
+    fit_models: Annotated[str | None, typer.Option(
+        help="comma-separated models to fit on (default: the tiny model and FAMILY-mid:random)")
+    ] = None,
+    holdout_model: Annotated[str | None, typer.Option(
+        help="model size held out for validation (default: FAMILY-small:random)")] = None,
     out: Annotated[Path | None, typer.Option(help="profile file to write")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
@@ -226,7 +234,8 @@ def calibrate_cmd(
                       transient=True, disable=as_json) as progress:
             profile = calibrate(model, checkpoint=str(checkpoint) if checkpoint else None,
                                 device=device, dtype=dtype, quick=quick, threads=threads,
-                                progress=progress)
+                                fit_models=fit_models.split(",") if fit_models else None,
+                                holdout_model=holdout_model, progress=progress)
     except CheckpointError as exc:
         raise UserError(str(exc)) from None
     save_profile(profile, out)

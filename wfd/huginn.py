@@ -43,7 +43,8 @@ class HuginnAttention(nn.Module):
         if self.qk_bias is not None:
             q = (q + self.qk_bias[0]).to(q.dtype)
             k = (k + self.qk_bias[1]).to(k.dtype)
-        q, k = rope_interleaved(q, plan.angles), rope_interleaved(k, plan.angles)
+        q = rope_interleaved(q, plan.cos, plan.sin)
+        k = rope_interleaved(k, plan.cos, plan.sin)
         out = attend(q, k, v, plan, kv)
         return self.proj(out.flatten(-2))
 

@@ -33,19 +33,20 @@ def rope_angles(positions: torch.Tensor, head_dim: int, base: float) -> torch.Te
     return torch.outer(positions.float(), inv_freq)
 
 
-def rope_interleaved(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """Huginn: rotate adjacent pairs (2j, 2j+1), computed in fp32. x: [n, heads, head_dim]."""
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Huginn: rotate adjacent pairs (2j, 2j+1), computed in fp32. x: [n, heads, head_dim];
+    cos, sin: [n, head_dim / 2] of the RoPE angles."""
     x32 = x.float().unflatten(-1, (-1, 2))
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    cos, sin = cos[:, None, :], sin[:, None, :]
     x0, x1 = x32[..., 0], x32[..., 1]
     out = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1)
     return out.flatten(-2).to(x.dtype)
 
 
-def rope_rotate_half(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Ouro (HF Llama style): rotate the two halves; cos/sin cast to the activation dtype."""
-    emb = torch.cat((angles, angles), dim=-1)
-    cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+    cos = torch.cat((cos, cos), dim=-1).to(x.dtype)[:, None, :]
+    sin = torch.cat((sin, sin), dim=-1).to(x.dtype)[:, None, :]
     first, second = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-second, first), dim=-1) * sin
 
@@ -57,7 +58,8 @@ class CallPlan:
 
     positions: list[int]
     slots: list[int] | None  # None: no cache (a full forward)
-    angles: torch.Tensor  # [n, head_dim / 2]
+    cos: torch.Tensor  # [n, head_dim / 2] of the RoPE angles
+    sin: torch.Tensor
     mask: torch.Tensor  # [n, T]: key j visible to position i iff j <= p_i
     slot_index: torch.Tensor | None
     pos_index: torch.Tensor
@@ -79,7 +81,8 @@ class CallPlan:
                 step = steps.pop()
                 descending = step < 0
                 slot_range = (min(slots), max(slots), abs(step))
-        return cls(positions=positions, slots=slots, angles=rope_angles(pos, head_dim, base),
+        angles = rope_angles(pos, head_dim, base)
+        return cls(positions=positions, slots=slots, cos=angles.cos(), sin=angles.sin(),
                    mask=keys[None, :] <= pos[:, None],
                    slot_index=None if slots is None else torch.tensor(slots, device=device),
                    pos_index=pos, slot_range=slot_range, descending=descending)

@@ -36,7 +36,8 @@ class OuroAttention(nn.Module):
         q = self.q_proj(x).unflatten(-1, (self.heads, self.head_dim))
         k = self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
         v = self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
-        q, k = rope_rotate_half(q, plan.angles), rope_rotate_half(k, plan.angles)
+        q = rope_rotate_half(q, plan.cos, plan.sin)
+        k = rope_rotate_half(k, plan.cos, plan.sin)
         return self.o_proj(attend(q, k, v, plan, kv).flatten(-2))
 
 

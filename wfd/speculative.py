@@ -207,8 +207,6 @@ def generate_dtv(model: nn.Module, prompt: list[int], *, max_new_tokens: int, bl
 class InFlight:
     position: int
     depth: int
-    state: torch.Tensor  # [1, hidden]
-    injection: torch.Tensor  # [1, hidden]
     draft: Draft | None = None  # the draft this position read out for position + 1
 
 
@@ -229,30 +227,30 @@ def generate_wfd(model: nn.Module, prompt: list[int], *, max_new_tokens: int, dr
                            record, sampling)
     verifier = Verifier(sampling, forced_acceptance)
     out = Committer(first, max_new_tokens, stop_tokens)
-    in_flight: list[InFlight] = []  # oldest first
+    in_flight: list[InFlight] = []  # oldest first; row i of states/injections is in_flight[i]
+    states = injections = None
     waiting: tuple[int, int] | None = (len(prompt), first)  # (position, token) to enter
     ticks = flushed = 0
     while not out.done:
         if waiting is not None and (width_cap is None or len(in_flight) < width_cap):
             pos, token = waiting
             e, state = runner.prelude([token], [pos])
-            in_flight.append(InFlight(pos, 0, state, e))
+            in_flight.append(InFlight(pos, 0))
+            states = state if states is None else torch.cat([states, state])
+            injections = e if injections is None else torch.cat([injections, e])
             waiting = None
         for entry in in_flight:
             entry.depth += 1
-        new_states = runner.block(torch.cat([f.state for f in in_flight]),
-                                  torch.cat([f.injection for f in in_flight]),
-                                  [f.position for f in in_flight], [f.depth for f in in_flight])
-        for i, entry in enumerate(in_flight):
-            entry.state = new_states[i:i + 1]
+        states = runner.block(states, injections, [f.position for f in in_flight],
+                              [f.depth for f in in_flight])
         ticks += 1
-        readout = [f for f in (in_flight[-1], in_flight[0]) if f.depth in (d, depth)]
-        readout = list({id(f): f for f in readout}.values())  # one position may be both
-        if not readout:
+        rows = [i for i in dict.fromkeys((len(in_flight) - 1, 0))  # newest, oldest (maybe one)
+                if in_flight[i].depth in (d, depth)]
+        if not rows:
             continue
-        logits = runner.coda(torch.cat([f.state for f in readout]),
-                             [f.position for f in readout], [f.depth for f in readout])
-        by_depth = {f.depth: (f, logits[i]) for i, f in enumerate(readout)}
+        logits = runner.coda(states[rows], [in_flight[i].position for i in rows],
+                             [in_flight[i].depth for i in rows])
+        by_depth = {in_flight[i].depth: (in_flight[i], logits[j]) for j, i in enumerate(rows)}
         if d in by_depth:  # draft: the newest position proposes the next token
             newest, draft_logits = by_depth[d]
             newest.draft = verifier.draft(draft_logits, newest.position)
@@ -262,9 +260,11 @@ def generate_wfd(model: nn.Module, prompt: list[int], *, max_new_tokens: int, dr
             ok, token = verifier.verify(target_logits, oldest.draft, oldest.position)
             out.commit(token)
             in_flight.pop(0)
+            states, injections = states[1:], injections[1:]
             if not ok:
                 flushed += len(in_flight)
                 in_flight.clear()
+                states = injections = None
                 runner.cache.truncate(oldest.position + 1)
                 waiting = (oldest.position + 1, token)  # the correction re-enters at depth 0
                 if on_flush is not None:

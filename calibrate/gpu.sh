@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Unattended GPU calibration: one NVIDIA GPU, no network, about 8 minutes.
+#
+#   bash calibrate/gpu.sh                  # cuda, bf16, real Huginn-3.5B and Ouro-2.6B sizes
+#   DEVICE=cpu DTYPE=fp32 QUICK=1 SIZES=tiny bash calibrate/gpu.sh   # the same script, tiny, CPU
+#
+# Random-weight models at the real sizes (timing needs no trained weights) are fitted with the
+# mid-size variant; the small variant is held out. The decoder has no CUDA-graph path yet, so the
+# profile is for eager launches. Writes OUT/gpu-FAMILY-DTYPE.json, its validation plot (.png) and
+# its validation report (.validation.json).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DEVICE=${DEVICE:-cuda}
+DTYPE=${DTYPE:-bf16}
+OUT=${OUT:-data/profiles}
+SIZES=${SIZES:-real}
+QUICK_FLAG=$([ "${QUICK:-0}" = "1" ] && echo --quick || true)
+mkdir -p "$OUT"
+python -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+for family in huginn ouro; do
+  if [ "$SIZES" = "real" ]; then
+    big=$([ "$family" = huginn ] && echo huginn-3.5b || echo ouro-2.6b)
+    fit="$family-mid:random,$big:random"
+  else
+    fit="$family-tiny:random"
+  fi
+  python -m costmodel calibrate --model "$family" --device "$DEVICE" --dtype "$DTYPE" \
+    $QUICK_FLAG --fit-models "$fit" --holdout-model "$family-small:random" \
+    --out "$OUT/gpu-$family-$DTYPE.json" --json > "$OUT/gpu-$family-$DTYPE.validation.json"
+  python -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[1], 'median', round(r['median_rel_error'],3), 'max', round(r['max_rel_error'],3))" "$OUT/gpu-$family-$DTYPE.validation.json"
+done

@@ -1,0 +1,46 @@
+"""The shipped tiny trained models load, decode, and draft for real."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from wfd.checkpoint import SHIPPED_DIR, load_model, shipped_models
+from wfd.generate import generate
+
+PROMPT = list(b"    def __init__(self, name, value=None):\n        self.")
+
+
+def test_both_models_ship_small_with_a_card():
+    assert {"huginn-tiny", "ouro-tiny"} <= set(shipped_models())
+    for name in ("huginn-tiny", "ouro-tiny"):
+        folder = SHIPPED_DIR / name
+        assert (folder / "model.safetensors").stat().st_size < 20e6
+        card = (folder / "README.md").read_text()
+        assert "bits per byte" in card and "agreement" in card
+
+
+@pytest.mark.parametrize(("name", "depth", "d"), [("huginn-tiny", 32, 4), ("ouro-tiny", 4, 1)])
+def test_wfd_and_dtv_equal_ar_with_real_drafts(name, depth, d):
+    model = load_model(name)
+    assert model.config.depth == depth
+    ar = generate(model, PROMPT, schedule="ar", max_new_tokens=40, record=False)
+    wfd = generate(model, PROMPT, schedule="wfd", max_new_tokens=40, draft_depth=d,
+                   record=False)
+    dtv = generate(model, PROMPT, schedule="dtv", max_new_tokens=40, draft_depth=d,
+                   block_length=4, record=False)
+    assert wfd.tokens == ar.tokens == dtv.tokens
+    assert wfd.stats["accepted"] > 0
+    text = bytes(ar.tokens).decode("utf-8", errors="replace")
+    assert text.isprintable() or "\n" in text  # source code, not noise
+
+
+def test_generate_defaults_to_huginn_tiny():
+    out = subprocess.run([sys.executable, "-m", "wfd", "generate", "--prompt", "import os\n",
+                          "--schedule", "wfd", "--max-new-tokens", "24", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    payload = json.loads(out.stdout)
+    assert payload["new_tokens"] == 24 and payload["schedule"] == "wfd"
+    assert 0 < payload["acceptance"] <= 1 and isinstance(payload["text"], str)
