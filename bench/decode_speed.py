@@ -31,11 +31,11 @@ PROMPTS = [
 ]
 
 
-def time_schedule(model, schedule: str, new_tokens: int, forced: float | None, **kw
-                  ) -> tuple[float, dict]:
+def time_schedule(model, schedule: str, new_tokens: int, forced: float | None,
+                  prompts: int = len(PROMPTS), **kw) -> tuple[float, dict]:
     """Tokens per second over the prompts (prefill included, as the WFD paper reports)."""
     tokens, wall, accepted = 0, 0.0, []
-    for text in PROMPTS:
+    for text in PROMPTS[:prompts]:
         ids = list(text.encode())
         res = generate(model, ids, schedule=schedule, max_new_tokens=new_tokens,
                        force_acceptance=forced if schedule != "ar" else None, record=False, **kw)
@@ -48,10 +48,10 @@ def time_schedule(model, schedule: str, new_tokens: int, forced: float | None, *
 
 def schedules(args) -> None:
     torch.set_num_threads(args.threads)
-    print(f"| model | schedule | tokens/s (median of {args.repeats}) | speedup vs AR | "
-          "acceptance | decode |\n|---|---|---|---|---|---|")
+    print(f"| model | dtype | schedule | tokens/s (median of {args.repeats}) | speedup vs AR | "
+          "acceptance | decode |\n|---|---|---|---|---|---|---|")
     for name in args.models:
-        model = load_model(name)
+        model = load_model(name, dtype=args.dtype)
         forced = args.acceptance if name.endswith(":random") else None
         depth = model.config.depth
         d = args.draft_depth or max(1, -(-depth // 8))
@@ -64,7 +64,8 @@ def schedules(args) -> None:
         time_schedule(model, "ar", 4, None)  # warm-up
         for _ in range(args.repeats):
             for label, (schedule, kw) in configs.items():
-                rate, info[label] = time_schedule(model, schedule, args.new_tokens, forced, **kw)
+                rate, info[label] = time_schedule(model, schedule, args.new_tokens, forced,
+                                                  args.prompts, **kw)
                 rates[label].append(rate)
         ar = statistics.median(rates["AR"])
         best_dtv = max((label for label in rates if label.startswith("DtV")),
@@ -74,7 +75,7 @@ def schedules(args) -> None:
                 continue
             med = statistics.median(values)
             acc = info[label].get("acceptance")
-            print(f"| {name} | {label} | {med:.1f} | {med / ar:.2f}x | "
+            print(f"| {name} | {args.dtype} | {label} | {med:.1f} | {med / ar:.2f}x | "
                   f"{'' if acc is None else f'{acc:.2f}'} | "
                   f"{'forced acceptance' if forced is not None and label != 'AR' else 'real'} |")
 
@@ -123,6 +124,8 @@ def main() -> None:
     s.add_argument("--draft-depth", type=int, default=None)
     s.add_argument("--block-lengths", type=int, nargs="+", default=[2, 4, 8])
     s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--prompts", type=int, default=len(PROMPTS))
+    s.add_argument("--dtype", default="fp32")
     b = sub.add_parser("block-calls")
     b.add_argument("--model", default="huginn-mid:random")
     b.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])

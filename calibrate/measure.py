@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -46,19 +46,18 @@ class RunSample(BaseModel):
 class Grid:
     positions: list[int]
     contexts: list[int]
-    slot_fractions: list[float]  # distinct slots as a fraction of positions (at least 1)
     repeats: int = 7
     warmup: int = 2
-    models: list[str] = field(default_factory=list)
 
-    def slots_for(self, n: int, depth: int) -> list[int]:
-        return sorted({max(1, min(depth, n, round(f * n))) for f in self.slot_fractions})
+    @staticmethod
+    def slots_for(n: int, depth: int) -> list[int]:
+        """Block calls as the schedules make them: every position at one depth (AR, prefill,
+        DtV's verify), or each at its own depth (a WFD wave, at most R positions)."""
+        return [1, n] if 1 < n <= depth else [1]
 
 
-QUICK = Grid(positions=[1, 2, 4, 8, 16, 32], contexts=[64, 1024], slot_fractions=[0.0, 1.0],
-             repeats=5)
-FULL = Grid(positions=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32], contexts=[64, 512, 2048],
-            slot_fractions=[0.0, 0.5, 1.0], repeats=9)
+QUICK = Grid(positions=[1, 2, 4, 8, 16, 32], contexts=[64, 1024], repeats=5)
+FULL = Grid(positions=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32], contexts=[64, 512, 2048], repeats=9)
 
 
 def _median(times: list[float]) -> tuple[float, float]:
@@ -94,7 +93,8 @@ def time_call(model, name: str, kind: str, n: int, context: int, slots: int, gri
     e = torch.randn_like(state)
     tokens = [(7 * i) % model.config.vocab_size for i in range(n)]
     if kind == "block":
-        depths = [1 + (i % slots) for i in range(n)]
+        # one depth, or a wave: each position at its own depth, oldest (deepest) first
+        depths = [1] * n if slots == 1 else list(range(n, 0, -1))
         call = lambda: runner.block(state, e, positions, depths)  # noqa: E731
     elif kind == "coda":
         choices = sorted({1, depth})[:slots]

@@ -131,6 +131,9 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
     plan = []
     for role in roles:
         name, model, _ = loaded[role]
+        # touch every weight and warm the allocator before anything is timed
+        time_call(model, name, "block", max(grid.positions), max(grid.contexts), 1,
+                  Grid(positions=[1], contexts=[1], repeats=1, warmup=3))
         plan += [(role, point) for point in call_grid(name, model, grid)]
     task = progress.add_task("measuring calls", total=len(plan) + 3) if progress else None
     samples: list[tuple[str, CallSample]] = []
@@ -146,11 +149,8 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
     def obs(role: str, s: CallSample) -> Observation:
         return Observation(model=loaded[role][2], record=s.record, seconds=s.median_s)
 
-    shortest = min(grid.contexts)
-
     def in_training(role: str, s: CallSample) -> bool:
-        return (role != "holdout" and len(s.record.positions) in TRAIN_POSITIONS
-                and min(s.record.contexts) <= shortest + 1)
+        return role != "holdout" and len(s.record.positions) in TRAIN_POSITIONS
 
     train = [obs(r, s) for r, s in samples if in_training(r, s)]
     result = fit(base, train, dtype)
@@ -187,7 +187,7 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
         torch_version=torch.__version__, dtype=dtype, commit=commit(),
         models=[n for n, _, _ in loaded.values()],
         grid={"positions": list(grid.positions), "contexts": list(grid.contexts),
-              "slot_fractions": list(grid.slot_fractions), "repeats": [grid.repeats],
+              "repeats": [grid.repeats],
               "train_positions": list(TRAIN_POSITIONS),
               "train_models": [loaded[r][0] for r in roles if r != "holdout"]},
         coefficients=fitted,

@@ -99,6 +99,9 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a written file reads like any other
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
