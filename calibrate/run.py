@@ -10,7 +10,6 @@ WFD runs of the held-out size at several draft depths, are held out for validati
 from __future__ import annotations
 
 import platform
-import subprocess
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -20,6 +19,7 @@ import numpy as np
 from costmodel.presets import MODELS
 from costmodel.profile import CalibrationProfile, FittedValue
 from costmodel.specs import HardwareSpec
+from costmodel.trace import current_commit
 
 from .fit import PARAMETERS, Observation, fit
 from .measure import FULL, QUICK, CallSample, Grid, call_grid, measure_runs, time_call
@@ -40,15 +40,6 @@ def machine_name(device: str) -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, cwd=Path(__file__).parent, timeout=5)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def measure_peaks(device: str, dtype: str) -> tuple[float, float]:
@@ -184,7 +175,7 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
     profile = CalibrationProfile(
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         hardware=result.hardware, machine=machine_name(device), device=device,
-        torch_version=torch.__version__, dtype=dtype, commit=commit(),
+        torch_version=torch.__version__, dtype=dtype, commit=current_commit(),
         models=[n for n, _, _ in loaded.values()],
         grid={"positions": list(grid.positions), "contexts": list(grid.contexts),
               "repeats": [grid.repeats],

@@ -21,11 +21,6 @@ class UserError(Exception):
     """Bad input: printed as one line on stderr, exit code 2."""
 
 
-def fail(message: str, code: int = 2) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(code)
-
-
 def _validation_message(exc: ValidationError) -> str:
     err = exc.errors()[0]
     where = ".".join(str(p) for p in err.get("loc", ()))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -93,6 +94,16 @@ class DepthTrace(BaseModel):
         if not seq:
             raise TraceError("the depth trace has no decoded positions")
         return sum(seq) / len(seq)
+
+
+def current_commit() -> str:
+    """The project's git commit, for stamping traces and profiles ("unknown" outside git)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=Path(__file__).parent, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Annotated
 
@@ -29,15 +28,6 @@ def _parse_ids(text: str, what: str) -> list[int]:
     if not ids:
         raise UserError(f"{what} is empty")
     return ids
-
-
-def current_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, cwd=Path(__file__).parent, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() or "unknown"
 
 
 @app.command()
@@ -93,7 +83,7 @@ def generate(
 
     import torch  # heavy: only once the arguments are known to be sane
 
-    from costmodel.trace import TraceHeader, write_jsonl
+    from costmodel.trace import TraceHeader, current_commit, write_jsonl
 
     from .checkpoint import SHIPPED_DIR, CheckpointError, load_model
     from .generate import GenerationError, Sampling, generate
