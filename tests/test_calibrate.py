@@ -31,7 +31,7 @@ def synthetic(hw: HardwareSpec, noise: float, seed: int = 0) -> list[Observation
     obs = []
     for preset in ("huginn-tiny", "huginn-mid", "ouro-mid"):
         spec = get_model(preset)
-        for n in (1, 2, 4, 8, 16):
+        for n in (1, 2, 4, 8, 16, 64):  # 64 rows of the mid models are compute-bound
             for ctx in (64, 1024, 4096):
                 for slots in sorted({1, n}):
                     positions = list(range(ctx, ctx + n))
