@@ -114,10 +114,16 @@ def time_call(model, name: str, kind: str, n: int, context: int, slots: int, gri
     return CallSample(model=name, record=record, median_s=median, spread_s=spread)
 
 
+def contexts_for(model, grid: Grid) -> list[int]:
+    """The grid's contexts that leave room for the widest call within the model's positions."""
+    room = model.config.max_position_embeddings - max(grid.positions) - 1
+    return [c for c in grid.contexts if c <= room] or [min(grid.contexts)]
+
+
 def call_grid(name: str, model, grid: Grid) -> list[tuple[str, int, int, int]]:
     depth = model.config.depth
     points = []
-    for context in grid.contexts:
+    for context in contexts_for(model, grid):
         for n in grid.positions:
             for slots in grid.slots_for(n, depth):
                 points.append(("block", n, context, slots))

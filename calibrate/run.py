@@ -22,7 +22,16 @@ from costmodel.specs import HardwareSpec
 from costmodel.trace import current_commit
 
 from .fit import PARAMETERS, Observation, fit
-from .measure import FULL, QUICK, CallSample, Grid, call_grid, measure_runs, time_call
+from .measure import (
+    FULL,
+    QUICK,
+    CallSample,
+    Grid,
+    call_grid,
+    contexts_for,
+    measure_runs,
+    time_call,
+)
 from .validate import ValidationPoint, run_point
 
 TRAIN_POSITIONS = (1, 2, 4)
@@ -123,7 +132,7 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
     for role in roles:
         name, model, _ = loaded[role]
         # touch every weight and warm the allocator before anything is timed
-        time_call(model, name, "block", max(grid.positions), max(grid.contexts), 1,
+        time_call(model, name, "block", max(grid.positions), max(contexts_for(model, grid)), 1,
                   Grid(positions=[1], contexts=[1], repeats=1, warmup=3))
         plan += [(role, point) for point in call_grid(name, model, grid)]
     task = progress.add_task("measuring calls", total=len(plan) + 3) if progress else None

@@ -12,6 +12,7 @@ from .predict import Prediction, predict
 from .presets import UnknownPresetError, get_hardware, get_model
 from .profile import ProfileError, load_profile, save_profile
 from .specs import HardwareSpec, Workload
+from .trace import TraceError
 from .units import (
     UnitError,
     format_bytes,
@@ -107,6 +108,8 @@ def predict_cmd(
         help="DtV block length k (default: the best in 1..32)")] = None,
     acceptance: Annotated[float | None, typer.Option(
         help="draft acceptance alpha in [0, 1] (default: the model's)")] = None,
+    depth_trace: Annotated[Path | None, typer.Option(
+        help="a measured depth trace: the acceptance at the draft depth is read from it")] = None,
     context: Annotated[int, typer.Option(help="prompt/context length in tokens")] = 1024,
     new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 512,
     depth: Annotated[int | None, typer.Option(help="recurrence depth R (default: model's)")] = None,
@@ -142,6 +145,7 @@ def predict_cmd(
                        cuda_graphs)
     spec = get_model(model)
     workload = Workload(context_length=context, new_tokens=new_tokens, acceptance=acceptance,
+                        depth_trace=str(depth_trace) if depth_trace else None,
                         batch_size=batch, dtype=dtype, kv_sharing=kv_sharing, depth=depth)
     result = predict(spec, hw, workload, width=width, draft_depth=draft_depth,
                      block_length=block_length)
@@ -294,4 +298,4 @@ def validate_cmd(
     _print_validation(prof, rep, profile, plot_path, as_json)
 
 
-main = run(app, (UnitError, UnknownPresetError, ProfileError))
+main = run(app, (UnitError, UnknownPresetError, ProfileError, TraceError))

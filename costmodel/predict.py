@@ -140,6 +140,22 @@ def resolve_draft_depth(model: LoopedModelSpec, depth: int, width: int | None,
     return d
 
 
+def acceptance_for(spec: LoopedModelSpec, wl: Workload, depth: int, draft_depth: int) -> float:
+    """The workload's acceptance: given, read from its depth trace at the draft depth, or the
+    model's default."""
+    if wl.acceptance is not None:
+        return wl.acceptance
+    if wl.depth_trace is not None:
+        from .trace import read_depth_trace
+
+        trace = read_depth_trace(wl.depth_trace)
+        if trace.header.depth != depth:
+            raise ValueError(f"the depth trace was recorded at R = {trace.header.depth}, the "
+                             f"prediction is for R = {depth}")
+        return trace.acceptance(draft_depth)
+    return spec.default_acceptance
+
+
 def predict(
     model: str | LoopedModelSpec = "huginn-3.5b",
     hardware: str | HardwareSpec = "a6000",
@@ -165,7 +181,7 @@ def predict(
         raise ValueError(f"width cap must be at least 1, got {width_cap}")
     if wl.kv_sharing > depth:
         raise ValueError(f"KV sharing uses at most R = {depth} slots, got {wl.kv_sharing}")
-    alpha = np.asarray(spec.default_acceptance if wl.acceptance is None else wl.acceptance)
+    alpha = np.asarray(acceptance_for(spec, wl, depth, d))
     hw.achievable_flops_per_s(wl.dtype)  # an unknown dtype fails here with a clear message
 
     wfd = WFD(draft_depth=d, width_cap=width_cap)

@@ -218,14 +218,23 @@ class LoopedModelSpec(Spec):
 class Workload(Spec):
     context_length: Annotated[int, Field(ge=1)] = 1024
     new_tokens: Annotated[int, Field(ge=1)] = 512
-    # None: the model's default acceptance.
+    # None: the model's default acceptance, or the one a depth trace gives.
     acceptance: Annotated[float, Field(ge=0, le=1)] | None = None
+    # A measured depth trace (JSON Lines, DESIGN.md section 4): the acceptance of the draft depth
+    # is read from it (the rate at which y(p, d) equals y(p, R) over its decoded positions).
+    depth_trace: str | None = None
     batch_size: Annotated[int, Field(ge=1)] = 1
     dtype: Dtype = "bf16"
     # 0: recurrence-specific KV (one slot per depth); s >= 1: s shared slots, depth r -> r mod s.
     kv_sharing: Annotated[int, Field(ge=0)] = 0
     # None: the model's default depth R.
     depth: Annotated[int, Field(ge=2)] | None = None
+
+    @model_validator(mode="after")
+    def _one_acceptance(self) -> Workload:
+        if self.acceptance is not None and self.depth_trace is not None:
+            raise ValueError("give an acceptance or a depth trace, not both")
+        return self
 
     def mean_context(self) -> float:
         """The context a decode step sees on average over the generation."""

@@ -93,3 +93,24 @@ def test_the_cli_does_not_import_torch_scipy_or_matplotlib():
             "print(sorted(m for m in ('torch', 'scipy', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_acceptance_from_a_measured_depth_trace(tmp_path):
+    from costmodel.trace import DepthRecord, TraceHeader, write_jsonl
+
+    header = TraceHeader(trace="depths", source="measured", model="huginn-tiny", device="cpu",
+                         dtype="fp32", depth=32, prompt_length=10)
+    # depth 4 agrees with depth 32 at 3 of 4 decoded positions
+    records = [DepthRecord(position=10 + i, token=5, top1_prob=[0.5] * 32,
+                           predictions=[5] * 3 + [5 if i else 7] + [5] * 28) for i in range(4)]
+    path = tmp_path / "depths.jsonl"
+    write_jsonl(path, header, records)
+    out = run("predict", "--depth-trace", str(path), "--width", "8", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["schedules"]["wfd"]["acceptance"] == 0.75
+    both = run("predict", "--depth-trace", str(path), "--acceptance", "0.9")
+    assert both.returncode == 2 and "not both" in both.stderr
+    wrong = run("predict", "--depth-trace", str(path), "--model", "ouro-2.6b")
+    assert wrong.returncode == 2 and "R = 32" in wrong.stderr
+    missing = run("predict", "--depth-trace", str(tmp_path / "none.jsonl"))
+    assert missing.returncode == 2 and "cannot read trace" in missing.stderr
