@@ -2,9 +2,12 @@
 decoder could take: F.linear on [out, in] weights, a matmul on weights stored transposed
 ([in, out], contiguous), bf16 weights, and 1 or 2 threads.
 
-    python bench/matmul_paths.py [--shape 1024 2816] [--rows 1 2 3 4 8 16 32] [--repeats 30]
+    python bench/matmul_paths.py [--shape 1024 2816 ...] [--rows 1 2 3 4 8 16 32] [--repeats 30]
+        [--paths linear matmul bf16] [--cold]
 
-Prints a Markdown table: milliseconds per product and the ratio to one row.
+With --cold each product reads one of enough copies of the weights to exceed the last-level
+cache (as a large model's calls do); without it the same weights are reused (and stay cached).
+Prints a Markdown table: milliseconds per product, the ratio to one row and the weights' GB/s.
 """
 
 from __future__ import annotations
@@ -28,38 +31,55 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def cold_copies(weight: torch.Tensor, total_bytes: float = 256e6) -> list[torch.Tensor]:
+    count = max(2, int(total_bytes // (weight.numel() * weight.element_size())))
+    return [weight.clone() for _ in range(count)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", type=int, nargs=2, default=[1024, 2816],
-                        help="in and out features (default: huginn-mid's MLP up-projection)")
+    parser.add_argument("--shape", type=int, nargs=2, action="append",
+                        help="in and out features, repeatable (default: 1024 2816, huginn-mid's "
+                             "MLP up-projection)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 8, 16, 32])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--paths", nargs="+", default=["linear", "matmul", "bf16"],
+                        choices=["linear", "matmul", "bf16"])
+    parser.add_argument("--cold", action="store_true",
+                        help="stream the weights from memory, not the cache")
     args = parser.parse_args()
-    d_in, d_out = args.shape
-    w = torch.randn(d_out, d_in) / d_in**0.5
-    paths = {
-        "F.linear fp32 [out,in]": (w, lambda x, w: F.linear(x, w), torch.float32),
-        "matmul fp32 [in,out]": (w.t().contiguous(), lambda x, w: x @ w, torch.float32),
-        "F.linear bf16 [out,in]": (w.to(torch.bfloat16), lambda x, w: F.linear(x, w),
-                                   torch.bfloat16),
-    }
-    mb = w.numel() * 4 / 1e6
-    print(f"weights {d_out}x{d_in} ({mb:.1f} MB fp32)\n")
-    print("| path | threads | rows | ms | x one row | GB/s of weights |\n|---|---|---|---|---|---|")
-    with torch.inference_mode():
-        for threads in args.threads:
-            torch.set_num_threads(threads)
-            for label, (weight, fn, dtype) in paths.items():
-                base = None
-                for rows in args.rows:
-                    x = torch.randn(rows, d_in).to(dtype)
-                    t = timed(lambda x=x, weight=weight, fn=fn: fn(x, weight), args.repeats)
-                    base = base or t
-                    gbs = weight.numel() * weight.element_size() / t / 1e9
-                    print(f"| {label} | {threads} | {rows} | {t * 1e3:.3f} | {t / base:.2f} | "
-                          f"{gbs:.1f} |")
+    print("| weights | path | threads | rows | ms | x one row | GB/s of weights |\n"
+          "|---|---|---|---|---|---|---|")
+    for d_in, d_out in args.shape or [(1024, 2816)]:
+        w = torch.randn(d_out, d_in) / d_in**0.5
+        paths = {
+            "linear": ("F.linear fp32 [out,in]", w, lambda x, w: F.linear(x, w), torch.float32),
+            "matmul": ("matmul fp32 [in,out]", w.t().contiguous(), lambda x, w: x @ w,
+                       torch.float32),
+            "bf16": ("F.linear bf16 [out,in]", w.to(torch.bfloat16),
+                     lambda x, w: F.linear(x, w), torch.bfloat16),
+        }
+        shape = f"{d_out}x{d_in} ({w.numel() * 4 / 1e6:.1f} MB fp32)"
+        with torch.inference_mode():
+            for threads in args.threads:
+                torch.set_num_threads(threads)
+                for key in args.paths:
+                    label, weight, fn, dtype = paths[key]
+                    weights = cold_copies(weight) if args.cold else [weight]
+                    base = None
+                    for rows in args.rows:
+                        x = torch.randn(rows, d_in).to(dtype)
+
+                        def run(x=x, fn=fn, weights=weights) -> None:
+                            for each in weights:
+                                fn(x, each)
+                        t = timed(run, args.repeats) / len(weights)
+                        base = base or t
+                        gbs = weight.numel() * weight.element_size() / t / 1e9
+                        print(f"| {shape} | {label} | {threads} | {rows} | {t * 1e3:.3f} | "
+                              f"{t / base:.2f} | {gbs:.1f} |")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 The fitted quantity is the cost model itself: ``costmodel.cost.call_cost`` with a hardware spec
 whose coefficients are free (host overhead per call, launch overhead per kernel, achievable
 fractions of the measured peak bandwidth for weights and for KV and of the measured peak flops,
-and the small-row weight re-streaming fraction and its limit). Robust least squares
+and how often a blocked matrix product streams the weights; the row count where the library
+switches to blocked products is measured, not fitted). Robust least squares
 (scipy.optimize.least_squares, soft-L1 loss) on log times, so every call weighs by its relative
 error; standard errors from the Jacobian at the optimum.
 """
@@ -20,13 +21,17 @@ from costmodel.specs import HardwareSpec, LoopedModelSpec
 from costmodel.trace import CallRecord
 
 # name, HardwareSpec field, lower bound, upper bound, initial value, unit
+F_SCALE = 0.05
 PARAMETERS = [
     ("host_overhead_s", 0.0, 5e-3, 2e-5, "s"),
     ("launch_overhead_s", 0.0, 5e-4, 5e-6, "s"),
     ("bandwidth_efficiency", 0.01, 1.0, 0.5, "fraction of peak"),
+    ("layer_stream_latency_s", 0.0, 5e-3, 5e-5, "s per layer streamed from memory"),
     ("kv_bandwidth_efficiency", 0.01, 1.0, 0.5, "fraction of peak"),
     ("flops_efficiency", 0.01, 1.0, 0.5, "fraction of peak"),
-    ("row_pass_fraction", 0.0, 1.0, 0.1, "weight passes per extra row"),
+    ("gemv_row_passes", 0.0, 1.0, 0.8, "weight passes per extra row of vector products"),
+    ("blocked_gemm_weight_passes", 1.0, 8.0, 1.5, "weight passes of a blocked product"),
+    ("roofline_exponent", 1.0, 16.0, 3.0, "p of the p-norm of memory and compute time"),
 ]
 
 
@@ -42,7 +47,6 @@ class FitResult:
     hardware: HardwareSpec
     values: dict[str, float]
     stderr: dict[str, float]
-    row_pass_limit: int
     residuals: np.ndarray  # relative errors on the training points
     cost: float
 
@@ -66,44 +70,36 @@ def predict_calls(hw: HardwareSpec, obs: Sequence[Observation], dtype: str) -> n
     return out
 
 
-def _with(base: HardwareSpec, theta: np.ndarray, limit: int) -> HardwareSpec:
-    update = {name: float(v) for (name, *_), v in zip(PARAMETERS, theta, strict=True)}
-    update["row_pass_limit"] = limit
-    return base.model_copy(update=update)
+def _with(base: HardwareSpec, theta: np.ndarray) -> HardwareSpec:
+    return base.model_copy(update={name: float(v) for (name, *_), v in
+                                   zip(PARAMETERS, theta, strict=True)})
 
 
-def fit(base: HardwareSpec, obs: Sequence[Observation], dtype: str,
-        row_pass_limits: Sequence[int] = (1, 2, 4, 8, 16, 32)) -> FitResult:
-    """Fit the free coefficients of ``base`` (whose peaks are the measured ones) to ``obs``.
-
-    The integer ``row_pass_limit`` is chosen by trying each candidate."""
+def fit(base: HardwareSpec, obs: Sequence[Observation], dtype: str) -> FitResult:
+    """Fit the free coefficients of ``base`` (whose peaks and blocked-product row count are the
+    measured ones) to ``obs``."""
     from scipy.optimize import least_squares
 
     measured = np.array([o.seconds for o in obs])
     lower = np.array([p[1] for p in PARAMETERS])
     upper = np.array([p[2] for p in PARAMETERS])
     start = np.array([p[3] for p in PARAMETERS])
-    best = None
-    for limit in row_pass_limits:
-        def residual(theta: np.ndarray, limit: int = limit) -> np.ndarray:
-            return np.log(predict_calls(_with(base, theta, limit), obs, dtype)) - np.log(measured)
 
-        res = least_squares(residual, start, bounds=(lower, upper), loss="soft_l1", f_scale=0.05,
-                            x_scale="jac")
-        if best is None or res.cost < best[0].cost:
-            best = (res, limit)
-    res, limit = best
-    jac = res.jac
+    def residual(theta: np.ndarray) -> np.ndarray:
+        return np.log(predict_calls(_with(base, theta), obs, dtype)) - np.log(measured)
+
+    res = least_squares(residual, start, bounds=(lower, upper), loss="soft_l1", f_scale=F_SCALE,
+                        x_scale="jac")
     dof = max(len(measured) - len(start), 1)
     sigma2 = float(np.sum(res.fun**2) / dof)
     try:
-        cov = np.linalg.pinv(jac.T @ jac) * sigma2
+        cov = np.linalg.pinv(res.jac.T @ res.jac) * sigma2
         stderr = np.sqrt(np.clip(np.diag(cov), 0, None))
     except np.linalg.LinAlgError:
         stderr = np.full(len(start), np.nan)
-    hw = _with(base, res.x, limit)
+    hw = _with(base, res.x)
     rel = predict_calls(hw, obs, dtype) / measured - 1
     return FitResult(hardware=hw,
                      values={p[0]: float(v) for p, v in zip(PARAMETERS, res.x, strict=True)},
                      stderr={p[0]: float(v) for p, v in zip(PARAMETERS, stderr, strict=True)},
-                     row_pass_limit=limit, residuals=rel, cost=float(res.cost))
+                     residuals=rel, cost=float(res.cost))

@@ -5,7 +5,7 @@
 #   DEVICE=cpu DTYPE=fp32 QUICK=1 SIZES=tiny bash calibrate/gpu.sh   # the same script, tiny, CPU
 #
 # Random-weight models at the real sizes (timing needs no trained weights) are fitted with the
-# mid-size variant; the small variant is held out. The decoder has no CUDA-graph path yet, so the
+# small and mid variants; the base variant (about 230 MB) is held out. The decoder has no CUDA-graph path yet, so the
 # profile is for eager launches. Writes OUT/gpu-FAMILY-DTYPE.json, its validation plot (.png) and
 # its validation report (.validation.json).
 set -euo pipefail
@@ -20,12 +20,14 @@ python -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is
 for family in huginn ouro; do
   if [ "$SIZES" = "real" ]; then
     big=$([ "$family" = huginn ] && echo huginn-3.5b || echo ouro-2.6b)
-    fit="$family-mid:random,$big:random"
+    fit="$family-small:random,$family-mid:random,$big:random"
+    holdout="$family-base:random"
   else
     fit="$family-tiny:random"
+    holdout="$family-small:random"
   fi
   python -m costmodel calibrate --model "$family" --device "$DEVICE" --dtype "$DTYPE" \
-    $QUICK_FLAG --fit-models "$fit" --holdout-model "$family-small:random" \
+    $QUICK_FLAG --fit-models "$fit" --holdout-model "$holdout" \
     --out "$OUT/gpu-$family-$DTYPE.json" --json > "$OUT/gpu-$family-$DTYPE.validation.json"
   python -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[1], 'median', round(r['median_rel_error'],3), 'max', round(r['max_rel_error'],3))" "$OUT/gpu-$family-$DTYPE.validation.json"
 done

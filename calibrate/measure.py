@@ -1,4 +1,6 @@
-"""Time the decoder's parts on this machine: single P, B and C calls over a grid of positions per
+"""Time the decoder's parts on this machine: the machine's peaks (memory and cache bandwidth,
+matrix-product flops, the row count where matrix products switch to a blocked kernel); single P,
+B and C calls over a grid of positions per
 call, context lengths and distinct KV slots, for a list of models; and whole AR, DtV and WFD runs
 with their call traces.
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -56,8 +59,136 @@ class Grid:
         return [1, n] if 1 < n <= depth else [1]
 
 
-QUICK = Grid(positions=[1, 2, 4, 8, 16, 32], contexts=[64, 1024], repeats=5)
-FULL = Grid(positions=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32], contexts=[64, 512, 2048], repeats=9)
+QUICK = Grid(positions=[1, 2, 4, 8, 16, 32], contexts=[64, 256, 1024], repeats=5)
+FULL = Grid(positions=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32], contexts=[64, 512, 2048], repeats=7)
+
+
+@dataclass
+class Peaks:
+    """What the fitted efficiencies are fractions of, and the library's blocked-product switch."""
+
+    bandwidth_bytes_per_s: float  # a copy much larger than the cache
+    flops_per_s: float  # a 1024 x 1024 x 1024 matrix product
+    cache_bytes: float  # the last-level cache
+    cache_bandwidth_bytes_per_s: float  # a copy that fits in it
+    blocked_gemm_rows: int  # the fewest rows a matrix product runs as a blocked kernel
+
+
+def cache_size_bytes(device: str) -> float:
+    """The last-level cache: L2 of a GPU, the highest-level CPU cache sysfs lists."""
+    import torch
+
+    if device.startswith("cuda"):
+        return float(torch.cuda.get_device_properties(0).L2_cache_size)
+    best = 0.0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, float(digits) * scale)
+    return best or 8 * 2**20
+
+
+def measure_peaks(device: str, dtype: str) -> Peaks:
+    """Best-of-repeats timings of copies, a large product and products over 1..8 rows."""
+    import torch
+
+    from wfd.checkpoint import DTYPES
+
+    dev = torch.device(device)
+    dt = DTYPES[dtype]
+
+    def best(fn, repeats: int = 5) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    def copy_bandwidth(nbytes: float, inner: int) -> float:
+        src = torch.ones(int(nbytes) // dt.itemsize, dtype=dt, device=dev)
+        dst = torch.empty_like(src)
+
+        def copies() -> None:
+            for _ in range(inner):
+                dst.copy_(src)
+        return 2 * inner * src.numel() * src.element_size() / best(copies)
+
+    cache = cache_size_bytes(device)
+    bandwidth = copy_bandwidth(max(256 * 2**20, 8 * cache), 1)
+    cache_bandwidth = copy_bandwidth(cache / 4, 20)  # source and copy fill half the cache
+    a = torch.randn(1024, 1024, device=dev).to(dt)
+    flops = 2 * 1024**3 / best(lambda: a @ a)
+    # Rows 1..8 against weights well beyond the cache: a library that runs a few rows as vector
+    # products costs about n passes; the first n well below that is a blocked kernel.
+    side = int((max(4 * cache, 64 * 2**20) / dt.itemsize) ** 0.5)
+    weights = torch.randn(side, side, device=dev).to(dt)
+    one = best(lambda: torch.nn.functional.linear(torch.ones(1, side, device=dev, dtype=dt),
+                                                  weights))
+    rows = 9
+    for n in range(2, 9):
+        x = torch.ones(n, side, device=dev, dtype=dt)
+        if best(lambda x=x: torch.nn.functional.linear(x, weights)) < 0.75 * n * one:
+            rows = n
+            break
+    return Peaks(bandwidth_bytes_per_s=bandwidth, flops_per_s=flops, cache_bytes=cache,
+                 cache_bandwidth_bytes_per_s=cache_bandwidth, blocked_gemm_rows=rows)
+
+
+def count_ops(model, kind: str) -> int:
+    """Operations the decoder dispatches for one call of ``kind`` over one position (what the
+    cost model counts as kernels: each pays the per-kernel overhead)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from wfd.runtime import Runner
+
+    class Counter(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counter.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    cache = _timed_cache(model, 8, 1, model.config.depth)
+    runner = Runner(model, cache, record=False)
+    param = next(model.parameters())
+    state = torch.zeros(1, model.config.hidden_size, dtype=param.dtype, device=param.device)
+    calls = {"prelude": lambda: runner.prelude([1], [8]),
+             "block": lambda: runner.block(state, state, [8], [1]),
+             "coda": lambda: runner.coda(state, [8], [model.config.depth])}
+    with torch.inference_mode(), Counter():
+        calls[kind]()
+    return Counter.ops
+
+
+def decoder_kernels(models: list) -> tuple[int, dict[str, int]]:
+    """(operations per transformer layer, operations per call of each part outside its layers)
+    of this decoder, from op counts of models with different numbers of layers."""
+    def layers(model, kind: str) -> int:
+        cfg = model.config
+        return {"prelude": cfg.prelude_layers, "block": cfg.core_layers,
+                "coda": cfg.coda_layers}[kind]
+
+    counts = {kind: [(layers(model, kind), count_ops(model, kind)) for model in models]
+              for kind in ("prelude", "block", "coda")}
+    blocks = sorted(set(counts["block"]))
+    (l0, c0), (l1, c1) = blocks[0], blocks[-1]
+    # with one layer count, the part's operations outside the layers are taken as the block's
+    per_layer = round((c1 - c0) / (l1 - l0)) if l1 > l0 else round(c1 / (l1 + 1))
+    extras = {kind: max(0, round(sum(c - layers * per_layer for layers, c in pairs)
+                                 / len(pairs)))
+              for kind, pairs in counts.items()}
+    return per_layer, extras
 
 
 def _median(times: list[float]) -> tuple[float, float]:

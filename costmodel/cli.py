@@ -270,7 +270,7 @@ def _print_validation(profile, rep, path: Path, plot_path: Path, as_json: bool) 
     for col in ("group", "points", "median |rel. error|", "max |rel. error|"):
         table.add_column(col)
     for group, stats in rep.per_schedule.items():
-        table.add_row(group, str(stats["points"]), f"{stats['median_rel_error']:.1%}",
+        table.add_row(group, str(int(stats["points"])), f"{stats['median_rel_error']:.1%}",
                       f"{stats['max_rel_error']:.1%}")
     table.add_row("all", str(len(rep.points)), f"{rep.median_rel_error:.1%}",
                   f"{rep.max_rel_error:.1%}")

@@ -2,13 +2,17 @@
 
     t = t_host + n_kernels * t_launch + max(bytes / BW_eff, flops / F_eff)
 
+(or the p-norm of the two where ``HardwareSpec.roofline_exponent`` is set: a CPU does not fully
+overlap memory and compute near the ridge)
 on a device that runs its own kernels (a CPU). On a GPU, launches are asynchronous: the host's
 overhead overlaps the device's work and a call costs the larger of the two (``overhead_overlaps``);
 the breakdown then shows the exposed overhead, the part not hidden behind the device.
 
-bytes = the part's weights (once per call, whatever n) + the KV read (for each distinct slot, its
-context x KV bytes per token) + the KV written + activations. flops = 2 * matmul params * n +
-attention (4 * context * heads * head_dim per position per layer).
+bytes = the part's weights (once per call, or more often for few rows on some CPU libraries: see
+``HardwareSpec.blocked_gemm_rows``; from the last-level cache when the part's weights fit in half
+of it, the rest of the loop streaming through the other half) + the KV read (for each distinct
+slot, its context x KV bytes per token) + the KV written + activations. flops = 2 * matmul
+params * n + attention (4 * context * heads * head_dim per position per layer).
 
 Every argument may be a numpy array (they broadcast), so one formula serves single predictions,
 the event simulator and sweeps of 10^5 points.
@@ -104,18 +108,34 @@ def call_cost(
     attention_launches = np.where(hw.attention_split_by_slot, n_slots, np.minimum(n_slots, 1))
     kernels = part.layers * (hw.kernels_per_layer
                              + hw.attention_kernels_per_slot * attention_launches)
-    kernels = kernels + part.extra_kernels
+    kernels = kernels + hw.part_extra_kernels.get(part.name, part.extra_kernels)
     overhead = hw.host_overhead_s + kernels * hw.kernel_overhead_s
 
-    passes = 1.0 + hw.row_pass_fraction * (np.minimum(n_positions, hw.row_pass_limit) - 1)
+    vector_rows = n_positions < hw.blocked_gemm_rows
+    passes = np.where(vector_rows, 1 + hw.gemv_row_passes * (n_positions - 1),
+                      hw.blocked_gemm_weight_passes)
+    weights_bw = bw_peak
+    if hw.cache_bandwidth_bytes_per_s and part.weight_params * width <= hw.cache_bytes / 2:
+        weights_bw = hw.cache_bandwidth_bytes_per_s
+        stream_latency_s = 0.0
+    else:
+        stream_latency_s = part.layers * hw.layer_stream_latency_s
     weights_mem_s = (weight_bytes * passes + activation_bytes) / (
-        bw_peak * hw.bandwidth_efficiency)
+        weights_bw * hw.bandwidth_efficiency) + stream_latency_s
     kv_mem_s = (kv_read + kv_write) / (bw_peak * kv_eff)
     memory_s = weights_mem_s + kv_mem_s
     compute_s = flops / (flops_peak * hw.flops_efficiency)
     memory_bound = memory_s >= compute_s
+    roofline_s = np.maximum(memory_s, compute_s)
+    if hw.roofline_exponent is not None:
+        p = hw.roofline_exponent
+        roofline_s = roofline_s * (1 + (np.minimum(memory_s, compute_s) / roofline_s) ** p) ** (
+            1 / p)
+    # the roofline term is attributed to memory or compute, whichever is larger
+    scale = roofline_s / np.maximum(memory_s, compute_s)
+    weights_mem_s, kv_mem_s, compute_s = weights_mem_s * scale, kv_mem_s * scale, compute_s * scale
     if hw.overhead_overlaps:
-        overhead = np.maximum(overhead - np.maximum(memory_s, compute_s), 0.0)
+        overhead = np.maximum(overhead - roofline_s, 0.0)
     total_bytes = weight_bytes + kv_read + kv_write + activation_bytes
     ideal = np.maximum(total_bytes / bw_peak, flops / flops_peak)
     return CallCost(

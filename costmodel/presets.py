@@ -29,8 +29,8 @@ MODELS: dict[str, LoopedModelSpec] = {
         core_layers=48, coda_layers=0, exit_gate=True, default_depth=4,
         default_acceptance=0.92, default_draft_depth=1, max_position_embeddings=65536),
     # Scaled-down architectures of the same families, for laptops and CPU timing: "tiny" is the
-    # shape of the shipped trained models, "small" about 100 MB, "mid" a few hundred MB
-    # (bandwidth-bound on a CPU).
+    # shape of the shipped trained models, "small" about 100 MB, "base" about 230 MB, "mid"
+    # about 420 MB (bandwidth-bound on a CPU).
     # Their acceptance defaults are the family's published figures above, not measurements.
     "huginn-tiny": LoopedModelSpec(
         name="huginn-tiny", family="huginn", hidden_size=192, num_heads=3, num_kv_heads=3,
@@ -50,6 +50,16 @@ MODELS: dict[str, LoopedModelSpec] = {
     "ouro-small": LoopedModelSpec(
         name="ouro-small", family="ouro", hidden_size=512, num_heads=8, num_kv_heads=8,
         head_dim=64, mlp_size=1408, vocab_size=256, tied_head=False, prelude_layers=0,
+        core_layers=8, coda_layers=0, exit_gate=True, default_depth=4,
+        default_acceptance=0.92, default_draft_depth=1, max_position_embeddings=4096),
+    "huginn-base": LoopedModelSpec(
+        name="huginn-base", family="huginn", hidden_size=768, num_heads=12, num_kv_heads=12,
+        head_dim=64, mlp_size=2112, vocab_size=256, tied_head=True, prelude_layers=2,
+        core_layers=4, coda_layers=2, qk_bias=True, default_depth=32,
+        default_acceptance=0.94, default_draft_depth=4, max_position_embeddings=4096),
+    "ouro-base": LoopedModelSpec(
+        name="ouro-base", family="ouro", hidden_size=768, num_heads=12, num_kv_heads=12,
+        head_dim=64, mlp_size=2112, vocab_size=256, tied_head=False, prelude_layers=0,
         core_layers=8, coda_layers=0, exit_gate=True, default_depth=4,
         default_acceptance=0.92, default_draft_depth=1, max_position_embeddings=4096),
     "huginn-mid": LoopedModelSpec(

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .specs import HardwareSpec, LoopedModelSpec
 from .trace import CallRecord, atomic_write_text
 
-PROFILE_SCHEMA_VERSION = 1
+PROFILE_SCHEMA_VERSION = 2  # 2: measured kernel counts, cache, blocked products, p-norm
 
 
 class ProfileError(ValueError):

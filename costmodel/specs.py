@@ -37,21 +37,40 @@ class HardwareSpec(Spec):
     # Achievable fraction for KV-cache traffic; None means the same as for weights.
     kv_bandwidth_efficiency: Annotated[float, Field(gt=0, le=1)] | None = None
     flops_efficiency: Annotated[float, Field(gt=0, le=1)] = 0.7
+    # How memory and compute time combine: the larger of the two (None, the roofline), or the
+    # p-norm (m^p + c^p)^(1/p), which a CPU that cannot fully overlap them follows near the ridge.
+    roofline_exponent: Annotated[float, Field(ge=1)] | None = None
     cuda_graphs: bool = False
     # Whether launch and host overheads overlap the device's work (a GPU runs kernels while the
     # host enqueues the next ones: a call costs the larger of the two) or add to it (a CPU runs
     # the kernels itself).
     overhead_overlaps: bool = False
-    # Small-row matrix products: the fraction of a call's weights streamed again for each position
-    # beyond the first, up to ``row_pass_limit`` positions (some CPU libraries run a few rows as
-    # separate vector products); 0 on GPUs. Calibration fits both.
-    row_pass_fraction: Annotated[float, Field(ge=0)] = 0.0
-    row_pass_limit: Annotated[int, Field(ge=1)] = 1
+    # Matrix products on some CPU libraries: over fewer than ``blocked_gemm_rows`` positions, each
+    # position is its own vector product and streams ``gemv_row_passes`` of the weights again
+    # (small matrices stay partly cached between rows); from that many on, a blocked kernel
+    # streams (and packs) the weights ``blocked_gemm_weight_passes`` times and is then bound by
+    # compute. 1 and 1.0 (GPUs): the weights are streamed once, whatever the rows. Calibration
+    # measures the row count from a matrix-product sweep and fits the passes.
+    blocked_gemm_rows: Annotated[int, Field(ge=1)] = 1
+    gemv_row_passes: Annotated[float, Field(ge=0, le=1)] = 1.0
+    blocked_gemm_weight_passes: Annotated[float, Field(ge=1)] = 1.0
+    # Fixed time per transformer layer whose weights stream from memory rather than the cache:
+    # the ramp-up of each matrix product's stream (small matrices reach less bandwidth).
+    layer_stream_latency_s: Annotated[float, Field(ge=0)] = 0.0
+    # The last-level cache: a part whose weights fit in half of it (a tiny model's, Ouro's head on
+    # a CPU) streams them from the cache at this bandwidth, since every call of the loop reuses
+    # them and the rest of the loop streams through the other half. 0: not modelled.
+    cache_bytes: Annotated[float, Field(ge=0)] = 0.0
+    cache_bandwidth_bytes_per_s: Annotated[float, Field(gt=0)] | None = None
     # How the decoder's kernels are counted: per transformer layer (norms, matmuls, rope,
     # activations, residuals), and for attention per distinct KV slot read when split by slot.
     kernels_per_layer: Annotated[int, Field(ge=0)] = 14
     attention_kernels_per_slot: Annotated[int, Field(ge=0)] = 2
     attention_split_by_slot: bool = True
+    # Kernels a call of each part launches outside its layers (embedding, initial state, final
+    # norms, head), by part name; missing parts use the model spec's estimate. Calibration counts
+    # the decoder's dispatched operations.
+    part_extra_kernels: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
 
     @property
     def kernel_overhead_s(self) -> float:

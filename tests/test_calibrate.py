@@ -21,9 +21,10 @@ from costmodel.specs import HardwareSpec
 from costmodel.trace import CallRecord
 
 CPU = HardwareSpec(name="synthetic cpu", memory_bandwidth_bytes_per_s=20e9,
-                   peak_flops_per_s={"fp32": 100e9}, memory_capacity_bytes=24e9)
+                   peak_flops_per_s={"fp32": 100e9}, memory_capacity_bytes=24e9,
+                   blocked_gemm_rows=4, cache_bytes=16e6, cache_bandwidth_bytes_per_s=200e9)
 TRUTH = {"host_overhead_s": 40e-6, "launch_overhead_s": 6e-6, "bandwidth_efficiency": 0.55,
-         "kv_bandwidth_efficiency": 0.3, "flops_efficiency": 0.4, "row_pass_fraction": 0.6}
+         "kv_bandwidth_efficiency": 0.3, "flops_efficiency": 0.4, "blocked_gemm_weight_passes": 2.5}
 
 
 def synthetic(hw: HardwareSpec, noise: float, seed: int = 0) -> list[Observation]:
@@ -50,9 +51,8 @@ def synthetic(hw: HardwareSpec, noise: float, seed: int = 0) -> list[Observation
 
 
 def test_fit_recovers_known_coefficients():
-    truth = CPU.model_copy(update={**TRUTH, "row_pass_limit": 4})
+    truth = CPU.model_copy(update=TRUTH)
     result = fit(CPU, synthetic(truth, noise=0.01), "fp32")
-    assert result.row_pass_limit == 4
     for name, value in TRUTH.items():
         assert result.values[name] == pytest.approx(value, rel=0.1), name
         assert result.stderr[name] < 0.2 * value + 1e-7, name
@@ -60,7 +60,7 @@ def test_fit_recovers_known_coefficients():
 
 
 def test_fit_is_robust_to_outliers():
-    truth = CPU.model_copy(update={**TRUTH, "row_pass_limit": 8})
+    truth = CPU.model_copy(update=TRUTH)
     obs = synthetic(truth, noise=0.005, seed=1)
     for o in obs[::15]:  # a few calls disturbed by another process
         o.seconds *= 5
@@ -87,7 +87,7 @@ def test_profile_round_trip(tmp_path):
 @pytest.mark.parametrize(("content", "message"), [
     ("{not json", "not valid JSON"),
     ('{"schema_version": 99}', "schema version 99"),
-    ('{"schema_version": 1, "hardware": 3}', "corrupt"),
+    ('{"schema_version": 2, "hardware": 3}', "corrupt"),
 ])
 def test_bad_profiles_fail_clearly(tmp_path, content, message):
     path = tmp_path / "p.json"
@@ -144,3 +144,27 @@ def test_gpu_script_runs_on_cpu_at_tiny_size(tmp_path):
         report = json.loads((tmp_path / f"gpu-{family}-fp32.validation.json").read_text())
         assert set(report["per_schedule"]) >= {"ar", "wfd", "dtv", "block"}
         assert (tmp_path / f"gpu-{family}-fp32.png").stat().st_size > 0
+
+
+def test_decoder_operations_are_counted_per_layer_and_per_part():
+    from conftest import TINY_CONFIGS
+
+    from calibrate.measure import count_ops, decoder_kernels
+    from wfd.checkpoint import build
+
+    for cfg in TINY_CONFIGS.values():
+        models = [build(cfg), build(cfg.model_copy(update={"core_layers": 5}))]
+        per_layer, extras = decoder_kernels(models)
+        assert 40 < per_layer < 200  # norms, projections, RoPE, cache writes, attention
+        for model in models:  # the count is exactly linear in the layers
+            assert count_ops(model, "block") == model.config.core_layers * per_layer + \
+                extras["block"]
+
+
+def test_machine_peaks_are_plausible():
+    from calibrate.measure import measure_peaks
+
+    peaks = measure_peaks("cpu", "fp32")
+    assert peaks.cache_bandwidth_bytes_per_s > peaks.bandwidth_bytes_per_s > 1e9
+    assert peaks.flops_per_s > 1e9 and peaks.cache_bytes > 2**20
+    assert 2 <= peaks.blocked_gemm_rows <= 9

@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -80,3 +81,30 @@ def test_overlapped_overhead_is_hidden_behind_long_calls_only():
     assert 0 < float(exposed.overhead_s) < float(serial.overhead_s)
     assert float(exposed.time_s) == max(float(serial.overhead_s),
                                         float(serial.time_s - serial.overhead_s))
+
+
+def test_rows_below_the_blocked_kernel_stream_the_weights_once_each():
+    m = get_model("huginn-mid")
+    hw = get_hardware("a6000").model_copy(update={
+        "overhead_overlaps": False, "blocked_gemm_rows": 4, "blocked_gemm_weight_passes": 2.0})
+
+    def weights_s(n):
+        return float(call_cost(m, hw, m.part("block"), "fp32", n, 1, n, 1).weights_s)
+
+    one = weights_s(1)
+    assert weights_s(3) > 2.9 * one  # three vector products: three passes (plus activations)
+    assert weights_s(4) < 2.1 * one and weights_s(8) < 2.1 * one  # blocked: two passes
+    on_gpu = get_hardware("a6000").model_copy(update={"overhead_overlaps": False})
+    assert float(call_cost(m, on_gpu, m.part("block"), "fp32", 3, 1, 3, 1).weights_s) < 1.01 * (
+        float(call_cost(m, on_gpu, m.part("block"), "fp32", 1, 1, 1, 1).weights_s))
+
+
+def test_a_model_that_fits_in_the_cache_streams_its_weights_from_it():
+    hw = get_hardware("a6000").model_copy(update={
+        "overhead_overlaps": False, "cache_bytes": 16e6, "cache_bandwidth_bytes_per_s": 8 * 768e9})
+    tiny, mid = get_model("huginn-tiny"), get_model("huginn-mid")
+    plain = hw.model_copy(update={"cache_bytes": 0.0})
+    for model, speedup in ((tiny, 8.0), (mid, 1.0)):
+        cached = call_cost(model, hw, model.part("block"), "fp32", 1, 1, 1, 1)
+        memory = call_cost(model, plain, model.part("block"), "fp32", 1, 1, 1, 1)
+        assert float(memory.weights_s) / float(cached.weights_s) == pytest.approx(speedup)

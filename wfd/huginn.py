@@ -22,6 +22,8 @@ from .cache import KVCache, LayerKV
 from .config import ModelConfig
 from .layers import CallPlan, RMSNorm, attend, rope_interleaved
 
+STATE_CHUNK = 64  # positions per table of initial states
+
 
 class HuginnAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -102,6 +104,7 @@ class HuginnModel(nn.Module):
         self.state_std = math.sqrt(2 / (5 * cfg.hidden_size))
         self.init_scale = init_scale
         self.seed = seed
+        self._state_tables: dict[tuple[int, float, int], torch.Tensor] = {}
 
     # -- P -------------------------------------------------------------------------------------
     def prelude(self, tokens: torch.Tensor, positions: list[int], cache: KVCache | None):
@@ -113,19 +116,32 @@ class HuginnModel(nn.Module):
         return x, self.initial_state(positions, x)
 
     def initial_state(self, positions: list[int], like: torch.Tensor) -> torch.Tensor:
-        """sqrt(h) * truncated normal(0, std * init_scale, +-3 std), drawn from a generator seeded
-        by (seed, position): every schedule sees the same state for the same position."""
+        """sqrt(h) * truncated normal(0, std * init_scale, +-3 std), a function of (seed,
+        position) only: every schedule sees the same state for the same position. Rows come from
+        tables of STATE_CHUNK positions, each drawn at once from a generator seeded by (seed,
+        chunk), so a call costs one draw per chunk it touches, not one per position."""
         h = self.config.hidden_size
         if self.init_scale == 0:
             return torch.zeros(len(positions), h, dtype=like.dtype, device=like.device)
-        std = self.state_std * self.init_scale
-        rows = []
-        for p in positions:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + p)
-            row = torch.empty(h)
-            nn.init.trunc_normal_(row, 0.0, std, -3 * std, 3 * std, generator=gen)
-            rows.append(row)
-        return (torch.stack(rows) * self.embed_scale).to(device=like.device, dtype=like.dtype)
+        chunks = {p // STATE_CHUNK for p in positions}
+        tables = {c: self._state_table(c) for c in sorted(chunks)}
+        rows = torch.stack([tables[p // STATE_CHUNK][p % STATE_CHUNK] for p in positions]) \
+            if len(chunks) > 1 else tables[chunks.pop()][[p % STATE_CHUNK for p in positions]]
+        return rows.to(device=like.device, dtype=like.dtype)
+
+    def _state_table(self, chunk: int) -> torch.Tensor:
+        """Initial states of positions chunk * STATE_CHUNK ... + STATE_CHUNK - 1 (the most recent
+        few tables are kept: decoding walks forward through positions)."""
+        key = (self.seed, self.init_scale, chunk)
+        if key not in self._state_tables:
+            std = self.state_std * self.init_scale
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + chunk)
+            table = torch.empty(STATE_CHUNK, self.config.hidden_size)
+            nn.init.trunc_normal_(table, 0.0, std, -3 * std, 3 * std, generator=gen)
+            if len(self._state_tables) >= 4:
+                self._state_tables.pop(next(iter(self._state_tables)))
+            self._state_tables[key] = table * self.embed_scale
+        return self._state_tables[key]
 
     # -- B -------------------------------------------------------------------------------------
     def block(self, state, e, positions: list[int], depths: list[int], cache: KVCache | None):
