@@ -49,6 +49,11 @@ def _override(hw: HardwareSpec, bandwidth: str | None, flops: str | None, memory
     return hw.model_copy(update=changes)
 
 
+
+def _flops_text(flops_per_s: float) -> str:
+    return f"{flops_per_s / 1e12:.0f} TFLOPS" if flops_per_s >= 1e12 else \
+        f"{flops_per_s / 1e9:.0f} GFLOPS"
+
 def _print_table(p: Prediction) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -58,7 +63,7 @@ def _print_table(p: Prediction) -> None:
     alpha = next((r.acceptance for r in p.schedules.values() if r.acceptance is not None), None)
     console.print(
         f"[bold]{p.model}[/] on [bold]{hw.name}[/] ({hw.memory_bandwidth_bytes_per_s / 1e9:.0f} "
-        f"GB/s, {hw.peak_flops_per_s.get(wl.dtype, 0) / 1e12:.0f} TFLOPS {wl.dtype}, "
+        f"GB/s, {_flops_text(hw.peak_flops_per_s.get(wl.dtype, 0))} {wl.dtype}, "
         f"{format_bytes(hw.memory_capacity_bytes)}), R = {p.depth}, context {wl.context_length}"
         f" + {wl.new_tokens} new, batch {wl.batch_size}, "
         + ("recurrence-specific KV" if wl.kv_sharing == 0 else f"KV shared over "

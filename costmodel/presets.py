@@ -42,6 +42,13 @@ MODELS: dict[str, LoopedModelSpec] = {
         head_dim=64, mlp_size=512, vocab_size=256, tied_head=False, prelude_layers=0,
         core_layers=3, coda_layers=0, exit_gate=True, default_depth=4,
         default_acceptance=0.92, default_draft_depth=1, max_position_embeddings=2048),
+    # The tiny Huginn shape at width 64: matrix products too small to matter, every call bound by
+    # per-operation overhead (docs/decoding.md times the schedules on it).
+    "huginn-nano": LoopedModelSpec(
+        name="huginn-nano", family="huginn", hidden_size=64, num_heads=1, num_kv_heads=1,
+        head_dim=64, mlp_size=176, vocab_size=256, tied_head=True, prelude_layers=1,
+        core_layers=2, coda_layers=1, qk_bias=True, default_depth=32,
+        default_acceptance=0.94, default_draft_depth=4, max_position_embeddings=2048),
     "huginn-small": LoopedModelSpec(
         name="huginn-small", family="huginn", hidden_size=512, num_heads=8, num_kv_heads=8,
         head_dim=64, mlp_size=1408, vocab_size=256, tied_head=True, prelude_layers=2,
