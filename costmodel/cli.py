@@ -210,10 +210,10 @@ def calibrate_cmd(
     quick: Annotated[bool, typer.Option(help="a small grid (about 2 minutes on a CPU)")] = False,
     threads: Annotated[int | None, typer.Option(help="CPU threads (default: torch's)")] = None,
     fit_models: Annotated[str | None, typer.Option(
-        help="comma-separated models to fit on (default: the tiny model and FAMILY-mid:random)")
-    ] = None,
+        help="comma-separated models to fit on (default: the tiny model, FAMILY-small:random "
+             "and FAMILY-mid:random)")] = None,
     holdout_model: Annotated[str | None, typer.Option(
-        help="model size held out for validation (default: FAMILY-small:random)")] = None,
+        help="model size held out for validation (default: FAMILY-base:random)")] = None,
     out: Annotated[Path | None, typer.Option(help="profile file to write")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:

@@ -168,3 +168,32 @@ def test_machine_peaks_are_plausible():
     assert peaks.cache_bandwidth_bytes_per_s > peaks.bandwidth_bytes_per_s > 1e9
     assert peaks.flops_per_s > 1e9 and peaks.cache_bytes > 2**20
     assert 2 <= peaks.blocked_gemm_rows <= 9
+
+
+def test_quiet_measures_again_while_the_canary_runs_slow(monkeypatch):
+    from calibrate.measure import Quiet
+
+    quiet = Quiet("cpu", retries=2, pause_s=0.0)
+    ratios = iter([1.0, 2.0, 1.0, 1.0])  # the first attempt ends under load, the second is quiet
+    monkeypatch.setattr(quiet, "canary", lambda: next(ratios))
+    times = iter([0.5, 0.7])
+    assert quiet.measure(lambda t: t, lambda: next(times)) == 0.5  # the faster attempt is kept
+    assert quiet.retried == 1
+    # a quiet machine measures once; a canary that never settles gives up after the retries
+    monkeypatch.setattr(quiet, "canary", lambda: 1.0)
+    assert quiet.measure(lambda t: t, lambda: 0.3) == 0.3 and quiet.retried == 1
+    monkeypatch.setattr(quiet, "canary", lambda: 3.0)
+    calls = iter([0.9, 0.8, 0.85])
+    assert quiet.measure(lambda t: t, lambda: next(calls)) == 0.8 and quiet.retried == 3
+    # with its time budget spent, a disturbed measurement is kept as it is
+    quiet.budget_s = quiet.spent_s
+    assert quiet.measure(lambda t: t, lambda: 0.7) == 0.7 and quiet.retried == 3
+
+
+def test_quiet_canary_is_near_one_on_repeat():
+    from calibrate.measure import Quiet
+
+    quiet = Quiet("cpu")
+    ratios = [quiet.canary() for _ in range(3)]
+    assert ratios[0] == 1.0 and all(r >= 1.0 for r in ratios)
+
