@@ -1,14 +1,15 @@
-"""Refit a profile's cost model on a chosen subset of positions per call, from the calls the
-profile holds out, and see how well each subset predicts the rest: which positions a CPU's
-calibration must see.
+"""Refit a profile's cost model on another choice of positions per call, without measuring again:
+which positions a CPU's calibration must see.
 
-    python bench/refit_positions.py PROFILE 1,2,4,32 [1,2,4,8,32 ...]
+    python bench/refit_positions.py PROFILE 1,2,3,4,32 [1,2,4,32 ...]
 
-The profile's held-out calls of its fitted models (the middle context) at the given positions
-train a fit of the same coefficients `costmodel calibrate` fits (from the profile's measured
-peaks, kernel counts and blocked-product switch); the error is then measured on those models'
-calls at the other positions and on every call of the held-out size. Prints a Markdown table of
-median |predicted / measured - 1|.
+A profile keeps every call it measured (the fit's training calls and the held-out ones). For each
+comma-separated subset, the calls are split as `costmodel calibrate` splits them, with the subset
+in place of its training positions: the fitted models' calls at those positions and at the
+shortest and longest context train the fit of the calibration's coefficients (from the profile's
+measured peaks, kernel counts and blocked-product switch); every other call, and every call of
+the held-out size, is predicted. Prints a Markdown table of median and max
+|predicted / measured - 1| over the held-out calls and over the profile's whole runs.
 """
 
 from __future__ import annotations
@@ -17,8 +18,25 @@ import argparse
 import statistics
 from pathlib import Path
 
-from calibrate.fit import Observation, fit, predict_calls
-from costmodel.profile import load_profile
+from calibrate.fit import Observation, fit
+from calibrate.validate import predict_point
+from costmodel.profile import ProfileError, ValidationPoint, load_profile
+
+
+def split(calls: list[ValidationPoint], positions: set[int], held_out: str
+          ) -> tuple[list[ValidationPoint], list[ValidationPoint]]:
+    """(training calls, held-out calls) as the calibration splits them."""
+    contexts: dict[str, set[int]] = {}
+    for call in calls:
+        contexts.setdefault(call.model, set()).add(min(call.record.contexts) - 1)
+
+    def trains(call: ValidationPoint) -> bool:
+        context = min(call.record.contexts) - 1
+        ends = (min(contexts[call.model]), max(contexts[call.model]))
+        return (call.model != held_out and len(call.record.positions) in positions
+                and context in ends)
+
+    return [c for c in calls if trains(c)], [c for c in calls if not trains(c)]
 
 
 def main() -> None:
@@ -27,30 +45,34 @@ def main() -> None:
     parser.add_argument("profile", type=Path)
     parser.add_argument("subsets", nargs="+", help="comma-separated positions per call")
     args = parser.parse_args()
-    profile = load_profile(args.profile)
-    held_out = profile.models[-1]
-    calls = [p for p in profile.validation if p.kind == "call"]
-    fitted = [Observation(p.spec, p.record, p.measured_s) for p in calls if p.model != held_out]
-    unseen = [Observation(p.spec, p.record, p.measured_s) for p in calls if p.model == held_out]
+    try:
+        profile = load_profile(args.profile)
+    except ProfileError as exc:
+        raise SystemExit(str(exc)) from None
+    if not profile.training:
+        raise SystemExit(f"{args.profile} keeps no training calls (made before they were kept); "
+                         "calibrate again")
+    calls = [p for p in profile.training + profile.validation if p.kind == "call"]
+    runs = [p for p in profile.validation if p.kind == "run"]
 
-    def median_error(hardware, observations: list[Observation]) -> float:
-        predicted = predict_calls(hardware, observations, profile.dtype)
-        return statistics.median(abs(t / o.seconds - 1)
-                                 for t, o in zip(predicted, observations, strict=True))
+    def errors(hardware, points: list[ValidationPoint]) -> list[float]:
+        return [abs(predict_point(p, hardware, profile.dtype) / p.measured_s - 1) for p in points]
 
-    print(f"{args.profile.name}: {len(fitted)} calls of the fitted models, {len(unseen)} of "
-          f"{held_out}\n")
-    print("| trained on positions | other positions | held-out size | both |\n|---|---|---|---|")
+    print(f"{args.profile.name}: {len(calls)} calls, {len(runs)} runs; held-out size "
+          f"{profile.models[-1]}\n")
+    print("| trained on positions | training calls | held-out calls: median / max "
+          "| runs: median / max |\n|---|---|---|---|")
     for subset in args.subsets:
         positions = {int(n) for n in subset.split(",")}
-        train = [o for o in fitted if len(o.record.positions) in positions]
-        rest = [o for o in fitted if len(o.record.positions) not in positions]
-        if len(train) < 10 or not rest:
-            print(f"| {subset} | (too few calls to train on or to test) | | |")
+        train, held = split(calls, positions, profile.models[-1])
+        if len(train) < 10 or not held:
+            print(f"| {subset} | {len(train)} | (too few calls to train on or to test) | |")
             continue
-        hardware = fit(profile.hardware, train, profile.dtype).hardware
-        errors = [median_error(hardware, o) for o in (rest, unseen, rest + unseen)]
-        print(f"| {subset} | " + " | ".join(f"{e:.1%}" for e in errors) + " |")
+        hardware = fit(profile.hardware, [Observation(c.spec, c.record, c.measured_s)
+                                          for c in train], profile.dtype).hardware
+        cells = [f"{statistics.median(e):.1%} / {max(e):.1%}"
+                 for e in (errors(hardware, held), errors(hardware, runs))]
+        print(f"| {subset} | {len(train)} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ The fitted quantity is the cost model itself: ``costmodel.cost.call_cost`` with 
 whose coefficients are free (host overhead per call, launch overhead per kernel, achievable
 fractions of the measured peak bandwidth for weights and for KV and of the measured peak flops,
 and how often a blocked matrix product streams the weights; the row count where the library
-switches to blocked products is measured, not fitted). Robust least squares
+switches to blocked products is measured, not fitted), how the passes of vector products grow
+with their rows, and the fraction of peak flops attention reaches. Robust least squares
 (scipy.optimize.least_squares, soft-L1 loss) on log times, so every call weighs by its relative
 error; standard errors from the Jacobian at the optimum.
 """
@@ -29,7 +30,9 @@ PARAMETERS = [
     ("layer_stream_latency_s", 0.0, 5e-3, 5e-5, "s per layer streamed from memory"),
     ("kv_bandwidth_efficiency", 0.01, 1.0, 0.5, "fraction of peak"),
     ("flops_efficiency", 0.01, 1.0, 0.5, "fraction of peak"),
+    ("attention_flops_efficiency", 0.005, 1.0, 0.2, "fraction of peak"),
     ("gemv_row_passes", 0.0, 1.0, 0.8, "weight passes per extra row of vector products"),
+    ("gemv_row_exponent", 0.3, 1.0, 0.8, "exponent of the extra rows' passes"),
     ("blocked_gemm_weight_passes", 1.0, 8.0, 1.5, "weight passes of a blocked product"),
     ("roofline_exponent", 1.0, 16.0, 3.0, "p of the p-norm of memory and compute time"),
 ]

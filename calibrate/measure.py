@@ -60,7 +60,7 @@ class Grid:
         return [1, n] if 1 < n <= depth else [1]
 
 
-QUICK = Grid(positions=[1, 2, 4, 8, 16, 32], contexts=[64, 256, 1024], repeats=5)
+QUICK = Grid(positions=[1, 2, 3, 4, 8, 16, 32], contexts=[64, 256, 1024], repeats=5)
 FULL = Grid(positions=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32], contexts=[64, 512, 2048], repeats=7)
 
 

@@ -1,6 +1,7 @@
 """The cost of one call of a part (P, B or C) over n positions.
 
-    t = t_host + n_kernels * t_launch + max(bytes / BW_eff, flops / F_eff)
+    t = t_host + n_kernels * t_launch
+        + max(bytes / BW_eff, matmul flops / F_eff + attention flops / F_attention_eff)
 
 (or the p-norm of the two where ``HardwareSpec.roofline_exponent`` is set: a CPU does not fully
 overlap memory and compute near the ridge)
@@ -112,7 +113,8 @@ def call_cost(
     overhead = hw.host_overhead_s + kernels * hw.kernel_overhead_s
 
     vector_rows = n_positions < hw.blocked_gemm_rows
-    passes = np.where(vector_rows, 1 + hw.gemv_row_passes * (n_positions - 1),
+    extra_rows = np.maximum(n_positions - 1, 0)
+    passes = np.where(vector_rows, 1 + hw.gemv_row_passes * extra_rows ** hw.gemv_row_exponent,
                       hw.blocked_gemm_weight_passes)
     weights_bw = bw_peak
     if hw.cache_bandwidth_bytes_per_s and part.weight_params * width <= hw.cache_bytes / 2:
@@ -124,7 +126,9 @@ def call_cost(
         weights_bw * hw.bandwidth_efficiency) + stream_latency_s
     kv_mem_s = (kv_read + kv_write) / (bw_peak * kv_eff)
     memory_s = weights_mem_s + kv_mem_s
-    compute_s = flops / (flops_peak * hw.flops_efficiency)
+    attention_eff = hw.attention_flops_efficiency or hw.flops_efficiency
+    compute_s = (2 * part.matmul_params * n_positions / (flops_peak * hw.flops_efficiency)
+                 + attention_flops / (flops_peak * attention_eff))
     memory_bound = memory_s >= compute_s
     roofline_s = np.maximum(memory_s, compute_s)
     if hw.roofline_exponent is not None:

@@ -62,6 +62,8 @@ class CalibrationProfile(BaseModel):
     grid: dict[str, list[float | int | str]]
     coefficients: dict[str, FittedValue]
     fit_stats: dict[str, float]
+    # the calls the fit used, so that a profile can be refitted without measuring again
+    training: list[ValidationPoint] = Field(default_factory=list)
     validation: list[ValidationPoint] = Field(default_factory=list)
 
 

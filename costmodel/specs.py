@@ -54,6 +54,13 @@ class HardwareSpec(Spec):
     blocked_gemm_rows: Annotated[int, Field(ge=1)] = 1
     gemv_row_passes: Annotated[float, Field(ge=0, le=1)] = 1.0
     blocked_gemm_weight_passes: Annotated[float, Field(ge=1)] = 1.0
+    # How the vector products' extra passes grow with the rows: 1 + passes * (n - 1) ** exponent;
+    # below 1, each extra row costs less than the one before (a CPU library's few-row kernels keep
+    # part of each weight tile in registers and cache).
+    gemv_row_exponent: Annotated[float, Field(gt=0, le=1)] = 1.0
+    # Achievable fraction of peak flops in attention (per-head score and value products over the
+    # context, softmax, masks: far smaller products than the projections). None: flops_efficiency.
+    attention_flops_efficiency: Annotated[float, Field(gt=0, le=1)] | None = None
     # Fixed time per transformer layer whose weights stream from memory rather than the cache:
     # the ramp-up of each matrix product's stream (small matrices reach less bandwidth).
     layer_stream_latency_s: Annotated[float, Field(ge=0)] = 0.0

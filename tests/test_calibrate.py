@@ -24,7 +24,8 @@ CPU = HardwareSpec(name="synthetic cpu", memory_bandwidth_bytes_per_s=20e9,
                    peak_flops_per_s={"fp32": 100e9}, memory_capacity_bytes=24e9,
                    blocked_gemm_rows=4, cache_bytes=16e6, cache_bandwidth_bytes_per_s=200e9)
 TRUTH = {"host_overhead_s": 40e-6, "launch_overhead_s": 6e-6, "bandwidth_efficiency": 0.55,
-         "kv_bandwidth_efficiency": 0.3, "flops_efficiency": 0.4, "blocked_gemm_weight_passes": 2.5}
+         "kv_bandwidth_efficiency": 0.3, "flops_efficiency": 0.4, "blocked_gemm_weight_passes": 2.5,
+         "gemv_row_exponent": 0.6, "attention_flops_efficiency": 0.1}
 
 
 def synthetic(hw: HardwareSpec, noise: float, seed: int = 0) -> list[Observation]:
@@ -32,7 +33,7 @@ def synthetic(hw: HardwareSpec, noise: float, seed: int = 0) -> list[Observation
     obs = []
     for preset in ("huginn-tiny", "huginn-mid", "ouro-mid"):
         spec = get_model(preset)
-        for n in (1, 2, 4, 8, 16, 64):  # 64 rows of the mid models are compute-bound
+        for n in (1, 2, 3, 4, 8, 16, 64):  # 64 rows of the mid models are compute-bound
             for ctx in (64, 1024, 4096):
                 for slots in sorted({1, n}):
                     positions = list(range(ctx, ctx + n))
@@ -141,6 +142,7 @@ def test_gpu_script_runs_on_cpu_at_tiny_size(tmp_path):
     for family in ("huginn", "ouro"):
         profile = load_profile(tmp_path / f"gpu-{family}-fp32.json")
         assert profile.validation and profile.fit_stats["train_points"] > 5
+        assert len(profile.training) == profile.fit_stats["train_points"]  # kept for refits
         report = json.loads((tmp_path / f"gpu-{family}-fp32.validation.json").read_text())
         assert set(report["per_schedule"]) >= {"ar", "wfd", "dtv", "block"}
         assert (tmp_path / f"gpu-{family}-fp32.png").stat().st_size > 0

@@ -97,6 +97,24 @@ def test_rows_below_the_blocked_kernel_stream_the_weights_once_each():
     on_gpu = get_hardware("a6000").model_copy(update={"overhead_overlaps": False})
     assert float(call_cost(m, on_gpu, m.part("block"), "fp32", 3, 1, 3, 1).weights_s) < 1.01 * (
         float(call_cost(m, on_gpu, m.part("block"), "fp32", 1, 1, 1, 1).weights_s))
+    # with an exponent below 1 each extra row costs less than the one before: 1 + (n - 1) ** 0.5
+    concave = hw.model_copy(update={"gemv_row_exponent": 0.5})
+    passes_3 = float(call_cost(m, concave, m.part("block"), "fp32", 3, 1, 3, 1).weights_s) / one
+    assert 1 + 2**0.5 - 0.01 < passes_3 < 1 + 2**0.5 + 0.05
+
+
+def test_attention_has_its_own_flops_efficiency():
+    m, hw = get_model("huginn-mid"), get_hardware("a6000")
+    part = m.part("block")
+
+    def compute_s(hardware, context):  # 64 positions: compute-bound
+        return float(call_cost(m, hardware, part, "bf16", 64, 1, 64 * context, context).compute_s)
+
+    same = hw.model_copy(update={"attention_flops_efficiency": hw.flops_efficiency})
+    assert compute_s(same, 4096) == pytest.approx(compute_s(hw, 4096))  # None: flops_efficiency
+    slow = hw.model_copy(update={"attention_flops_efficiency": hw.flops_efficiency / 4})
+    attention = compute_s(hw, 4096) - compute_s(hw, 1)
+    assert compute_s(slow, 4096) - compute_s(slow, 1) == pytest.approx(4 * attention, rel=1e-6)
 
 
 def test_a_model_that_fits_in_the_cache_streams_its_weights_from_it():
