@@ -1,7 +1,7 @@
 """Refit a profile's cost model on another choice of positions per call, without measuring again:
 which positions a CPU's calibration must see.
 
-    python bench/refit_positions.py PROFILE 1,2,3,4,32 [1,2,4,32 ...]
+    python bench/refit_positions.py PROFILE 1,2,3,4,32 [1,2,4,32 ...] [--fix NAME ...]
 
 A profile keeps every call it measured (the fit's training calls and the held-out ones). For each
 comma-separated subset, the calls are split as `costmodel calibrate` splits them, with the subset
@@ -9,7 +9,10 @@ in place of its training positions: the fitted models' calls at those positions 
 shortest and longest context train the fit of the calibration's coefficients (from the profile's
 measured peaks, kernel counts and blocked-product switch); every other call, and every call of
 the held-out size, is predicted. Prints a Markdown table of median and max
-|predicted / measured - 1| over the held-out calls and over the profile's whole runs.
+|predicted / measured - 1| over the held-out calls and over the profile's whole runs. With
+``--fix NAME``, that coefficient is not fitted but held at the hardware spec's default (for
+``gemv_row_exponent`` 1, for ``attention_flops_efficiency`` the flops efficiency): what the
+coefficient adds.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ import argparse
 import statistics
 from pathlib import Path
 
-from calibrate.fit import Observation, fit
+from calibrate.fit import PARAMETERS, Observation, fit
 from calibrate.validate import predict_point
 from costmodel.profile import ProfileError, ValidationPoint, load_profile
+from costmodel.specs import HardwareSpec
 
 
 def split(calls: list[ValidationPoint], positions: set[int], held_out: str
@@ -44,6 +48,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("profile", type=Path)
     parser.add_argument("subsets", nargs="+", help="comma-separated positions per call")
+    parser.add_argument("--fix", nargs="+", default=[], choices=[p[0] for p in PARAMETERS],
+                        help="coefficients held at their default instead of fitted")
     args = parser.parse_args()
     try:
         profile = load_profile(args.profile)
@@ -53,13 +59,16 @@ def main() -> None:
         raise SystemExit(f"{args.profile} keeps no training calls (made before they were kept); "
                          "calibrate again")
     calls = [p for p in profile.training + profile.validation if p.kind == "call"]
+    start = profile.hardware.model_copy(update={
+        name: HardwareSpec.model_fields[name].default for name in args.fix})
+    free = [p for p in PARAMETERS if p[0] not in args.fix]
     runs = [p for p in profile.validation if p.kind == "run"]
 
     def errors(hardware, points: list[ValidationPoint]) -> list[float]:
         return [abs(predict_point(p, hardware, profile.dtype) / p.measured_s - 1) for p in points]
 
     print(f"{args.profile.name}: {len(calls)} calls, {len(runs)} runs; held-out size "
-          f"{profile.models[-1]}\n")
+          f"{profile.models[-1]}; fixed: {', '.join(args.fix) or 'none'}\n")
     print("| trained on positions | training calls | held-out calls: median / max "
           "| runs: median / max |\n|---|---|---|---|")
     for subset in args.subsets:
@@ -68,8 +77,8 @@ def main() -> None:
         if len(train) < 10 or not held:
             print(f"| {subset} | {len(train)} | (too few calls to train on or to test) | |")
             continue
-        hardware = fit(profile.hardware, [Observation(c.spec, c.record, c.measured_s)
-                                          for c in train], profile.dtype).hardware
+        observations = [Observation(c.spec, c.record, c.measured_s) for c in train]
+        hardware = fit(start, observations, profile.dtype, free).hardware
         cells = [f"{statistics.median(e):.1%} / {max(e):.1%}"
                  for e in (errors(hardware, held), errors(hardware, runs))]
         print(f"| {subset} | {len(train)} | " + " | ".join(cells) + " |")

@@ -73,23 +73,26 @@ def predict_calls(hw: HardwareSpec, obs: Sequence[Observation], dtype: str) -> n
     return out
 
 
-def _with(base: HardwareSpec, theta: np.ndarray) -> HardwareSpec:
+def _with(base: HardwareSpec, parameters: Sequence[tuple], theta: np.ndarray) -> HardwareSpec:
     return base.model_copy(update={name: float(v) for (name, *_), v in
-                                   zip(PARAMETERS, theta, strict=True)})
+                                   zip(parameters, theta, strict=True)})
 
 
-def fit(base: HardwareSpec, obs: Sequence[Observation], dtype: str) -> FitResult:
+def fit(base: HardwareSpec, obs: Sequence[Observation], dtype: str,
+        parameters: Sequence[tuple] = PARAMETERS) -> FitResult:
     """Fit the free coefficients of ``base`` (whose peaks and blocked-product row count are the
-    measured ones) to ``obs``."""
+    measured ones) to ``obs``: those of ``parameters`` (rows of PARAMETERS); the others keep
+    their values in ``base``."""
     from scipy.optimize import least_squares
 
     measured = np.array([o.seconds for o in obs])
-    lower = np.array([p[1] for p in PARAMETERS])
-    upper = np.array([p[2] for p in PARAMETERS])
-    start = np.array([p[3] for p in PARAMETERS])
+    lower = np.array([p[1] for p in parameters])
+    upper = np.array([p[2] for p in parameters])
+    start = np.array([p[3] for p in parameters])
 
     def residual(theta: np.ndarray) -> np.ndarray:
-        return np.log(predict_calls(_with(base, theta), obs, dtype)) - np.log(measured)
+        return np.log(predict_calls(_with(base, parameters, theta), obs, dtype)) - np.log(
+            measured)
 
     res = least_squares(residual, start, bounds=(lower, upper), loss="soft_l1", f_scale=F_SCALE,
                         x_scale="jac")
@@ -100,9 +103,9 @@ def fit(base: HardwareSpec, obs: Sequence[Observation], dtype: str) -> FitResult
         stderr = np.sqrt(np.clip(np.diag(cov), 0, None))
     except np.linalg.LinAlgError:
         stderr = np.full(len(start), np.nan)
-    hw = _with(base, res.x)
+    hw = _with(base, parameters, res.x)
     rel = predict_calls(hw, obs, dtype) / measured - 1
     return FitResult(hardware=hw,
-                     values={p[0]: float(v) for p, v in zip(PARAMETERS, res.x, strict=True)},
-                     stderr={p[0]: float(v) for p, v in zip(PARAMETERS, stderr, strict=True)},
+                     values={p[0]: float(v) for p, v in zip(parameters, res.x, strict=True)},
+                     stderr={p[0]: float(v) for p, v in zip(parameters, stderr, strict=True)},
                      residuals=rel, cost=float(res.cost))

@@ -122,7 +122,7 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
     drafts = sorted({max(1, -(-depth // 8)), max(1, depth // 4)})
     schedules = [("ar", {})] + [("wfd", {"draft_depth": d}) for d in drafts] + [
         ("dtv", {"draft_depth": d, "block_length": 4}) for d in drafts]
-    task = progress.add_task("measuring calls", total=2 * (len(plan) + len(schedules))) \
+    task = progress.add_task("measuring calls", total=2 * len(plan) + 3 * len(schedules)) \
         if progress else None
 
     def holdout_runs() -> list[ValidationPoint]:
@@ -138,13 +138,17 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
                 progress.advance(task)
         return out
 
-    # Like the calls, the runs are measured twice, before and after the grid, and each keeps its
-    # faster time: on a shared machine, load drifts over the minutes a calibration takes.
-    runs_before = holdout_runs()
     # Two passes over the grid, the second in reverse order, keeping each point's faster median:
-    # a burst of load from another process rarely hits the same point twice.
+    # a burst of load from another process rarely hits the same point twice. The runs are
+    # measured before, between and after the passes, each keeping its fastest: a run lasts
+    # seconds where a call's repeats last a fraction of one, so a spell of load on this shared VM
+    # is more likely to overlap it (with two measurements the AR run came out 10-15% slower than
+    # its calls predicted in most calibrations).
+    run_measurements = [holdout_runs()]
     passes: list[dict[int, CallSample]] = [{}, {}]
     for pass_index, order in enumerate((range(len(plan)), reversed(range(len(plan))))):
+        if pass_index:
+            run_measurements.append(holdout_runs())
         for i in order:
             role, (kind, n, context, slots) = plan[i]
             name, model, _ = loaded[role]
@@ -168,6 +172,7 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
 
     train = [obs(r, s) for r, s in samples if in_training(r, s)]
     result = fit(base, train, dtype)
+
     def call_point(role: str, s: CallSample) -> ValidationPoint:
         return ValidationPoint(
             kind="call", model=s.model, spec=loaded[role][2], group=s.record.kind,
@@ -176,8 +181,9 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
                   f"context={min(s.record.contexts) - 1} slots={len(s.record.slot_contexts())}")
 
     points = [call_point(r, s) for r, s in samples if not in_training(r, s)]
-    points += [min(before, after, key=lambda point: point.measured_s)
-               for before, after in zip(runs_before, holdout_runs(), strict=True)]
+    run_measurements.append(holdout_runs())
+    points += [min(each, key=lambda point: point.measured_s)
+               for each in zip(*run_measurements, strict=True)]
 
     fitted = {p[0]: FittedValue(value=result.values[p[0]], stderr=result.stderr[p[0]],
                                 unit=p[4]) for p in PARAMETERS}

@@ -60,6 +60,16 @@ def test_fit_recovers_known_coefficients():
     assert np.median(np.abs(result.residuals)) < 0.02
 
 
+def test_fit_frees_only_the_coefficients_it_is_given():
+    truth = CPU.model_copy(update=TRUTH)
+    free = [p for p in PARAMETERS if p[0] != "attention_flops_efficiency"]
+    start = CPU.model_copy(update={"attention_flops_efficiency": 0.1})
+    result = fit(start, synthetic(truth, noise=0.01), "fp32", free)
+    assert "attention_flops_efficiency" not in result.values
+    assert result.hardware.attention_flops_efficiency == 0.1
+    assert result.values["flops_efficiency"] == pytest.approx(0.4, rel=0.1)
+
+
 def test_fit_is_robust_to_outliers():
     truth = CPU.model_copy(update=TRUTH)
     obs = synthetic(truth, noise=0.005, seed=1)

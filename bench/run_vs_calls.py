@@ -1,0 +1,48 @@
+"""Are a run's calls slower than the same calls timed alone? The calibration times each call shape
+alone (repeated, the median, the faster of two passes) and validates on whole runs; when a run
+comes out slower than its calls predict, this tells whether the run itself is slower (the
+decoder's loop, caches, threads) or only measured at a worse moment.
+
+    python bench/run_vs_calls.py [--model ouro-base:random] [--tokens 48] [--rounds 3]
+
+Each round decodes an AR run (prompt of 64), then times alone a one-position block call at the
+run's middle context, the way `costmodel calibrate` does. Prints per round: the run's decode time
+per token, the median block call inside it, the call timed alone, and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from calibrate.measure import Grid, measure_runs, time_call
+from wfd.checkpoint import load_model
+
+PROMPT = [32 + (i * 7) % 90 for i in range(64)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="ouro-base:random")
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    model = load_model(args.model, device="cpu", dtype="fp32")
+    context = len(PROMPT) + args.tokens // 2
+    grid = Grid(positions=[1], contexts=[context], repeats=7, warmup=2)
+    print("| round | run: ms per token | block call in the run (median) | block call alone | "
+          "ratio |\n|---|---|---|---|---|")
+    for round_index in range(1, args.rounds + 1):
+        run = measure_runs(args.model, model, PROMPT, args.tokens, [("ar", {})], forced=None)[0]
+        prefill_s = sum(r.wall_s for r in run.records if min(r.positions) < len(PROMPT))
+        per_token_s = (run.wall_s - prefill_s) / (run.tokens - 1)
+        in_run_s = statistics.median(r.wall_s for r in run.records
+                                     if r.kind == "block" and min(r.positions) >= len(PROMPT))
+        alone_s = time_call(model, args.model, "block", 1, context, 1, grid).median_s
+        print(f"| {round_index} | {per_token_s * 1e3:.1f} | {in_run_s * 1e3:.2f} ms | "
+              f"{alone_s * 1e3:.2f} ms | {in_run_s / alone_s:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
