@@ -39,6 +39,7 @@ class ValidationPoint(BaseModel):
     label: str
     group: str  # "block", "prelude", "coda" for calls; "ar", "dtv", "wfd" for runs
     measured_s: float  # a call's median time, or a run's decode time per token
+    wall_per_token_s: float | None = None  # a run's plain wall time per token (measured_s: robust)
     record: CallRecord | None = None
     draft_depth: int | None = None
     block_length: int | None = None

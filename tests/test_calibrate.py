@@ -209,3 +209,25 @@ def test_quiet_canary_is_near_one_on_repeat():
     ratios = [quiet.canary() for _ in range(3)]
     assert ratios[0] == 1.0 and all(r >= 1.0 for r in ratios)
 
+
+
+def test_a_run_counts_each_call_at_the_median_of_its_shape():
+    from calibrate.measure import RunSample
+    from calibrate.validate import run_point
+
+    def call(kind, position, wall_s):
+        return CallRecord(kind=kind, positions=[position], depths=[1], contexts=[position + 1],
+                          slots=[0], wall_s=wall_s)
+
+    prompt = 4
+    records = [call("block", p, 0.010) for p in range(prompt)]  # the prefill's
+    for token in range(4):  # four decoded positions, two block calls each; one call spikes
+        records += [call("block", prompt + token, 0.050 if token == 2 else 0.020),
+                    call("block", prompt + token, 0.020), call("coda", prompt + token, 0.005)]
+    calls_s = sum(r.wall_s for r in records)
+    run = RunSample(model="m", schedule="ar", draft_depth=None, block_length=None, tokens=5,
+                    wall_s=calls_s + 0.004, records=records, accept=[])
+    point = run_point("m", get_model("huginn-tiny"), run, prompt, depth=2)
+    assert point.wall_per_token_s == pytest.approx((calls_s + 0.004 - 0.040) / 4)
+    # the spike counts at the median (0.020 s); the 4 ms outside the calls stays
+    assert point.measured_s == pytest.approx((8 * 0.020 + 4 * 0.005 + 0.004) / 4)
