@@ -122,7 +122,10 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
     drafts = sorted({max(1, -(-depth // 8)), max(1, depth // 4)})
     schedules = [("ar", {})] + [("wfd", {"draft_depth": d}) for d in drafts] + [
         ("dtv", {"draft_depth": d, "block_length": 4}) for d in drafts]
-    task = progress.add_task("measuring calls", total=2 * len(plan) + 3 * len(schedules)) \
+    # the quick grid measures the runs twice (before and after the passes), the default three times
+    run_rounds = 2 if quick else 3
+    task = progress.add_task("measuring calls",
+                             total=2 * len(plan) + run_rounds * len(schedules)) \
         if progress else None
 
     def holdout_runs() -> list[ValidationPoint]:
@@ -143,11 +146,11 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
     # measured before, between and after the passes, each keeping its fastest: a run lasts
     # seconds where a call's repeats last a fraction of one, so a spell of load on this shared VM
     # is more likely to overlap it (with two measurements the AR run came out 10-15% slower than
-    # its calls predicted in most calibrations).
+    # its calls predicted in most calibrations). The quick grid skips the one between, for time.
     run_measurements = [holdout_runs()]
     passes: list[dict[int, CallSample]] = [{}, {}]
     for pass_index, order in enumerate((range(len(plan)), reversed(range(len(plan))))):
-        if pass_index:
+        if pass_index and run_rounds == 3:
             run_measurements.append(holdout_runs())
         for i in order:
             role, (kind, n, context, slots) = plan[i]
