@@ -14,9 +14,13 @@ DEVICE=${DEVICE:-cuda}
 DTYPE=${DTYPE:-bf16}
 OUT=${OUT:-data/profiles}
 SIZES=${SIZES:-real}
+# the interpreter that has torch and this project's dependencies (on this project's lent H200
+# machines: PYTHON=/opt/torch/.venv/bin/python3, with pydantic carried as wheels and the
+# repository on PYTHONPATH; call it directly: a symlink to a venv's python loses the venv)
+PY=${PYTHON:-python}
 QUICK_FLAG=$([ "${QUICK:-0}" = "1" ] && echo --quick || true)
 mkdir -p "$OUT"
-python -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 for family in huginn ouro; do
   if [ "$SIZES" = "real" ]; then
     big=$([ "$family" = huginn ] && echo huginn-3.5b || echo ouro-2.6b)
@@ -26,8 +30,8 @@ for family in huginn ouro; do
     fit="$family-tiny:random"
     holdout="$family-small:random"
   fi
-  python -m costmodel calibrate --model "$family" --device "$DEVICE" --dtype "$DTYPE" \
+  "$PY" -m costmodel calibrate --model "$family" --device "$DEVICE" --dtype "$DTYPE" \
     $QUICK_FLAG --fit-models "$fit" --holdout-model "$holdout" \
     --out "$OUT/gpu-$family-$DTYPE.json" --json > "$OUT/gpu-$family-$DTYPE.validation.json"
-  python -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[1], 'median', round(r['median_rel_error'],3), 'max', round(r['max_rel_error'],3))" "$OUT/gpu-$family-$DTYPE.validation.json"
+  "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[1], 'median', round(r['median_rel_error'],3), 'max', round(r['max_rel_error'],3))" "$OUT/gpu-$family-$DTYPE.validation.json"
 done

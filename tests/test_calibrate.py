@@ -143,7 +143,8 @@ def test_calibrate_with_a_checkpoint_of_the_wrong_family(tmp_path):
 
 
 def test_gpu_script_runs_on_cpu_at_tiny_size(tmp_path):
-    env = {"DEVICE": "cpu", "DTYPE": "fp32", "QUICK": "1", "SIZES": "tiny", "OUT": str(tmp_path)}
+    env = {"DEVICE": "cpu", "DTYPE": "fp32", "QUICK": "1", "SIZES": "tiny", "OUT": str(tmp_path),
+           "PYTHON": sys.executable}
     import os
 
     out = subprocess.run(["bash", "calibrate/gpu.sh"], capture_output=True, text=True,
