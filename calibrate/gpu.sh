@@ -3,6 +3,7 @@
 #
 #   bash calibrate/gpu.sh                  # cuda, bf16, real Huginn-3.5B and Ouro-2.6B sizes
 #   DEVICE=cpu DTYPE=fp32 QUICK=1 SIZES=tiny bash calibrate/gpu.sh   # the same script, tiny, CPU
+#   FAMILIES=ouro bash calibrate/gpu.sh    # one family (each family's run can have its own timeout)
 #
 # Random-weight models at the real sizes (timing needs no trained weights) are fitted with the
 # small and mid variants; the base variant (about 230 MB) is held out. The decoder has no CUDA-graph path yet, so the
@@ -21,7 +22,8 @@ PY=${PYTHON:-python}
 QUICK_FLAG=$([ "${QUICK:-0}" = "1" ] && echo --quick || true)
 mkdir -p "$OUT"
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
-for family in huginn ouro; do
+for family in ${FAMILIES:-huginn ouro}; do
+  started=$SECONDS
   if [ "$SIZES" = "real" ]; then
     big=$([ "$family" = huginn ] && echo huginn-3.5b || echo ouro-2.6b)
     fit="$family-small:random,$family-mid:random,$big:random"
@@ -34,4 +36,5 @@ for family in huginn ouro; do
     $QUICK_FLAG --fit-models "$fit" --holdout-model "$holdout" \
     --out "$OUT/gpu-$family-$DTYPE.json" --json > "$OUT/gpu-$family-$DTYPE.validation.json"
   "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[1], 'median', round(r['median_rel_error'],3), 'max', round(r['max_rel_error'],3))" "$OUT/gpu-$family-$DTYPE.validation.json"
+  echo "$family calibrated in $((SECONDS - started)) s"
 done
