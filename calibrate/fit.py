@@ -7,7 +7,8 @@ and how often a blocked matrix product streams the weights; the row count where 
 switches to blocked products is measured, not fitted), how the passes of vector products grow
 with their rows, and the fraction of peak flops attention reaches. Robust least squares
 (scipy.optimize.least_squares, soft-L1 loss) on log times, so every call weighs by its relative
-error; standard errors from the Jacobian at the optimum.
+error; standard errors from the Jacobian at the optimum, none for a coefficient the training
+calls do not depend on (``undetermined``).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class Observation:
 class FitResult:
     hardware: HardwareSpec
     values: dict[str, float]
-    stderr: dict[str, float]
+    stderr: dict[str, float | None]  # None: not determined by the training calls
     residuals: np.ndarray  # relative errors on the training points
     cost: float
 
@@ -76,6 +77,35 @@ def predict_calls(hw: HardwareSpec, obs: Sequence[Observation], dtype: str) -> n
 def _with(base: HardwareSpec, parameters: Sequence[tuple], theta: np.ndarray) -> HardwareSpec:
     return base.model_copy(update={name: float(v) for (name, *_), v in
                                    zip(parameters, theta, strict=True)})
+
+
+def undetermined(hw: HardwareSpec, obs: Sequence[Observation], dtype: str,
+                 parameters: Sequence[tuple] = PARAMETERS, step: float = 0.1,
+                 tolerance: float = 0.01) -> set[str]:
+    """The coefficients the training calls do not determine. The Jacobian of the calls' log times
+    in the coefficients' relative changes (central differences of ``step``, within the bounds)
+    is singular along some directions (singular values under ``tolerance``: a change of 100%
+    that way moves no time by 1%); a coefficient that lies mostly in them is not determined. On a
+    GPU where the host's launches hide the device's work (an eager decoder), flops are: no call
+    depends on them. So are bandwidth and the weight passes when one call alone is device-bound.
+    The standard errors from the Jacobian's pseudo-inverse read near zero for both."""
+    # a coefficient the spec leaves unset (attention's efficiency: the projections') at its start
+    hw = hw.model_copy(update={p[0]: p[3] for p in parameters if getattr(hw, p[0]) is None})
+    columns = []
+    for name, lower, upper, start, _ in parameters:
+        value = getattr(hw, name)
+        scale = max(abs(value), abs(start))
+        low, high = max(lower, value - step * scale), min(upper, value + step * scale)
+        if high <= low:
+            columns.append(np.zeros(len(obs)))
+            continue
+        times = [np.log(predict_calls(hw.model_copy(update={name: float(v)}), obs, dtype))
+                 for v in (low, high)]
+        columns.append((times[1] - times[0]) / ((high - low) / scale))
+    _, singular, vt = np.linalg.svd(np.column_stack(columns), full_matrices=True)
+    null = vt[int(np.sum(singular > tolerance)):]
+    share = np.sum(null**2, axis=0)  # each coefficient's share in the undetermined directions
+    return {p[0] for p, w in zip(parameters, share, strict=True) if w > 0.5}
 
 
 def fit(base: HardwareSpec, obs: Sequence[Observation], dtype: str,
@@ -105,7 +135,9 @@ def fit(base: HardwareSpec, obs: Sequence[Observation], dtype: str,
         stderr = np.full(len(start), np.nan)
     hw = _with(base, parameters, res.x)
     rel = predict_calls(hw, obs, dtype) / measured - 1
+    loose = undetermined(hw, obs, dtype, parameters)
     return FitResult(hardware=hw,
                      values={p[0]: float(v) for p, v in zip(parameters, res.x, strict=True)},
-                     stderr={p[0]: float(v) for p, v in zip(parameters, stderr, strict=True)},
+                     stderr={p[0]: None if p[0] in loose else float(v)
+                             for p, v in zip(parameters, stderr, strict=True)},
                      residuals=rel, cost=float(res.cost))

@@ -254,10 +254,25 @@ def calibrate_cmd(
     _print_validation(profile, rep, out, plot_path, as_json)
 
 
+def _coefficients(profile) -> dict:
+    """The profile's coefficients, with no standard error for those its training calls do not
+    determine (checked again here: a profile made before fits marked them shows a zero)."""
+    from calibrate.fit import PARAMETERS, Observation, undetermined
+
+    loose = set()
+    if profile.training:
+        obs = [Observation(p.spec, p.record, p.measured_s) for p in profile.training]
+        loose = undetermined(profile.hardware, obs, profile.dtype,
+                             [p for p in PARAMETERS if p[0] in profile.coefficients])
+    return {name: v.model_copy(update={"stderr": None}) if name in loose else v
+            for name, v in profile.coefficients.items()}
+
+
 def _print_validation(profile, rep, path: Path, plot_path: Path, as_json: bool) -> None:
+    coefficients = _coefficients(profile)
     if as_json:
         print_json({"profile": str(path), "plot": str(plot_path),
-                    "coefficients": {k: v.model_dump() for k, v in profile.coefficients.items()},
+                    "coefficients": {k: v.model_dump() for k, v in coefficients.items()},
                     "fit_stats": profile.fit_stats, **rep.model_dump()})
         return
     from rich.console import Console
@@ -268,8 +283,9 @@ def _print_validation(profile, rep, path: Path, plot_path: Path, as_json: bool) 
                  header_style="bold")
     for col in ("coefficient", "value", "std. error", "unit"):
         coef.add_column(col)
-    for name, v in profile.coefficients.items():
-        coef.add_row(name, f"{v.value:.4g}", f"{v.stderr:.2g}", v.unit)
+    for name, v in coefficients.items():
+        coef.add_row(name, f"{v.value:.4g}",
+                     "not determined" if v.stderr is None else f"{v.stderr:.2g}", v.unit)
     console.print(coef)
     table = Table(title="held-out validation", header_style="bold")
     for col in ("group", "points", "median |rel. error|", "max |rel. error|"):

@@ -25,7 +25,8 @@ class ProfileError(ValueError):
 class FittedValue(BaseModel):
     model_config = ConfigDict(extra="forbid")
     value: float
-    stderr: float = Field(description="one standard error of the fit")
+    stderr: float | None = Field(description="one standard error of the fit; None: not "
+                                             "determined (no training call depends on it)")
     unit: str
 
 

@@ -97,10 +97,13 @@ class DepthTrace(BaseModel):
 
 
 def current_commit() -> str:
-    """The project's git commit, for stamping traces and profiles ("unknown" outside git)."""
+    """The project's git commit, for stamping traces and profiles ("unknown" outside git), with
+    "-dirty" when tracked files differ from it: a copy of the tree made elsewhere (a lent GPU
+    machine's) can carry an older commit's git metadata."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, cwd=Path(__file__).parent, timeout=5)
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--abbrev=7", "--exclude=*"],
+            capture_output=True, text=True, cwd=Path(__file__).parent, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return out.stdout.strip() or "unknown"
