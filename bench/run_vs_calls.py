@@ -4,10 +4,13 @@ comes out slower than its calls predict, this tells whether the run itself is sl
 decoder's loop, caches, threads) or only measured at a worse moment.
 
     python bench/run_vs_calls.py [--model ouro-base:random] [--tokens 48] [--rounds 3]
+        [--schedule ar|dtv]
 
-Each round decodes an AR run (prompt of 64), then times alone a one-position block call at the
-run's middle context, the way `costmodel calibrate` does. Prints per round: the run's decode time
-per token, the median block call inside it, the call timed alone, and their ratio.
+Each round decodes a run (prompt of 64; DtV with draft depth 1 and blocks of 4, acceptance forced
+to 0.85), then times alone, the way `costmodel calibrate` does, the run's widest block call (AR:
+one position; DtV: the verification, 5 positions at one depth) at the run's middle context.
+Prints per round: the run's decode time per token, the median of those calls inside it, the call
+timed alone, and their ratio.
 """
 
 from __future__ import annotations
@@ -27,20 +30,24 @@ def main() -> None:
     parser.add_argument("--model", default="ouro-base:random")
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--schedule", choices=["ar", "dtv"], default="ar")
     args = parser.parse_args()
+    kwargs = {"draft_depth": 1, "block_length": 4} if args.schedule == "dtv" else {}
     model = load_model(args.model, device="cpu", dtype="fp32")
     context = len(PROMPT) + args.tokens // 2
     grid = Grid(positions=[1], contexts=[context], repeats=7, warmup=2)
-    print("| round | run: ms per token | block call in the run (median) | block call alone | "
-          "ratio |\n|---|---|---|---|---|")
+    print("| round | run: ms per token | positions | block call in the run (median) | "
+          "block call alone | ratio |\n|---|---|---|---|---|---|")
     for round_index in range(1, args.rounds + 1):
-        run = measure_runs(args.model, model, PROMPT, args.tokens, [("ar", {})], forced=None)[0]
+        run = measure_runs(args.model, model, PROMPT, args.tokens, [(args.schedule, kwargs)],
+                           forced=0.85 if args.schedule == "dtv" else None)[0]
         prefill_s = sum(r.wall_s for r in run.records if min(r.positions) < len(PROMPT))
         per_token_s = (run.wall_s - prefill_s) / (run.tokens - 1)
-        in_run_s = statistics.median(r.wall_s for r in run.records
-                                     if r.kind == "block" and min(r.positions) >= len(PROMPT))
-        alone_s = time_call(model, args.model, "block", 1, context, 1, grid).median_s
-        print(f"| {round_index} | {per_token_s * 1e3:.1f} | {in_run_s * 1e3:.2f} ms | "
+        decode = [r for r in run.records if r.kind == "block" and min(r.positions) >= len(PROMPT)]
+        widest = max(len(r.positions) for r in decode)
+        in_run_s = statistics.median(r.wall_s for r in decode if len(r.positions) == widest)
+        alone_s = time_call(model, args.model, "block", widest, context, 1, grid).median_s
+        print(f"| {round_index} | {per_token_s * 1e3:.1f} | {widest} | {in_run_s * 1e3:.2f} ms | "
               f"{alone_s * 1e3:.2f} ms | {in_run_s / alone_s:.3f} |")
 
 
