@@ -154,13 +154,21 @@ def predict_cmd(
                         batch_size=batch, dtype=dtype, kv_sharing=kv_sharing, depth=depth)
     result = predict(spec, hw, workload, width=width, draft_depth=draft_depth,
                      block_length=block_length)
+    loose = _undetermined(prof) if prof is not None else []
     if as_json:
         payload = result.model_dump(mode="json")
         payload["hardware"] = result.hardware.name
         payload["hardware_spec"] = result.hardware.model_dump(mode="json")
+        payload["profile_undetermined"] = loose
         print_json(payload)
     else:
         _print_table(result)
+        if loose:
+            # e.g. an eager decoder on a GPU: the host hid the device, so bandwidth and flops are
+            # the fit's starting values, and the terms they price are not calibrated
+            typer.echo(f"note: the profile does not determine {', '.join(loose)} (its training "
+                       "calls do not pin them down): the terms they price are not calibrated",
+                       err=True)
     if not result.memory.fits:
         typer.echo(f"error: {context} + {new_tokens} tokens do not fit in "
                    f"{format_bytes(result.memory.capacity_bytes)} (at most "
@@ -254,16 +262,22 @@ def calibrate_cmd(
     _print_validation(profile, rep, out, plot_path, as_json)
 
 
-def _coefficients(profile) -> dict:
-    """The profile's coefficients, with no standard error for those its training calls do not
-    determine (checked again here: a profile made before fits marked them shows a zero)."""
+def _undetermined(profile) -> list[str]:
+    """The fitted coefficients the profile's training calls do not determine (checked again
+    here: a profile made before fits marked them shows a standard error near zero)."""
     from calibrate.fit import PARAMETERS, Observation, undetermined
 
-    loose = set()
+    loose = {name for name, v in profile.coefficients.items() if v.stderr is None}
     if profile.training:
         obs = [Observation(p.spec, p.record, p.measured_s) for p in profile.training]
-        loose = undetermined(profile.hardware, obs, profile.dtype,
-                             [p for p in PARAMETERS if p[0] in profile.coefficients])
+        loose |= undetermined(profile.hardware, obs, profile.dtype,
+                              [p for p in PARAMETERS if p[0] in profile.coefficients])
+    return sorted(loose)
+
+
+def _coefficients(profile) -> dict:
+    """The profile's coefficients, with no standard error for those it does not determine."""
+    loose = _undetermined(profile)
     return {name: v.model_copy(update={"stderr": None}) if name in loose else v
             for name, v in profile.coefficients.items()}
 

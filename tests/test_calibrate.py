@@ -141,6 +141,17 @@ def test_committed_profiles_still_predict_their_runs(path):
         assert "flops_efficiency" in undetermined(profile.hardware, obs, profile.dtype)
 
 
+def test_predict_says_what_a_profile_does_not_determine():
+    gpu = Path(__file__).parents[1] / "data" / "profiles" / "gpu-huginn-bf16.json"
+    args = [sys.executable, "-m", "costmodel", "predict", "--profile", str(gpu)]
+    as_json = subprocess.run(args + ["--json"], capture_output=True, text=True, timeout=60)
+    assert as_json.returncode == 0, as_json.stderr
+    assert "flops_efficiency" in json.loads(as_json.stdout)["profile_undetermined"]
+    table = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert table.returncode == 0 and "does not determine" in table.stderr
+    assert "launch_overhead_s" not in table.stderr
+
+
 @pytest.mark.parametrize(("content", "message"), [
     ("{not json", "not valid JSON"),
     ('{"schema_version": 99}', "schema version 99"),
