@@ -163,12 +163,7 @@ def predict_cmd(
         print_json(payload)
     else:
         _print_table(result)
-        if loose:
-            # e.g. an eager decoder on a GPU: the host hid the device, so bandwidth and flops are
-            # the fit's starting values, and the terms they price are not calibrated
-            typer.echo(f"note: the profile does not determine {', '.join(loose)} (its training "
-                       "calls do not pin them down): the terms they price are not calibrated",
-                       err=True)
+        _note_undetermined(loose)
     if not result.memory.fits:
         typer.echo(f"error: {context} + {new_tokens} tokens do not fit in "
                    f"{format_bytes(result.memory.capacity_bytes)} (at most "
@@ -193,7 +188,9 @@ def study_cmd(
         return
     if name not in studies.STUDIES:
         raise UserError(f"unknown study {name!r}; known: {', '.join(studies.STUDIES)}")
-    hw = load_profile(profile).hardware if profile is not None else None
+    prof = load_profile(profile) if profile is not None else None
+    hw = prof.hardware if prof is not None else None
+    loose = _undetermined(prof) if prof is not None else []
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
@@ -201,11 +198,13 @@ def study_cmd(
         progress.add_task(f"study {name}", total=None)
         result, paths = studies.run(name, profile=hw, out=out)
     if as_json:
-        print_json({"name": name, "outputs": paths, "rows": result.rows, **result.summary})
+        print_json({"name": name, "outputs": paths, "rows": result.rows, **result.summary,
+                    "profile_undetermined": loose})
         return
     from .studies_view import print_study
 
     print_study(result, paths)
+    _note_undetermined(loose)
 
 
 @app.command("calibrate")
@@ -273,6 +272,14 @@ def _undetermined(profile) -> list[str]:
         loose |= undetermined(profile.hardware, obs, profile.dtype,
                               [p for p in PARAMETERS if p[0] in profile.coefficients])
     return sorted(loose)
+
+
+def _note_undetermined(loose: list[str]) -> None:
+    # e.g. an eager decoder on a GPU: the host hid the device, so bandwidth and flops are the
+    # fit's starting values, and the terms they price are not calibrated
+    if loose:
+        typer.echo(f"note: the profile does not determine {', '.join(loose)} (its training calls "
+                   "do not pin them down): the terms they price are not calibrated", err=True)
 
 
 def _coefficients(profile) -> dict:
