@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Unattended GPU calibration: one NVIDIA GPU, no network, about 8 minutes.
+# Unattended GPU calibration: one NVIDIA GPU, no network. On an H200: Huginn 113-123 s, Ouro
+# 68-85 s (QUICK=1: 47 s and 49 s), docs/calibration.md.
 #
 #   bash calibrate/gpu.sh                  # cuda, bf16, real Huginn-3.5B and Ouro-2.6B sizes
 #   DEVICE=cpu DTYPE=fp32 QUICK=1 SIZES=tiny bash calibrate/gpu.sh   # the same script, tiny, CPU
 #   FAMILIES=ouro bash calibrate/gpu.sh    # one family (each family's run can have its own timeout)
 #
 # Random-weight models at the real sizes (timing needs no trained weights) are fitted with the
-# small and mid variants; the base variant (about 230 MB) is held out. The decoder has no CUDA-graph path yet, so the
-# profile is for eager launches. Writes OUT/gpu-FAMILY-DTYPE.json, its validation plot (.png) and
+# small and mid variants; the base variant (about 230 MB) is held out. The decoder has no
+# CUDA-graph path yet, so the profile is for eager launches. Writes OUT/gpu-FAMILY-DTYPE.json, its validation plot (.png) and
 # its validation report (.validation.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
