@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Unattended GPU calibration: one NVIDIA GPU, no network. On an H200: Huginn 113-123 s, Ouro
+# Unattended GPU calibration: one NVIDIA GPU, no network. On an H200: Huginn 99-123 s, Ouro
 # 68-85 s (QUICK=1: 47 s and 49 s), docs/calibration.md.
 #
 #   bash calibrate/gpu.sh                  # cuda, bf16, real Huginn-3.5B and Ouro-2.6B sizes
@@ -8,8 +8,8 @@
 #
 # Random-weight models at the real sizes (timing needs no trained weights) are fitted with the
 # small and mid variants; the base variant (about 230 MB) is held out. The decoder has no
-# CUDA-graph path yet, so the profile is for eager launches. Writes OUT/gpu-FAMILY-DTYPE.json, its validation plot (.png) and
-# its validation report (.validation.json).
+# CUDA-graph path yet, so the profile is for eager launches. Writes OUT/gpu-FAMILY-DTYPE.json,
+# its validation plot (.png) and its validation report (.validation.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEVICE=${DEVICE:-cuda}
