@@ -205,6 +205,7 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         hardware=result.hardware, machine=machine_name(device), device=device,
         torch_version=torch.__version__, dtype=dtype, commit=current_commit(),
+        threads=None if device.startswith("cuda") else torch.get_num_threads(),
         models=[n for n, _, _ in loaded.values()],
         grid={"positions": list(grid.positions), "contexts": list(grid.contexts),
               "repeats": [grid.repeats],

@@ -63,8 +63,20 @@ def run_point(name: str, spec: LoopedModelSpec, run, prompt_length: int, depth: 
 class ValidationReport(BaseModel):
     median_rel_error: float
     max_rel_error: float
-    per_schedule: dict[str, dict[str, float]]
+    per_schedule: dict[str, dict[str, float | int]]
+    # the two figures calibration targets name: over the held-out calls, and over the runs'
+    # decode time per token (AR, DtV and WFD together); None when the profile has none of them
+    per_call: dict[str, float | int] | None = None
+    per_token: dict[str, float | int] | None = None
     points: list[dict]
+
+
+def _summary(errors: list[float]) -> dict[str, float | int] | None:
+    if not errors:
+        return None
+    magnitudes = np.abs(errors)
+    return {"median_rel_error": float(np.median(magnitudes)),
+            "max_rel_error": float(magnitudes.max()), "points": len(magnitudes)}
 
 
 def report(points: list[ValidationPoint], hw: HardwareSpec, dtype: str) -> ValidationReport:
@@ -74,14 +86,14 @@ def report(points: list[ValidationPoint], hw: HardwareSpec, dtype: str) -> Valid
         rows.append({"kind": p.kind, "model": p.model, "group": p.group, "label": p.label,
                      "measured_s": p.measured_s, "predicted_s": predicted,
                      "rel_error": predicted / p.measured_s - 1})
-    per = {}
-    for group in sorted({r["group"] for r in rows}):
-        errs = np.abs([r["rel_error"] for r in rows if r["group"] == group])
-        per[group] = {"median_rel_error": float(np.median(errs)),
-                      "max_rel_error": float(errs.max()), "points": len(errs)}
-    errs = np.abs([r["rel_error"] for r in rows])
-    return ValidationReport(median_rel_error=float(np.median(errs)),
-                            max_rel_error=float(errs.max()), per_schedule=per, points=rows)
+    per = {group: _summary([r["rel_error"] for r in rows if r["group"] == group])
+           for group in sorted({r["group"] for r in rows})}
+    every = _summary([r["rel_error"] for r in rows])
+    calls = [r["rel_error"] for r in rows if r["kind"] == "call"]
+    runs = [r["rel_error"] for r in rows if r["kind"] == "run"]
+    return ValidationReport(median_rel_error=every["median_rel_error"],
+                            max_rel_error=every["max_rel_error"], per_schedule=per,
+                            per_call=_summary(calls), per_token=_summary(runs), points=rows)
 
 
 def plot(rep: ValidationReport, path: str | Path, title: str) -> None:

@@ -300,7 +300,8 @@ def _print_validation(profile, rep, path: Path, plot_path: Path, as_json: bool) 
     from rich.table import Table
 
     console = Console(width=max(Console().width, 110))
-    coef = Table(title=f"fitted on {profile.machine} ({profile.device}, {profile.dtype})",
+    threads = f", {profile.threads} threads" if profile.threads else ""
+    coef = Table(title=f"fitted on {profile.machine} ({profile.device}, {profile.dtype}{threads})",
                  header_style="bold")
     for col in ("coefficient", "value", "std. error", "unit"):
         coef.add_column(col)
@@ -316,6 +317,11 @@ def _print_validation(profile, rep, path: Path, plot_path: Path, as_json: bool) 
                       f"{stats['max_rel_error']:.1%}")
     table.add_row("all", str(len(rep.points)), f"{rep.median_rel_error:.1%}",
                   f"{rep.max_rel_error:.1%}")
+    # the calibration targets' two figures: per call, and per decoded token of the runs
+    for label, stats in (("calls", rep.per_call), ("runs, per token", rep.per_token)):
+        if stats:
+            table.add_row(label, str(int(stats["points"])), f"{stats['median_rel_error']:.1%}",
+                          f"{stats['max_rel_error']:.1%}")
     console.print(table)
     console.print(f"profile: {path}; plot: {plot_path}")
 

@@ -59,6 +59,9 @@ class CalibrationProfile(BaseModel):
     device: str
     torch_version: str
     dtype: str
+    # the CPU threads the decoder ran on (torch's intra-op threads; None: a GPU, or a profile
+    # made before they were recorded). On a CPU they change which matrix-product kernels run.
+    threads: int | None = None
     commit: str
     models: list[str]
     grid: dict[str, list[float | int | str]]

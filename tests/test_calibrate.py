@@ -115,7 +115,7 @@ def _profile(**kw) -> CalibrationProfile:
 
 def test_profile_round_trip(tmp_path):
     path = tmp_path / "profile.json"
-    profile = _profile()
+    profile = _profile(threads=2)
     profile.coefficients["flops_efficiency"].stderr = None  # not determined
     save_profile(profile, path)
     assert load_profile(path) == profile
@@ -139,6 +139,24 @@ def test_committed_profiles_still_predict_their_runs(path):
     if profile.device == "cuda":  # eager launches hide the device's work: flops are not fitted
         obs = [Observation(p.spec, p.record, p.measured_s) for p in profile.training]
         assert "flops_efficiency" in undetermined(profile.hardware, obs, profile.dtype)
+
+
+def test_validate_reports_calls_and_runs_apart(tmp_path):
+    """The targets' two figures: the median over the held-out calls, and over the runs' decode
+    time per token, each apart from the other."""
+    path = Path(__file__).parents[1] / "data" / "profiles" / "cpu-ouro-fp32.json"
+    args = [sys.executable, "-m", "costmodel", "validate", "--profile", str(path)]
+    args += ["--plot", str(tmp_path / "plot.png")]
+    out = subprocess.run(args + ["--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    for kind, key in (("call", "per_call"), ("run", "per_token")):
+        errors = [abs(p["rel_error"]) for p in report["points"] if p["kind"] == kind]
+        assert report[key]["points"] == len(errors) > 0
+        assert report[key]["median_rel_error"] == pytest.approx(np.median(errors))
+        assert report[key]["max_rel_error"] == pytest.approx(max(errors))
+    table = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert "runs, per token" in table.stdout and "calls" in table.stdout
 
 
 def test_predict_says_what_a_profile_does_not_determine():
@@ -213,6 +231,8 @@ def test_gpu_script_runs_on_cpu_at_tiny_size(tmp_path):
         assert len(profile.training) == profile.fit_stats["train_points"]  # kept for refits
         report = json.loads((tmp_path / f"gpu-{family}-fp32.validation.json").read_text())
         assert set(report["per_schedule"]) >= {"ar", "wfd", "dtv", "block"}
+        assert report["per_token"]["points"] >= 3 and report["per_call"]["points"] > 20
+        assert profile.threads >= 1  # the CPU threads the decoder ran on
         assert (tmp_path / f"gpu-{family}-fp32.png").stat().st_size > 0
 
 
