@@ -4,11 +4,12 @@ The fitted quantity is the cost model itself: ``costmodel.cost.call_cost`` with 
 whose coefficients are free (host overhead per call, launch overhead per kernel, achievable
 fractions of the measured peak bandwidth for weights and for KV and of the measured peak flops,
 and how often a blocked matrix product streams the weights; the row count where the library
-switches to blocked products is measured, not fitted), how the passes of vector products grow
-with their rows, and the fraction of peak flops attention reaches. Robust least squares
-(scipy.optimize.least_squares, soft-L1 loss) on log times, so every call weighs by its relative
-error; standard errors from the Jacobian at the optimum, none for a coefficient the training
-calls do not depend on (``undetermined``).
+switches to blocked products is measured, not fitted, and so on a CPU are the threads' regime and
+the flops of thin products), how the passes of vector products grow with their rows, the fixed
+time of each blocked matrix product, and the fraction of peak flops attention reaches. Robust
+least squares (scipy.optimize.least_squares, soft-L1 loss) on log times, so every call weighs by
+its relative error; standard errors from the Jacobian at the optimum, none for a coefficient the
+training calls do not depend on (``undetermined``).
 """
 
 from __future__ import annotations
@@ -35,8 +36,16 @@ PARAMETERS = [
     ("gemv_row_passes", 0.0, 1.0, 0.8, "weight passes per extra row of vector products"),
     ("gemv_row_exponent", 0.3, 1.0, 0.8, "exponent of the extra rows' passes"),
     ("blocked_gemm_weight_passes", 1.0, 8.0, 1.5, "weight passes of a blocked product"),
+    ("blocked_gemm_latency_s", 0.0, 1e-3, 5e-6, "s per blocked matrix product"),
     ("roofline_exponent", 1.0, 16.0, 3.0, "p of the p-norm of memory and compute time"),
 ]
+
+
+def fitted_parameters(coefficients: dict) -> list[tuple]:
+    """The rows of PARAMETERS a profile fitted: those among its coefficients that were not
+    measured (a CPU's projections' flops efficiency is measured; a GPU's is fitted)."""
+    return [p for p in PARAMETERS if p[0] in coefficients
+            and not coefficients[p[0]].unit.endswith("(measured)")]
 
 
 @dataclass

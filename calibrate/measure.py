@@ -73,6 +73,12 @@ class Peaks:
     cache_bytes: float  # the last-level cache
     cache_bandwidth_bytes_per_s: float  # a copy that fits in it
     blocked_gemm_rows: int  # the fewest rows a matrix product runs as a blocked kernel
+    # CPU threads (None / 1.0 / None on a GPU, or with one thread): the fewest rows a blocked
+    # product runs on every thread, the flops of one thread over all of them, and what each added
+    # row of a thin product costs, as a fraction of ``flops_per_s``
+    threaded_gemm_rows: int | None = None
+    unthreaded_flops_fraction: float = 1.0
+    thin_flops_efficiency: float | None = None
 
 
 def cache_size_bytes(device: str) -> float:
@@ -205,8 +211,66 @@ def measure_peaks(device: str, dtype: str) -> Peaks:
 
     one = rows_time(1)
     rows = next((n for n in range(2, 9) if rows_time(n) < 0.75 * n * one), 9)
-    return Peaks(bandwidth_bytes_per_s=bandwidth, flops_per_s=flops, cache_bytes=cache,
-                 cache_bandwidth_bytes_per_s=cache_bandwidth, blocked_gemm_rows=rows)
+    peaks = Peaks(bandwidth_bytes_per_s=bandwidth, flops_per_s=flops, cache_bytes=cache,
+                  cache_bandwidth_bytes_per_s=cache_bandwidth, blocked_gemm_rows=rows)
+    if dev.type == "cpu":
+        _measure_threads(peaks, dt, quiet)
+    return peaks
+
+
+def _measure_threads(peaks: Peaks, dt: torch.dtype, quiet: Quiet) -> None:
+    """Products over 4..64 rows against weights that fit in the cache, so that flops, not memory,
+    set their time: on every thread and on one. What 32 more rows cost (64 against 32) gives the
+    flops of the decoder's thin products; the first row count from the blocked switch on where
+    every thread runs more than 1.33x faster than one is where the library splits products."""
+    import torch
+
+    inner, side = 1024, 256
+    while inner * side * 2 * dt.itemsize <= peaks.cache_bytes / 4:
+        side *= 2
+    weights = torch.randn(side, inner, dtype=dt)
+    threads = torch.get_num_threads()
+
+    def rows_time(n: int, on: int) -> float:
+        x = torch.ones(n, inner, dtype=dt)
+        torch.set_num_threads(on)
+        try:
+            return quiet.measure(float, _best_time, lambda: [
+                torch.nn.functional.linear(x, weights) for _ in range(8)],
+                torch.device("cpu"), 5) / 8
+        finally:
+            torch.set_num_threads(threads)
+
+    def row_flops(on: int) -> float:
+        return 2 * inner * side * 32 / max(rows_time(64, on) - rows_time(32, on), 1e-9)
+
+    every = row_flops(threads)
+    peaks.thin_flops_efficiency = min(every / peaks.flops_per_s, 1.0)
+    if threads == 1:
+        return
+    rows = list(range(peaks.blocked_gemm_rows, 17))
+    speed = [rows_time(n, threads) / rows_time(n, 1) for n in rows]
+    switch = threaded_rows(rows, speed)
+    if switch is not None:
+        peaks.threaded_gemm_rows = switch
+        peaks.unthreaded_flops_fraction = min(row_flops(1) / every, 1.0)
+
+
+def threaded_rows(rows: list[int], speed: list[float], threshold: float = 0.85) -> int | None:
+    """Where a library starts to split products over its threads, from the time on every
+    thread over the time on one at each row count: the step that best splits them into a run
+    near 1 and a faster run after it (a single timing on a shared VM is off by 10-30%, a step
+    over a dozen is not). None when every thread is never clearly faster."""
+    best, best_cost = None, float("inf")
+    for i, n in enumerate(rows):
+        before, after = speed[:i], speed[i:]
+        level = statistics.median(after)
+        if level >= threshold:
+            continue
+        cost = sum((r - 1) ** 2 for r in before) + sum((r - level) ** 2 for r in after)
+        if cost < best_cost:
+            best, best_cost = n, cost
+    return best
 
 
 def count_ops(model, kind: str) -> int:

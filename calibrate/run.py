@@ -105,8 +105,19 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
                         attention_split_by_slot=False, cache_bytes=peaks.cache_bytes,
                         cache_bandwidth_bytes_per_s=peaks.cache_bandwidth_bytes_per_s,
                         blocked_gemm_rows=peaks.blocked_gemm_rows,
+                        threaded_gemm_rows=peaks.threaded_gemm_rows,
+                        unthreaded_flops_fraction=peaks.unthreaded_flops_fraction,
                         kernels_per_layer=per_layer, attention_kernels_per_slot=0,
                         part_extra_kernels=extras)
+    # On a CPU the thin products' flops are measured: the fit cannot tell them from the weights'
+    # passes (both grow with the rows) and traded them for a tiny model's overheads. On a GPU the
+    # calls are too few rows to be compute-bound: the flops are fitted (and often not
+    # determined), and a product is a kernel like any other, its launch the per-kernel overhead.
+    held = {"blocked_gemm_latency_s"} if device.startswith("cuda") else set()
+    if peaks.thin_flops_efficiency is not None:
+        base = base.model_copy(update={"flops_efficiency": peaks.thin_flops_efficiency})
+        held.add("flops_efficiency")
+    free = [p for p in PARAMETERS if p[0] not in held]
 
     plan = []
     for role in roles:
@@ -174,7 +185,7 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
                 and min(s.record.contexts) - 1 in (min(contexts), max(contexts)))
 
     train = [obs(r, s) for r, s in samples if in_training(r, s)]
-    result = fit(base, train, dtype)
+    result = fit(base, train, dtype, free)
 
     def call_point(role: str, s: CallSample) -> ValidationPoint:
         return ValidationPoint(
@@ -189,12 +200,18 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
                for each in zip(*run_measurements, strict=True)]
 
     fitted = {p[0]: FittedValue(value=result.values[p[0]], stderr=result.stderr[p[0]],
-                                unit=p[4]) for p in PARAMETERS}
+                                unit=p[4]) for p in free}
     measured = {"peak_bandwidth": (peaks.bandwidth_bytes_per_s, "B/s"),
                 "peak_flops": (peaks.flops_per_s, "flop/s"),
                 "cache_bandwidth": (peaks.cache_bandwidth_bytes_per_s, "B/s"),
                 "cache_size": (peaks.cache_bytes, "B"),
                 "blocked_gemm_rows": (peaks.blocked_gemm_rows, "positions"),
+                **({"flops_efficiency": (peaks.thin_flops_efficiency, "fraction of peak")}
+                   if peaks.thin_flops_efficiency is not None else {}),
+                **({"threaded_gemm_rows": (peaks.threaded_gemm_rows, "positions"),
+                    "unthreaded_flops_fraction": (peaks.unthreaded_flops_fraction,
+                                                  "of peak flops on one thread")}
+                   if peaks.threaded_gemm_rows is not None else {}),
                 "kernels_per_layer": (per_layer, "operations"),
                 **{f"{part}_extra_kernels": (count, "operations")
                    for part, count in extras.items()}}

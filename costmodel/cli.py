@@ -264,13 +264,13 @@ def calibrate_cmd(
 def _undetermined(profile) -> list[str]:
     """The fitted coefficients the profile's training calls do not determine (checked again
     here: a profile made before fits marked them shows a standard error near zero)."""
-    from calibrate.fit import PARAMETERS, Observation, undetermined
+    from calibrate.fit import Observation, fitted_parameters, undetermined
 
     loose = {name for name, v in profile.coefficients.items() if v.stderr is None}
     if profile.training:
         obs = [Observation(p.spec, p.record, p.measured_s) for p in profile.training]
         loose |= undetermined(profile.hardware, obs, profile.dtype,
-                              [p for p in PARAMETERS if p[0] in profile.coefficients])
+                              fitted_parameters(profile.coefficients))
     return sorted(loose)
 
 

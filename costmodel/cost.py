@@ -11,9 +11,12 @@ the breakdown then shows the exposed overhead, the part not hidden behind the de
 
 bytes = the part's weights (once per call, or more often for few rows on some CPU libraries: see
 ``HardwareSpec.blocked_gemm_rows``; from the last-level cache when the part's weights fit in half
-of it, the rest of the loop streaming through the other half) + the KV read (for each distinct
-slot, its context x KV bytes per token) + the KV written + activations. flops = 2 * matmul
-params * n + attention (4 * context * heads * head_dim per position per layer).
+of it, the rest of the loop streaming through the other half, and then once per row of a vector
+product) + the KV read (for each distinct slot, its context x KV bytes per token) + the KV
+written + activations. flops = 2 * matmul params * n + attention (4 * context * heads * head_dim
+per position per layer); a CPU library that runs products over few rows on one thread reaches
+only its share of the peak there (``HardwareSpec.threaded_gemm_rows``). The overhead adds a
+fixed latency per blocked matrix product (``HardwareSpec.blocked_gemm_latency_s``).
 
 Every argument may be a numpy array (they broadcast), so one formula serves single predictions,
 the event simulator and sweeps of 10^5 points.
@@ -110,24 +113,32 @@ def call_cost(
     kernels = part.layers * (hw.kernels_per_layer
                              + hw.attention_kernels_per_slot * attention_launches)
     kernels = kernels + hw.part_extra_kernels.get(part.name, part.extra_kernels)
-    overhead = hw.host_overhead_s + kernels * hw.kernel_overhead_s
-
     vector_rows = n_positions < hw.blocked_gemm_rows
+    overhead = hw.host_overhead_s + kernels * hw.kernel_overhead_s + np.where(
+        vector_rows, 0.0, part.matrix_products * hw.blocked_gemm_latency_s)
+
     extra_rows = np.maximum(n_positions - 1, 0)
-    passes = np.where(vector_rows, 1 + hw.gemv_row_passes * extra_rows ** hw.gemv_row_exponent,
-                      hw.blocked_gemm_weight_passes)
-    weights_bw = bw_peak
-    if hw.cache_bandwidth_bytes_per_s and part.weight_params * width <= hw.cache_bytes / 2:
+    cached = bool(hw.cache_bandwidth_bytes_per_s) and (
+        part.weight_params * width <= hw.cache_bytes / 2)
+    if cached:
+        # vector products read cached weights once per row: nothing nearer to reuse them from
+        gemv_passes = np.maximum(n_positions, 1)
         weights_bw = hw.cache_bandwidth_bytes_per_s
         stream_latency_s = 0.0
     else:
+        gemv_passes = 1 + hw.gemv_row_passes * extra_rows ** hw.gemv_row_exponent
+        weights_bw = bw_peak
         stream_latency_s = part.layers * hw.layer_stream_latency_s
+    passes = np.where(vector_rows, gemv_passes, hw.blocked_gemm_weight_passes)
+    one_thread = (np.zeros_like(vector_rows) if hw.threaded_gemm_rows is None
+                  else n_positions < hw.threaded_gemm_rows)
+    matmul_flops_peak = flops_peak * np.where(one_thread, hw.unthreaded_flops_fraction, 1.0)
     weights_mem_s = (weight_bytes * passes + activation_bytes) / (
         weights_bw * hw.bandwidth_efficiency) + stream_latency_s
     kv_mem_s = (kv_read + kv_write) / (bw_peak * kv_eff)
     memory_s = weights_mem_s + kv_mem_s
     attention_eff = hw.attention_flops_efficiency or hw.flops_efficiency
-    compute_s = (2 * part.matmul_params * n_positions / (flops_peak * hw.flops_efficiency)
+    compute_s = (2 * part.matmul_params * n_positions / (matmul_flops_peak * hw.flops_efficiency)
                  + attention_flops / (flops_peak * attention_eff))
     memory_bound = memory_s >= compute_s
     roofline_s = np.maximum(memory_s, compute_s)

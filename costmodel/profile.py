@@ -15,7 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .specs import HardwareSpec, LoopedModelSpec
 from .trace import CallRecord, atomic_write_text
 
-PROFILE_SCHEMA_VERSION = 2  # 2: measured kernel counts, cache, blocked products, p-norm
+# 2: measured kernel counts, cache, blocked products, p-norm; 3: CPU threads' regime, measured
+# thin-product flops, per-product latencies, cached vector products read once per row
+PROFILE_SCHEMA_VERSION = 3
 
 
 class ProfileError(ValueError):

@@ -58,6 +58,17 @@ class HardwareSpec(Spec):
     # below 1, each extra row costs less than the one before (a CPU library's few-row kernels keep
     # part of each weight tile in registers and cache).
     gemv_row_exponent: Annotated[float, Field(gt=0, le=1)] = 1.0
+    # Fixed time per blocked matrix product, beyond its bytes and flops: setting up the blocks
+    # and handing them to the threads. It matters for small matrices: on this project's CPU a
+    # 576x192 product costs 10 us over one row and 22-30 us over 4-8 rows, where its bytes and
+    # flops take a few. Calibration fits it; 0: not modelled.
+    blocked_gemm_latency_s: Annotated[float, Field(ge=0)] = 0.0
+    # CPU threads: a library may run a blocked product over few rows on one thread and split it
+    # over all of them only from ``threaded_gemm_rows`` rows on (MKL with two threads: 5); the
+    # products on one thread reach ``unthreaded_flops_fraction`` of the all-thread peak flops.
+    # None: every product uses every thread. Calibration measures both.
+    threaded_gemm_rows: Annotated[int, Field(ge=1)] | None = None
+    unthreaded_flops_fraction: Annotated[float, Field(gt=0, le=1)] = 1.0
     # Achievable fraction of peak flops in attention (per-head score and value products over the
     # context, softmax, masks: far smaller products than the projections). None: flops_efficiency.
     attention_flops_efficiency: Annotated[float, Field(gt=0, le=1)] | None = None
@@ -113,6 +124,14 @@ class PartSpec(Spec):
     # Embedding tables: a call gathers one row per position, it does not stream the table.
     lookup_params: int
     extra_kernels: int
+    # Matrix products a call runs: per layer (Huginn fuses q, k, v into one matrix and gate and
+    # up into another: 4; Ouro keeps them apart: 7), plus the adapter, head and exit gate.
+    products_per_layer: int = 0
+    extra_products: int = 0
+
+    @property
+    def matrix_products(self) -> int:
+        return self.layers * self.products_per_layer + self.extra_products
 
     @property
     def weight_params(self) -> int:
@@ -183,28 +202,32 @@ class LoopedModelSpec(Spec):
                 return PartSpec(name=name, layers=self.prelude_layers,
                                 layer_params=self.layer_params, extra_matrix_params=0,
                                 extra_norm_params=0, lookup_params=self.embedding_params,
-                                extra_kernels=2)
+                                extra_kernels=2, products_per_layer=4)
             if name == "block":
                 # adapter: Linear(2h -> h) on concat(state, embedding); state init + concat
                 return PartSpec(name=name, layers=self.core_layers,
                                 layer_params=self.layer_params, extra_matrix_params=2 * h * h,
-                                extra_norm_params=0, lookup_params=0, extra_kernels=3)
+                                extra_norm_params=0, lookup_params=0, extra_kernels=3,
+                                products_per_layer=4, extra_products=1)
             # ln_f before and after the coda layers (one weight), then the (tied) head
             return PartSpec(name=name, layers=self.coda_layers, layer_params=self.layer_params,
                             extra_matrix_params=head, extra_norm_params=h,
-                            lookup_params=0, extra_kernels=3)
+                            lookup_params=0, extra_kernels=3, products_per_layer=4,
+                            extra_products=1)
         if name == "prelude":
             return PartSpec(name=name, layers=0, layer_params=self.layer_params,
                             extra_matrix_params=0, extra_norm_params=0,
-                            lookup_params=self.embedding_params, extra_kernels=1)
+                            lookup_params=self.embedding_params, extra_kernels=1,
+                            products_per_layer=7)
         if name == "block":
             return PartSpec(name=name, layers=self.core_layers, layer_params=self.layer_params,
                             extra_matrix_params=0, extra_norm_params=h, lookup_params=0,
-                            extra_kernels=1)
+                            extra_kernels=1, products_per_layer=7)
         gate = (h + 1) if self.exit_gate else 0
         return PartSpec(name=name, layers=self.coda_layers, layer_params=self.layer_params,
                         extra_matrix_params=head + gate, extra_norm_params=0, lookup_params=0,
-                        extra_kernels=2 if self.exit_gate else 1)
+                        extra_kernels=2 if self.exit_gate else 1, products_per_layer=7,
+                        extra_products=2 if self.exit_gate else 1)
 
     @property
     def parts(self) -> dict[str, PartSpec]:

@@ -24,10 +24,12 @@ from costmodel.trace import CallRecord
 
 CPU = HardwareSpec(name="synthetic cpu", memory_bandwidth_bytes_per_s=20e9,
                    peak_flops_per_s={"fp32": 100e9}, memory_capacity_bytes=24e9,
-                   blocked_gemm_rows=4, cache_bytes=16e6, cache_bandwidth_bytes_per_s=200e9)
+                   blocked_gemm_rows=4, cache_bytes=16e6, cache_bandwidth_bytes_per_s=200e9,
+                   threaded_gemm_rows=5, unthreaded_flops_fraction=0.5)
 TRUTH = {"host_overhead_s": 40e-6, "launch_overhead_s": 6e-6, "bandwidth_efficiency": 0.55,
          "kv_bandwidth_efficiency": 0.3, "flops_efficiency": 0.4, "blocked_gemm_weight_passes": 2.5,
-         "gemv_row_exponent": 0.6, "attention_flops_efficiency": 0.1}
+         "gemv_row_exponent": 0.6, "attention_flops_efficiency": 0.1,
+         "blocked_gemm_latency_s": 15e-6}
 
 
 def synthetic(hw: HardwareSpec, noise: float, seed: int = 0) -> list[Observation]:
@@ -173,7 +175,7 @@ def test_predict_says_what_a_profile_does_not_determine():
 @pytest.mark.parametrize(("content", "message"), [
     ("{not json", "not valid JSON"),
     ('{"schema_version": 99}', "schema version 99"),
-    ('{"schema_version": 2, "hardware": 3}', "corrupt"),
+    ('{"schema_version": 3, "hardware": 3}', "corrupt"),
 ])
 def test_bad_profiles_fail_clearly(tmp_path, content, message):
     path = tmp_path / "p.json"
@@ -258,6 +260,23 @@ def test_machine_peaks_are_plausible():
     assert peaks.cache_bandwidth_bytes_per_s > peaks.bandwidth_bytes_per_s > 1e9
     assert peaks.flops_per_s > 1e9 and peaks.cache_bytes > 2**20
     assert 2 <= peaks.blocked_gemm_rows <= 9
+    assert 0 < peaks.thin_flops_efficiency <= 1
+    if peaks.threaded_gemm_rows is not None:  # a library that splits products from some rows on
+        assert peaks.blocked_gemm_rows <= peaks.threaded_gemm_rows <= 16
+        assert 0 < peaks.unthreaded_flops_fraction <= 1
+
+
+def test_the_threads_switch_is_the_step_that_best_splits_the_speed_ups():
+    from calibrate.measure import threaded_rows
+
+    rows = list(range(4, 17))
+    # MKL with two threads on this project's CPU: one thread up to 4 rows, both from 5; single
+    # timings off by up to 30% (two of them here) do not move the step
+    speed = [1.01, 0.83, 0.81, 0.68, 1.08, 0.83, 0.86, 0.71, 0.82, 0.71, 0.74, 0.72, 0.72]
+    assert threaded_rows(rows, speed) == 5
+    assert threaded_rows(rows, [1.0, 1.05, 0.98, 0.7, 0.6, 0.65] + [0.62] * 7) == 7
+    assert threaded_rows(rows, [0.6] * 13) == 4  # every blocked product is threaded
+    assert threaded_rows(rows, [1.0, 0.95, 1.02] * 4 + [0.9]) is None  # never clearly faster
 
 
 def test_quiet_measures_again_while_the_canary_runs_slow(monkeypatch):

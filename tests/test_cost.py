@@ -126,3 +126,56 @@ def test_a_model_that_fits_in_the_cache_streams_its_weights_from_it():
         cached = call_cost(model, hw, model.part("block"), "fp32", 1, 1, 1, 1)
         memory = call_cost(model, plain, model.part("block"), "fp32", 1, 1, 1, 1)
         assert float(memory.weights_s) / float(cached.weights_s) == pytest.approx(speedup)
+
+
+def test_vector_products_read_cached_weights_once_per_row():
+    # nothing nearer than the cache holds them between rows: n rows, n passes, whatever the
+    # fitted passes of weights streamed from memory
+    hw = get_hardware("a6000").model_copy(update={
+        "overhead_overlaps": False, "cache_bytes": 16e6, "cache_bandwidth_bytes_per_s": 6e12,
+        "blocked_gemm_rows": 4, "gemv_row_passes": 0.3, "gemv_row_exponent": 0.5})
+    tiny = get_model("huginn-tiny")
+
+    def weights_s(n):
+        return float(call_cost(tiny, hw, tiny.part("block"), "fp32", n, 1, n, 1).weights_s)
+
+    assert weights_s(3) == pytest.approx(3 * weights_s(1))  # weights and activations, per row
+    mid = get_model("huginn-mid")  # streamed from memory: the fitted passes
+    one, three = (float(call_cost(mid, hw, mid.part("block"), "fp32", n, 1, n, 1).weights_s)
+                  for n in (1, 3))
+    assert three < 1.5 * one
+
+
+def test_products_below_the_threaded_rows_run_on_one_thread():
+    m = get_model("ouro-mid")
+    hw = get_hardware("a6000").model_copy(update={
+        "overhead_overlaps": False, "memory_bandwidth_bytes_per_s": 1e15, "blocked_gemm_rows": 4,
+        "threaded_gemm_rows": 5, "unthreaded_flops_fraction": 0.5,
+        "attention_flops_efficiency": 1.0})
+
+    def compute_per_row_s(hardware, n):  # compute-bound: the memory is nearly free
+        c = call_cost(m, hardware, m.part("block"), "bf16", n, 1, n, 1)
+        assert float(c.compute_s) > 0
+        return float(c.compute_s) / n
+
+    threaded = compute_per_row_s(hw, 5)
+    assert compute_per_row_s(hw, 4) == pytest.approx(2 * threaded, rel=0.01)
+    assert compute_per_row_s(hw, 16) == pytest.approx(threaded, rel=0.01)
+    every = hw.model_copy(update={"threaded_gemm_rows": None})  # None: all products threaded
+    assert compute_per_row_s(every, 4) == pytest.approx(threaded, rel=0.01)
+
+
+def test_blocked_products_add_a_fixed_latency_each():
+    hw = get_hardware("a6000").model_copy(update={
+        "overhead_overlaps": False, "blocked_gemm_rows": 4})
+    slow = hw.model_copy(update={"blocked_gemm_latency_s": 20e-6})
+    for name, per_layer, extra in (("huginn-mid", 4, 1), ("ouro-mid", 7, 0)):
+        m = get_model(name)
+        part = m.part("block")
+        assert part.matrix_products == part.layers * per_layer + extra
+        for n, products in ((3, 0), (4, part.matrix_products), (32, part.matrix_products)):
+            base, more = (float(call_cost(m, h, part, "fp32", n, 1, n, 1).overhead_s)
+                          for h in (hw, slow))
+            assert more - base == pytest.approx(products * 20e-6)
+    ouro = get_model("ouro-mid")
+    assert ouro.part("coda").matrix_products == 1 + ouro.exit_gate  # the head and the exit gate
