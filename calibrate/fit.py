@@ -1,14 +1,14 @@
 """Fit the cost model's coefficients to measured calls.
 
 The fitted quantity is the cost model itself: ``costmodel.cost.call_cost`` with a hardware spec
-whose coefficients are free (host overhead per call, launch overhead per kernel, achievable
-fractions of the measured peak bandwidth for weights and for KV and of the measured peak flops,
-and how often a blocked matrix product streams the weights; the row count where the library
+whose coefficients are free (host overhead per call and per layer, launch overhead per kernel,
+achievable fractions of the measured peak bandwidth for weights and for KV and of the measured peak
+flops, and how often a blocked matrix product streams the weights; the row count where the library
 switches to blocked products is measured, not fitted, and so on a CPU are the threads' regime and
-the flops of thin products), how the passes of vector products grow with their rows, the fixed
-time of each blocked matrix product, and the fraction of peak flops attention reaches. Robust
-least squares (scipy.optimize.least_squares, soft-L1 loss) on log times, so every call weighs by
-its relative error; standard errors from the Jacobian at the optimum, none for a coefficient the
+the flops of thin products), how the passes of vector products grow with their rows, the fixed time
+of each blocked matrix product, and the fraction of peak flops attention reaches. Robust least
+squares (scipy.optimize.least_squares, soft-L1 loss) on log times, so every call weighs by its
+relative error; standard errors from the Jacobian at the optimum, none for a coefficient the
 training calls do not depend on (``undetermined``).
 """
 
@@ -28,6 +28,7 @@ F_SCALE = 0.05
 PARAMETERS = [
     ("host_overhead_s", 0.0, 5e-3, 2e-5, "s"),
     ("launch_overhead_s", 0.0, 5e-4, 5e-6, "s"),
+    ("layer_overhead_s", 0.0, 5e-3, 1e-5, "s per layer"),
     ("bandwidth_efficiency", 0.01, 1.0, 0.5, "fraction of peak"),
     ("layer_stream_latency_s", 0.0, 5e-3, 5e-5, "s per layer streamed from memory"),
     ("kv_bandwidth_efficiency", 0.01, 1.0, 0.5, "fraction of peak"),

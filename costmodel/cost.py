@@ -1,6 +1,6 @@
 """The cost of one call of a part (P, B or C) over n positions.
 
-    t = t_host + n_kernels * t_launch
+    t = t_host + layers * t_layer + n_kernels * t_launch
         + max(bytes / BW_eff, matmul flops / F_eff + attention flops / F_attention_eff)
 
 (or the p-norm of the two where ``HardwareSpec.roofline_exponent`` is set: a CPU does not fully
@@ -114,8 +114,9 @@ def call_cost(
                              + hw.attention_kernels_per_slot * attention_launches)
     kernels = kernels + hw.part_extra_kernels.get(part.name, part.extra_kernels)
     vector_rows = n_positions < hw.blocked_gemm_rows
-    overhead = hw.host_overhead_s + kernels * hw.kernel_overhead_s + np.where(
-        vector_rows, 0.0, part.matrix_products * hw.blocked_gemm_latency_s)
+    overhead = (hw.host_overhead_s + part.layers * hw.layer_overhead_s
+                + kernels * hw.kernel_overhead_s
+                + np.where(vector_rows, 0.0, part.matrix_products * hw.blocked_gemm_latency_s))
 
     extra_rows = np.maximum(n_positions - 1, 0)
     cached = bool(hw.cache_bandwidth_bytes_per_s) and (

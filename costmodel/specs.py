@@ -33,6 +33,11 @@ class HardwareSpec(Spec):
     graph_launch_overhead_s: Annotated[float, Field(ge=0)] = 1e-6
     # Per call of a part (P, B or C): Python and framework dispatch outside the kernels.
     host_overhead_s: Annotated[float, Field(ge=0)] = 20e-6
+    # Per transformer layer in a call, beyond its kernels' launch overhead: the operations inside
+    # a layer (products, attention, RoPE, cache writes, with the decoder's Python around them)
+    # cost the host more than those outside (an embedding lookup, a norm, the head). 0: every
+    # operation costs the same.
+    layer_overhead_s: Annotated[float, Field(ge=0)] = 0.0
     bandwidth_efficiency: Annotated[float, Field(gt=0, le=1)] = 0.8
     # Achievable fraction for KV-cache traffic; None means the same as for weights.
     kv_bandwidth_efficiency: Annotated[float, Field(gt=0, le=1)] | None = None

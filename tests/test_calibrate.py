@@ -29,7 +29,7 @@ CPU = HardwareSpec(name="synthetic cpu", memory_bandwidth_bytes_per_s=20e9,
 TRUTH = {"host_overhead_s": 40e-6, "launch_overhead_s": 6e-6, "bandwidth_efficiency": 0.55,
          "kv_bandwidth_efficiency": 0.3, "flops_efficiency": 0.4, "blocked_gemm_weight_passes": 2.5,
          "gemv_row_exponent": 0.6, "attention_flops_efficiency": 0.1,
-         "blocked_gemm_latency_s": 15e-6}
+         "blocked_gemm_latency_s": 15e-6, "layer_overhead_s": 30e-6}
 
 
 def synthetic(hw: HardwareSpec, noise: float, seed: int = 0) -> list[Observation]:

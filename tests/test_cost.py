@@ -179,3 +179,17 @@ def test_blocked_products_add_a_fixed_latency_each():
             assert more - base == pytest.approx(products * 20e-6)
     ouro = get_model("ouro-mid")
     assert ouro.part("coda").matrix_products == 1 + ouro.exit_gate  # the head and the exit gate
+
+
+def test_each_layer_adds_its_host_overhead():
+    hw = get_hardware("a6000").model_copy(update={"overhead_overlaps": False})
+    per_layer = hw.model_copy(update={"layer_overhead_s": 40e-6})
+    m = get_model("huginn-mid")
+    for part in m.parts.values():  # the prelude, block and coda have 2, 4 and 2 layers
+        base, more = (float(call_cost(m, h, part, "fp32", 1, 1, 1, 1).overhead_s)
+                      for h in (hw, per_layer))
+        assert more - base == pytest.approx(part.layers * 40e-6)
+    ouro = get_model("ouro-mid")  # its prelude is the embedding alone: no layers
+    assert float(call_cost(ouro, per_layer, ouro.part("prelude"), "fp32", 1, 1, 1, 1).overhead_s) \
+        == pytest.approx(float(call_cost(ouro, hw, ouro.part("prelude"), "fp32", 1, 1, 1,
+                                         1).overhead_s))
