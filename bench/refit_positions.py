@@ -21,7 +21,7 @@ import argparse
 import statistics
 from pathlib import Path
 
-from calibrate.fit import PARAMETERS, Observation, fit, fitted_parameters
+from calibrate.fit import PARAMETERS, Observation, fit
 from calibrate.validate import predict_point
 from costmodel.profile import ProfileError, ValidationPoint, load_profile
 from costmodel.specs import HardwareSpec
@@ -61,7 +61,11 @@ def main() -> None:
     calls = [p for p in profile.training + profile.validation if p.kind == "call"]
     start = profile.hardware.model_copy(update={
         name: HardwareSpec.model_fields[name].default for name in args.fix})
-    free = [p for p in fitted_parameters(profile.coefficients) if p[0] not in args.fix]
+    # every coefficient this version fits, unless the profile measured it: a profile made before
+    # a coefficient was added is refitted with it
+    measured = {name for name, value in profile.coefficients.items()
+                if value.unit.endswith("(measured)")}
+    free = [p for p in PARAMETERS if p[0] not in measured and p[0] not in args.fix]
     runs = [p for p in profile.validation if p.kind == "run"]
 
     def errors(hardware, points: list[ValidationPoint]) -> list[float]:
