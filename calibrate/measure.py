@@ -219,10 +219,11 @@ def measure_peaks(device: str, dtype: str) -> Peaks:
 
 
 def _measure_threads(peaks: Peaks, dt: torch.dtype, quiet: Quiet) -> None:
-    """Products over 4..64 rows against weights that fit in the cache, so that flops, not memory,
-    set their time: on every thread and on one. What 32 more rows cost (64 against 32) gives the
-    flops of the decoder's thin products; the first row count from the blocked switch on where
-    every thread runs more than 1.33x faster than one is where the library splits products."""
+    """Products from the blocked switch to 16 rows, and over 32 and 64, against weights that fit
+    in the cache, so that flops rather than memory set their time: on every thread and on one.
+    What 32 more rows cost (64 against 32) gives the flops of the decoder's thin products, on
+    every thread and on one; where every thread starts to run clearly faster than one
+    (``threaded_rows``) is where the library splits products over them."""
     import torch
 
     inner, side = 1024, 256
