@@ -65,7 +65,7 @@ class HardwareSpec(Spec):
     gemv_row_exponent: Annotated[float, Field(gt=0, le=1)] = 1.0
     # Fixed time per blocked matrix product, beyond its bytes and flops: setting up the blocks
     # and handing them to the threads. It matters for small matrices: on this project's CPU a
-    # 576x192 product costs 10 us over one row and 22-30 us over 4-8 rows, where its bytes and
+    # 576x192 product costs 10 us over one row and 22-31 us over 4-8 rows, where its bytes and
     # flops take a few. Calibration fits it; 0: not modelled.
     blocked_gemm_latency_s: Annotated[float, Field(ge=0)] = 0.0
     # CPU threads: a library may run a blocked product over few rows on one thread and split it
