@@ -61,7 +61,8 @@ class Grid:
 
 
 QUICK = Grid(positions=[1, 2, 3, 4, 8, 16, 32], contexts=[64, 256, 1024], repeats=5)
-FULL = Grid(positions=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32], contexts=[64, 512, 2048], repeats=7)
+# 5 on the default grid: DtV's verification width at k = 4, and the first row count MKL threads
+FULL = Grid(positions=[1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32], contexts=[64, 512, 2048], repeats=7)
 
 
 @dataclass
