@@ -31,11 +31,11 @@ from wfd.runtime import Runner
 TINY = {
     "huginn": ModelConfig(family="huginn", hidden_size=96, num_heads=4, num_kv_heads=4,
                           head_dim=24, mlp_size=160, vocab_size=128, prelude_layers=2,
-                          core_layers=2, coda_layers=2, depth=6, max_position_embeddings=64,
+                          core_layers=2, coda_layers=2, default_depth=6, max_position_embeddings=64,
                           rope_base=50000.0, qk_bias=True, tied_head=True),
     "ouro": ModelConfig(family="ouro", hidden_size=96, num_heads=4, num_kv_heads=4,
                         head_dim=24, mlp_size=160, vocab_size=128, prelude_layers=0,
-                        core_layers=3, coda_layers=0, depth=4, max_position_embeddings=64,
+                        core_layers=3, coda_layers=0, default_depth=4, max_position_embeddings=64,
                         rope_base=1e6, exit_gate=True),
 }
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel
 
+from costmodel.figures import save_figure
 from costmodel.profile import ValidationPoint
 from costmodel.simulate import price_records, simulate
 from costmodel.specs import AR, WFD, DtV, HardwareSpec, LoopedModelSpec
@@ -96,29 +97,25 @@ def report(points: list[ValidationPoint], hw: HardwareSpec, dtype: str) -> Valid
                             per_call=_summary(calls), per_token=_summary(runs), points=rows)
 
 
-def plot(rep: ValidationReport, path: str | Path, title: str) -> None:
-    import matplotlib
+def plot(rep: ValidationReport, path: str | Path, title: str) -> bool:
+    """Measured against predicted, per group, on log axes; False without matplotlib."""
 
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
+    def draw(fig) -> None:
+        ax = fig.subplots()
+        groups = sorted({r["group"] for r in rep.points})
+        for i, g in enumerate(groups):
+            mine = [r for r in rep.points if r["group"] == g]
+            ax.scatter([r["measured_s"] * 1e3 for r in mine],
+                       [r["predicted_s"] * 1e3 for r in mine], label=g, s=18, color=f"C{i}")
+        lo = min(min(r["measured_s"], r["predicted_s"]) for r in rep.points) * 1e3
+        hi = max(max(r["measured_s"], r["predicted_s"]) for r in rep.points) * 1e3
+        ax.plot([lo, hi], [lo, hi], color="grey", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("measured (ms: per call, or per token for runs)")
+        ax.set_ylabel("predicted (ms)")
+        ax.set_title(f"{title}\nheld out: median error {rep.median_rel_error:.1%}, "
+                     f"max {rep.max_rel_error:.1%}", fontsize=9)
+        ax.legend(fontsize=8)
 
-    fig = Figure(figsize=(7, 6), layout="constrained")
-    ax = fig.subplots()
-    groups = sorted({r["group"] for r in rep.points})
-    for i, g in enumerate(groups):
-        mine = [r for r in rep.points if r["group"] == g]
-        ax.scatter([r["measured_s"] * 1e3 for r in mine], [r["predicted_s"] * 1e3 for r in mine],
-                   label=g, s=18, color=f"C{i}")
-    lo = min(min(r["measured_s"], r["predicted_s"]) for r in rep.points) * 1e3
-    hi = max(max(r["measured_s"], r["predicted_s"]) for r in rep.points) * 1e3
-    ax.plot([lo, hi], [lo, hi], color="grey", linewidth=0.8)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("measured (ms: per call, or per token for runs)")
-    ax.set_ylabel("predicted (ms)")
-    ax.set_title(f"{title}\nheld out: median error {rep.median_rel_error:.1%}, "
-                 f"max {rep.max_rel_error:.1%}", fontsize=9)
-    ax.legend(fontsize=8)
-    tmp = Path(path).with_name(f".{Path(path).name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(path)
+    return save_figure(path, draw, (7, 6))

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from .clitools import UserError, print_json, run
+from .figures import NO_PLOTS
 from .predict import Prediction, predict
 from .presets import UnknownPresetError, get_hardware, get_model
 from .profile import ProfileError, load_profile, save_profile
@@ -181,7 +182,7 @@ def study_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
     """Run a design-space study: writes NAME.csv, NAME.md and NAME.png into --out."""
-    import studies  # matplotlib is imported only here, when a figure is drawn
+    import studies
 
     if name == "list":
         typer.echo("\n".join(studies.STUDIES))
@@ -204,6 +205,8 @@ def study_cmd(
     from .studies_view import print_study
 
     print_study(result, paths)
+    if "figure" not in paths:
+        typer.echo(NO_PLOTS, err=True)
     _note_undetermined(loose)
 
 
@@ -241,7 +244,7 @@ def calibrate_cmd(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from calibrate.run import calibrate
-    from calibrate.validate import plot, report
+    from calibrate.validate import report
     from wfd.checkpoint import CheckpointError
 
     out = out or Path(f"out/profile-{model}-{device.split(':')[0]}-{dtype}.json")
@@ -257,8 +260,16 @@ def calibrate_cmd(
     save_profile(profile, out)
     rep = report(profile.validation, profile.hardware, profile.dtype)
     plot_path = out.with_suffix(".png")
-    plot(rep, plot_path, profile.hardware.name)
-    _print_validation(profile, rep, out, plot_path, as_json)
+    _print_validation(profile, rep, out, _plot(rep, plot_path, profile.hardware.name), as_json)
+
+
+def _plot(rep, path: Path, title: str) -> Path | None:
+    from calibrate.validate import plot
+
+    if plot(rep, path, title):
+        return path
+    typer.echo(NO_PLOTS, err=True)
+    return None
 
 
 def _undetermined(profile) -> list[str]:
@@ -289,10 +300,10 @@ def _coefficients(profile) -> dict:
             for name, v in profile.coefficients.items()}
 
 
-def _print_validation(profile, rep, path: Path, plot_path: Path, as_json: bool) -> None:
+def _print_validation(profile, rep, path: Path, plot_path: Path | None, as_json: bool) -> None:
     coefficients = _coefficients(profile)
     if as_json:
-        print_json({"profile": str(path), "plot": str(plot_path),
+        print_json({"profile": str(path), "plot": str(plot_path) if plot_path else None,
                     "coefficients": {k: v.model_dump() for k, v in coefficients.items()},
                     "fit_stats": profile.fit_stats, **rep.model_dump()})
         return
@@ -323,7 +334,7 @@ def _print_validation(profile, rep, path: Path, plot_path: Path, as_json: bool) 
             table.add_row(label, str(int(stats["points"])), f"{stats['median_rel_error']:.1%}",
                           f"{stats['max_rel_error']:.1%}")
     console.print(table)
-    console.print(f"profile: {path}; plot: {plot_path}")
+    console.print(f"profile: {path}" + (f"; plot: {plot_path}" if plot_path else ""))
 
 
 @app.command("validate")
@@ -335,15 +346,14 @@ def validate_cmd(
 ) -> None:
     """Re-price the profile's held-out points with its fitted hardware: median and max relative
     error per schedule, and a measured-vs-predicted plot."""
-    from calibrate.validate import plot, report
+    from calibrate.validate import report
 
     prof = load_profile(profile)
     if not prof.validation:
         raise UserError(f"profile {profile} holds no validation points")
     rep = report(prof.validation, prof.hardware, prof.dtype)
     plot_path = plot_file or profile.with_suffix(".png")
-    plot(rep, plot_path, prof.hardware.name)
-    _print_validation(prof, rep, profile, plot_path, as_json)
+    _print_validation(prof, rep, profile, _plot(rep, plot_path, prof.hardware.name), as_json)
 
 
 main = run(app, (UnitError, UnknownPresetError, ProfileError, TraceError))

@@ -21,6 +21,21 @@ class UserError(Exception):
     """Bad input: printed as one line on stderr, exit code 2."""
 
 
+# The install extra that brings each optional package (pyproject.toml).
+EXTRAS = {"torch": "decoder", "safetensors": "decoder", "tokenizers": "decoder",
+          "scipy": "calibrate", "matplotlib": "plots"}
+
+
+def missing_extra(exc: ModuleNotFoundError) -> str | None:
+    """The one-line message for a command that needs an extra that is not installed."""
+    package = (exc.name or "").split(".")[0]
+    if package not in EXTRAS:
+        return None
+    extra = EXTRAS[package]
+    return (f"this command needs {package}, which is not installed: "
+            f"pip install 'looped-decoding[{extra}]'")
+
+
 def _validation_message(exc: ValidationError) -> str:
     err = exc.errors()[0]
     where = ".".join(str(p) for p in err.get("loc", ()))
@@ -49,6 +64,12 @@ def run(app: typer.Typer, user_errors: tuple[type[BaseException], ...] = ()) -> 
             sys.exit(exc.exit_code)
         except ValidationError as exc:
             typer.echo(f"error: {_validation_message(exc)}", err=True)
+            sys.exit(2)
+        except ModuleNotFoundError as exc:
+            message = missing_extra(exc)
+            if message is None:
+                raise
+            typer.echo(f"error: {message}", err=True)
             sys.exit(2)
         except (UserError, ValueError, *user_errors) as exc:
             typer.echo(f"error: {exc}", err=True)

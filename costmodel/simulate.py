@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .cost import call_cost
+from .plans import Call, Executor, Plan, call_slots, make_plan
 from .specs import AR, WFD, DtV, HardwareSpec, LoopedModelSpec
 from .trace import CallRecord
 
@@ -43,110 +44,45 @@ class SimulationResult:
 
 
 def acceptance_draws(acceptance: float, count: int, seed: int) -> list[bool]:
+    """Seeded Bernoulli draft outcomes, one per decoded position (the decoder's forced
+    acceptance draws the same ones)."""
     rng = np.random.default_rng(seed)
-    return list(rng.random(count) < acceptance)
+    return [bool(x) for x in rng.random(count) < acceptance]
 
 
-class _Recorder:
-    # Records are built with model_construct: the simulator makes them by the hundred thousand and
-    # their fields are correct by construction.
-    def __init__(self, kv_sharing: int):
-        self.records: list[CallRecord] = []
-        self.kv_sharing = kv_sharing
+class _Simulator(Executor):
+    """Executes a plan without a model: each call becomes a record, each verification takes the
+    outcome of its position from the acceptance sequence."""
 
-    def block_slot(self, depth: int) -> int:
-        """The slot written and read by the step that brings a position to ``depth``."""
-        return (depth - 1) % self.kv_sharing if self.kv_sharing else depth - 1
+    def __init__(self, plan: Plan, kv_sharing: int, accept: Sequence[bool], tokens: int):
+        self.plan, self.kv_sharing, self.accept, self.tokens = plan, kv_sharing, accept, tokens
+        self.result = SimulationResult([], committed_tokens=0)
+        self.start = plan.prompt_length
 
-    def _add(self, kind: str, positions: list[int], depths: list[int], slots: list[int]) -> None:
-        self.records.append(CallRecord.model_construct(
-            kind=kind, positions=positions, depths=depths,
-            contexts=[p + 1 for p in positions], slots=slots, wall_s=0.0))
+    @property
+    def done(self) -> bool:
+        return self.result.committed_tokens >= self.tokens
 
-    def prelude(self, positions: list[int]) -> None:
-        self._add("prelude", positions, [0] * len(positions), [0] * len(positions))
+    def call(self, call: Call) -> None:
+        # model_construct: records by the hundred thousand, correct by construction
+        self.result.records.append(CallRecord.model_construct(
+            kind=call.kind, positions=list(call.positions), depths=list(call.depths),
+            contexts=[p + 1 for p in call.positions],
+            slots=call_slots(call.kind, call.depths, self.kv_sharing), wall_s=0.0))
 
-    def block(self, positions: list[int], depths: list[int]) -> None:
-        self._add("block", positions, depths, [self.block_slot(r) for r in depths])
-
-    def coda(self, positions: list[int], depths: list[int]) -> None:
-        self._add("coda", positions, depths, list(depths))  # one coda slot per readout depth
-
-
-def _simulate_ar(rec: _Recorder, depth: int, start: int, tokens: int) -> SimulationResult:
-    for p in range(start, start + tokens):
-        rec.prelude([p])
-        for r in range(1, depth + 1):
-            rec.block([p], [r])
-        rec.coda([p], [depth])
-    return SimulationResult(rec.records, committed_tokens=tokens, rounds_or_ticks=tokens)
-
-
-def _simulate_dtv(rec: _Recorder, schedule: DtV, depth: int, start: int, tokens: int,
-                  accept: Sequence[bool]) -> SimulationResult:
-    k, d = schedule.block_length, schedule.draft_depth
-    res = SimulationResult(rec.records, committed_tokens=0)
-    first = start  # position holding the newest committed token
-    while res.committed_tokens < tokens:
-        drafted = list(range(first, first + k + 1))
-        for p in drafted:
-            rec.prelude([p])
-            for r in range(1, d + 1):
-                rec.block([p], [r])
-            rec.coda([p], [d])
-        for r in range(d + 1, depth + 1):
-            rec.block(drafted, [r] * len(drafted))
-        rec.coda(drafted, [depth] * len(drafted))
-        m = 0
-        while m < k and accept[first - start + m]:
-            m += 1
-        res.accepted += m
-        if m == k:
-            res.bonus += 1
+    def verify(self, position: int) -> bool:
+        ok = bool(self.accept[position - self.start])
+        self.result.committed_tokens += 1
+        if ok:
+            self.result.accepted += 1
         else:
-            res.rejected += 1
-        res.committed_tokens += m + 1
-        res.rounds_or_ticks += 1
-        first += m + 1
-    return res
+            self.result.rejected += 1
+        return ok
 
-
-def _simulate_wfd(rec: _Recorder, schedule: WFD, depth: int, start: int, tokens: int,
-                  accept: Sequence[bool]) -> SimulationResult:
-    d, cap = schedule.draft_depth, schedule.width_cap
-    res = SimulationResult(rec.records, committed_tokens=0)
-    in_flight: list[list[int]] = []  # [position, depth], oldest first
-    waiting: int | None = start  # position whose token waits to enter at depth 0
-    while res.committed_tokens < tokens:
-        if waiting is not None and (cap is None or len(in_flight) < cap):
-            rec.prelude([waiting])
-            in_flight.append([waiting, 0])
-            waiting = None
-        for entry in in_flight:
-            entry[1] += 1
-        rec.block([p for p, _ in in_flight], [r for _, r in in_flight])
-        res.rounds_or_ticks += 1
-        readout: list[tuple[int, int]] = []
-        newest_pos, newest_depth = in_flight[-1]
-        if newest_depth == d:
-            readout.append((newest_pos, d))
-            waiting = newest_pos + 1
-        oldest_pos, oldest_depth = in_flight[0]
-        if oldest_depth == depth:
-            readout.append((oldest_pos, depth))
-        if readout:
-            rec.coda([p for p, _ in readout], [r for _, r in readout])
-        if oldest_depth == depth:
-            res.committed_tokens += 1
-            in_flight.pop(0)
-            if accept[oldest_pos - start]:
-                res.accepted += 1
-            else:
-                res.rejected += 1
-                res.flushed_positions += len(in_flight)
-                in_flight.clear()
-                waiting = oldest_pos + 1  # the correction re-enters at depth 0
-    return res
+    def bonus(self, position: int) -> None:
+        self.result.committed_tokens += 1
+        if position >= self.start:  # not the prefill's first token
+            self.result.bonus += 1
 
 
 def simulate(
@@ -163,11 +99,13 @@ def simulate(
     kv_sharing: int = 0,
     dtype: str = "bf16",
     batch_size: int = 1,
+    prefill: bool = False,
 ) -> SimulationResult:
     """Simulate decoding ``new_tokens`` after a prompt of ``context_length`` tokens, and price it.
 
     Exactly one of ``acceptance`` (Bernoulli draws with ``seed``) and ``accept_sequence`` gives the
-    draft outcomes; AR needs neither.
+    draft outcomes; AR needs neither. With ``prefill`` the records begin with the prefill's calls
+    (as a decoder's call trace does); the latency and committed tokens count decoding only.
     """
     depth = depth or model.default_depth
     decode_tokens = new_tokens - 1
@@ -180,16 +118,22 @@ def simulate(
         raise ValueError(f"the acceptance sequence has {len(accept_sequence)} entries; "
                          f"decoding {decode_tokens} tokens needs at least that many")
     padded = list(accept_sequence) + [False] * 64  # drafts beyond the end are never committed
-    rec = _Recorder(kv_sharing)
-    start = context_length
-    if isinstance(schedule, AR):
-        res = _simulate_ar(rec, depth, start, decode_tokens)
-    elif isinstance(schedule, DtV):
-        res = _simulate_dtv(rec, schedule, depth, start, decode_tokens, padded)
-    else:
-        res = _simulate_wfd(rec, schedule, depth, start, decode_tokens, padded)
-    res.breakdown_s = price_records(model, hw, res.records, dtype=dtype, batch_size=batch_size)
-    res.latency_s = sum(r.wall_s for r in res.records)
+    plan = make_plan(schedule.kind, context_length, depth, coda_attends=model.coda_layers > 0,
+                     draft_depth=getattr(schedule, "draft_depth", None),
+                     block_length=getattr(schedule, "block_length", 1),
+                     width_cap=getattr(schedule, "width_cap", None), prefill=prefill)
+    sim = _Simulator(plan, kv_sharing, padded, new_tokens if prefill else decode_tokens)
+    sim.run(plan)
+    res = sim.result
+    if prefill:
+        res.committed_tokens -= 1
+    res.rounds_or_ticks, res.flushed_positions = plan.rounds, plan.flushed
+    decode = [r for r in res.records if min(r.positions) >= context_length]
+    if prefill:
+        price_records(model, hw, res.records[:len(res.records) - len(decode)], dtype=dtype,
+                      batch_size=batch_size)
+    res.breakdown_s = price_records(model, hw, decode, dtype=dtype, batch_size=batch_size)
+    res.latency_s = sum(r.wall_s for r in decode)
     return res
 
 

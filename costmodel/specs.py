@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .plans import default_draft_depth
+
 Dtype = Literal["fp32", "bf16", "fp16", "fp8"]
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 PartName = Literal["prelude", "block", "coda"]
@@ -172,8 +174,15 @@ class LoopedModelSpec(Spec):
     exit_gate: bool = False
     default_depth: Annotated[int, Field(ge=2)]
     default_acceptance: Annotated[float, Field(ge=0, le=1)]
-    default_draft_depth: Annotated[int, Field(ge=1)]
+    default_draft_depth: Annotated[int, Field(ge=1)]  # given, or ceil(R / 8) below R
     max_position_embeddings: Annotated[int, Field(gt=0)]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_draft_depth(cls, data):
+        if isinstance(data, dict) and "default_draft_depth" not in data and "default_depth" in data:
+            data = {**data, "default_draft_depth": default_draft_depth(data["default_depth"])}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> LoopedModelSpec:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from costmodel.figures import save_figure
 from costmodel.specs import HardwareSpec
 from costmodel.trace import atomic_write_text
 
@@ -51,22 +52,16 @@ def to_csv(rows: list[dict]) -> str:
 
 
 def write_outputs(result: StudyResult, out_dir: str | Path) -> dict[str, str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
+    """The study's table as CSV and Markdown, and its figure (without matplotlib, no figure:
+    the returned paths say which were written)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"csv": out / f"{result.name}.csv", "markdown": out / f"{result.name}.md",
-             "figure": out / f"{result.name}.png"}
+    paths = {"csv": out / f"{result.name}.csv", "markdown": out / f"{result.name}.md"}
     atomic_write_text(paths["csv"], to_csv(result.rows))
     atomic_write_text(paths["markdown"], f"# {result.title}\n\n" + to_markdown(result.rows))
-    fig = Figure(figsize=(9, 5.5), layout="constrained")
-    result.draw(fig)
-    tmp = paths["figure"].with_name(f".{paths['figure'].name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(paths["figure"])
+    figure = out / f"{result.name}.png"
+    if save_figure(figure, result.draw, (9, 5.5)):
+        paths["figure"] = figure
     return {k: str(v) for k, v in paths.items()}
 
 

@@ -12,7 +12,7 @@ from costmodel import get_model
 from wfd.cache import LayerKV
 from wfd.checkpoint import CheckpointError, build, load_folder, load_model, save
 from wfd.config import ModelConfig
-from wfd.generate import full_forward, generate_ar, make_cache, prefill
+from wfd.generate import full_forward, generate, make_cache, prefill
 from wfd.runtime import Runner
 
 PROMPT = [3, 17, 5, 60, 22, 9, 41, 8, 33, 2, 50, 12]
@@ -197,18 +197,18 @@ def test_a_schedule_that_forgets_to_roll_back_is_caught():
 
 def test_depth_trace_final_depth_equals_the_ar_tokens(family):
     model = tiny_model(family)
-    res = generate_ar(model, PROMPT, max_new_tokens=12, depth_trace=True)
+    res = generate(model, PROMPT, max_new_tokens=12, depth_trace=True)
     assert [rec.predictions[-1] for rec in res.depth_records] == res.tokens
     assert [rec.position for rec in res.depth_records] == list(range(len(PROMPT) - 1,
                                                                     len(PROMPT) + 11))
-    plain = generate_ar(model, PROMPT, max_new_tokens=12)
+    plain = generate(model, PROMPT, max_new_tokens=12)
     assert plain.tokens == res.tokens
     assert plain.block_calls == model.config.depth * 12
 
 
 def test_ar_trace_counts():
     model = tiny_model("huginn")
-    res = generate_ar(model, PROMPT, max_new_tokens=5)
+    res = generate(model, PROMPT, max_new_tokens=5)
     kinds = [r.kind for r in res.records]
     assert kinds.count("prelude") == 5 and kinds.count("coda") == 5
     first_block = next(r for r in res.records if r.kind == "block")
@@ -220,17 +220,17 @@ def test_sampling_is_seeded_by_position():
     from wfd.generate import Sampling
 
     model = tiny_model("ouro")
-    a = generate_ar(model, PROMPT, max_new_tokens=16, sampling=Sampling(1.0, 0.9, seed=4))
-    b = generate_ar(model, PROMPT, max_new_tokens=16, sampling=Sampling(1.0, 0.9, seed=4))
-    c = generate_ar(model, PROMPT, max_new_tokens=16, sampling=Sampling(1.0, 0.9, seed=5))
+    a = generate(model, PROMPT, max_new_tokens=16, sampling=Sampling(1.0, 0.9, seed=4))
+    b = generate(model, PROMPT, max_new_tokens=16, sampling=Sampling(1.0, 0.9, seed=4))
+    c = generate(model, PROMPT, max_new_tokens=16, sampling=Sampling(1.0, 0.9, seed=5))
     assert a.tokens == b.tokens and a.tokens != c.tokens
 
 
 def test_stop_tokens_end_generation():
     model = tiny_model("ouro")
-    free = generate_ar(model, PROMPT, max_new_tokens=10)
+    free = generate(model, PROMPT, max_new_tokens=10)
     stop = free.tokens[3]
-    res = generate_ar(model, PROMPT, max_new_tokens=10, stop_tokens=frozenset({stop}))
+    res = generate(model, PROMPT, max_new_tokens=10, stop_tokens=frozenset({stop}))
     assert res.tokens == free.tokens[:free.tokens.index(stop) + 1]
 
 

@@ -33,7 +33,7 @@ schedules = st.one_of(
 )
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=15, deadline=None, derandomize=True)
 @given(schedules, st.floats(0.0, 1.0), st.sampled_from([0, 1, 4]), st.integers(0, 2**16))
 def test_simulator_mean_agrees_with_closed_form(schedule, alpha, sharing, seed):
     model = get_model("ouro-2.6b") if seed % 2 else HUGINN
@@ -45,9 +45,10 @@ def test_simulator_mean_agrees_with_closed_form(schedule, alpha, sharing, seed):
     sim_latency = np.mean([s.latency_per_token_s for s in sims])
     sim_calls = np.mean([s.block_calls / s.committed_tokens for s in sims])
     latency, calls = closed_form(model, A6000, schedule, alpha, 2048, new_tokens, sharing)
-    # sampling error of a renewal process over ~800 tokens, plus the end of the last wave
-    assert sim_calls == pytest.approx(calls, rel=0.1, abs=0.05)
-    assert sim_latency == pytest.approx(latency, rel=0.1)
+    # sampling error of a renewal process over ~800 tokens, plus the end of the last wave: the
+    # worst of 150 random configurations was 3.3% (latency) and 3.4% (calls per token)
+    assert sim_calls == pytest.approx(calls, rel=0.05, abs=0.05)
+    assert sim_latency == pytest.approx(latency, rel=0.05)
 
 
 @pytest.mark.parametrize("d", [1, 2, 3, 4, 5, 8, 16, 31])

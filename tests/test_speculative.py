@@ -3,33 +3,16 @@ and the accounting of the call trace."""
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import model_for, tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from wfd.generate import Sampling, generate, generate_ar
-from wfd.speculative import Draft, Verifier, generate_dtv, generate_wfd
-
-MODELS = {}
+from wfd.generate import Sampling, generate
+from wfd.sampling import Draft, Verifier
 
 
-def model_for(family: str, easy: bool):
-    """A tiny random model; ``easy`` damps the core so that shallow drafts are often right,
-    which exercises long accepted runs as well as rejections."""
-    key = (family, easy)
-    if key not in MODELS:
-        model = tiny_model(family)
-        if easy:
-            with torch.no_grad():
-                layers = (model.transformer.core_block if family == "huginn"
-                          else model.model.layers)
-                for layer in layers:
-                    proj = layer.attn.proj if family == "huginn" else layer.self_attn.o_proj
-                    down = layer.mlp.proj if family == "huginn" else layer.mlp.down_proj
-                    proj.weight.mul_(0.05)
-                    down.weight.mul_(0.05)
-        MODELS[key] = model
-    return MODELS[key]
+def run(model, prompt, schedule="ar", **options):
+    return generate(model, prompt, schedule=schedule, record=False, **options)
 
 
 prompts = st.lists(st.integers(0, 63), min_size=1, max_size=10)
@@ -42,12 +25,10 @@ SETTINGS = settings(max_examples=30, deadline=None, derandomize=True,
        st.integers(1, 7))
 def test_dtv_greedy_equals_ar(family, easy, prompt, k, d):
     model = model_for(family, easy)
-    depth = model.config.depth
-    d = min(d, depth - 1)
-    ar = generate_ar(model, prompt, max_new_tokens=14, record=False)
-    dtv = generate_dtv(model, prompt, max_new_tokens=14, block_length=k, draft_depth=d,
-                       record=False)
-    assert dtv.tokens == ar.tokens
+    d = min(d, model.config.depth - 1)
+    ar = run(model, prompt, max_new_tokens=14)
+    assert run(model, prompt, "dtv", max_new_tokens=14, block_length=k,
+               draft_depth=d).tokens == ar.tokens
 
 
 @SETTINGS
@@ -55,36 +36,31 @@ def test_dtv_greedy_equals_ar(family, easy, prompt, k, d):
        st.one_of(st.none(), st.integers(1, 8)))
 def test_wfd_greedy_equals_ar(family, easy, prompt, d, cap):
     model = model_for(family, easy)
-    depth = model.config.depth
-    d = min(d, depth - 1)
-    ar = generate_ar(model, prompt, max_new_tokens=14, record=False)
-    wfd = generate_wfd(model, prompt, max_new_tokens=14, draft_depth=d, width_cap=cap,
-                       record=False)
-    assert wfd.tokens == ar.tokens
+    d = min(d, model.config.depth - 1)
+    ar = run(model, prompt, max_new_tokens=14)
+    assert run(model, prompt, "wfd", max_new_tokens=14, draft_depth=d,
+               width_cap=cap).tokens == ar.tokens
 
 
 @pytest.mark.parametrize("family", ["huginn", "ouro"])
 def test_every_draft_depth_and_block_length(family):
     model = model_for(family, True)
-    depth = model.config.depth
     prompt = [5, 9, 33, 2, 17]
-    ar = generate_ar(model, prompt, max_new_tokens=20, record=False).tokens
-    for d in range(1, depth):
+    ar = run(model, prompt, max_new_tokens=20).tokens
+    for d in range(1, model.config.depth):
         for k in range(1, 9):
-            assert generate_dtv(model, prompt, max_new_tokens=20, block_length=k,
-                                draft_depth=d, record=False).tokens == ar
-        assert generate_wfd(model, prompt, max_new_tokens=20, draft_depth=d,
-                            record=False).tokens == ar
+            assert run(model, prompt, "dtv", max_new_tokens=20, block_length=k,
+                       draft_depth=d).tokens == ar
+        assert run(model, prompt, "wfd", max_new_tokens=20, draft_depth=d).tokens == ar
 
 
 def test_huginn_random_initial_state_is_the_same_for_every_schedule():
     model = tiny_model("huginn", init_scale=1.0, seed=3)
     prompt = [1, 2, 3, 4]
-    ar = generate_ar(model, prompt, max_new_tokens=16, record=False).tokens
-    assert generate_wfd(model, prompt, max_new_tokens=16, draft_depth=2,
-                        record=False).tokens == ar
-    assert generate_dtv(model, prompt, max_new_tokens=16, block_length=3, draft_depth=2,
-                        record=False).tokens == ar
+    ar = run(model, prompt, max_new_tokens=16).tokens
+    assert run(model, prompt, "wfd", max_new_tokens=16, draft_depth=2).tokens == ar
+    assert run(model, prompt, "dtv", max_new_tokens=16, block_length=3,
+               draft_depth=2).tokens == ar
 
 
 @pytest.mark.parametrize("family", ["huginn", "ouro"])
@@ -93,7 +69,7 @@ def test_after_every_flush_the_cache_holds_what_ar_holds(family, easy):
     model = model_for(family, easy)
     prompt = [7, 3, 44, 12, 9]
     depth = model.config.depth
-    ar = generate_ar(model, prompt, max_new_tokens=24, record=False)
+    ar = run(model, prompt, max_new_tokens=24)
     flushes = []
 
     def check(cache, committed):
@@ -112,8 +88,7 @@ def test_after_every_flush_the_cache_holds_what_ar_holds(family, easy):
             torch.testing.assert_close(mine.keys[slot, :, :valid], theirs.keys[0, :, :valid],
                                        rtol=0, atol=1e-5)
 
-    wfd = generate_wfd(model, prompt, max_new_tokens=24, draft_depth=1, on_flush=check,
-                       record=False)
+    wfd = run(model, prompt, "wfd", max_new_tokens=24, draft_depth=1, on_rollback=check)
     assert wfd.tokens == ar.tokens
     assert flushes, "the run had no rejection to check"
 
@@ -138,20 +113,34 @@ def test_counts_reconcile(schedule):
         assert s["ticks"] == len(block) - 8  # minus the prefill's R calls
 
 
-def test_kv_sharing_runs_and_equals_ar_when_nothing_is_shared():
+@pytest.mark.parametrize("family", ["huginn", "ouro"])
+@pytest.mark.parametrize("sharing", [1, 2, 3])
+def test_kv_sharing_below_r(family, sharing):
+    """With s < R shared slots: depth r reads and writes slot (r - 1) mod s in every schedule;
+    WFD with one position in flight runs AR's calls in AR's order, so it emits exactly the
+    tokens of AR under the same sharing, whatever its drafts."""
+    model = model_for(family, False)
+    prompt = [3, 1, 4, 1, 5]
+    ar = generate(model, prompt, max_new_tokens=16, kv_sharing=sharing)
+    single = generate(model, prompt, schedule="wfd", max_new_tokens=16, draft_depth=1,
+                      width_cap=1, kv_sharing=sharing)
+    assert single.tokens == ar.tokens
+    assert single.stats["corrections"] > 0  # drafts were rejected, and that changed nothing
+    for res in (ar, single, generate(model, prompt, schedule="dtv", max_new_tokens=16,
+                                     block_length=3, draft_depth=1, kv_sharing=sharing)):
+        assert all(layer.keys.shape[0] == sharing for layer in res.cache.core)
+        for record in (r for r in res.records if r.kind == "block"):
+            assert record.slots == [(r - 1) % sharing for r in record.depths]
+
+
+def test_kv_sharing_with_a_slot_per_depth_equals_no_sharing():
     model = model_for("huginn", True)
     prompt = [3, 1, 4, 1, 5]
-    for sharing in (1, 2, 3):
-        ar = generate_ar(model, prompt, max_new_tokens=16, kv_sharing=sharing, record=False)
-        wfd = generate_wfd(model, prompt, max_new_tokens=16, draft_depth=2,
-                           kv_sharing=sharing, record=False)
-        dtv = generate_dtv(model, prompt, max_new_tokens=16, block_length=3, draft_depth=2,
-                           kv_sharing=sharing, record=False)
-        assert len(wfd.tokens) == len(dtv.tokens) == len(ar.tokens) == 16
     depth = model.config.depth
-    ar = generate_ar(model, prompt, max_new_tokens=16, kv_sharing=depth, record=False)
-    assert generate_wfd(model, prompt, max_new_tokens=16, draft_depth=2, kv_sharing=depth,
-                        record=False).tokens == ar.tokens
+    ar = run(model, prompt, max_new_tokens=16)
+    for schedule in ("ar", "dtv", "wfd"):
+        assert run(model, prompt, schedule, max_new_tokens=16, draft_depth=2,
+                   kv_sharing=depth).tokens == ar.tokens
 
 
 def test_forced_acceptance_is_flagged_and_paces_the_wave():
@@ -182,28 +171,47 @@ def test_speculative_sampling_verifier_is_exact():
     assert chi2 < 20.5  # chi-square, 5 degrees of freedom, p = 0.001
 
 
-def test_wfd_sampling_matches_ar_in_distribution():
+SAMPLED_MODEL = ("ouro", 1)
+SAMPLES = 300
+
+
+def sampled_tokens(schedule: str, seed_offset: int, **options) -> list[list[int]]:
+    """The tokens after the first of many sampled runs (T = 1, top-p 0.95), one run per seed."""
+    model = tiny_model(SAMPLED_MODEL[0], seed=SAMPLED_MODEL[1])
+    return [run(model, [10, 20, 30], schedule, max_new_tokens=4,
+                sampling=Sampling(temperature=1.0, top_p=0.95, seed=seed_offset + seed),
+                **options).tokens[1:] for seed in range(SAMPLES)]
+
+
+def same_distribution_pvalue(a: list[list[int]], b: list[list[int]]) -> float:
+    """The smallest chi-square homogeneity p-value over the token positions (rare tokens pooled)."""
     from scipy.stats import chi2_contingency
 
-    model = tiny_model("ouro", seed=1)
-    prompt = [10, 20, 30]
-    sampling = dict(temperature=1.0, top_p=0.95)
-    ar_tokens, wfd_tokens = [], []
-    for seed in range(300):
-        ar = generate_ar(model, prompt, max_new_tokens=3, record=False,
-                         sampling=Sampling(seed=seed, **sampling))
-        wfd = generate_wfd(model, prompt, max_new_tokens=3, draft_depth=1, record=False,
-                           sampling=Sampling(seed=10_000 + seed, **sampling))
-        ar_tokens.append(ar.tokens[1:])
-        wfd_tokens.append(wfd.tokens[1:])
-    for i in range(2):
-        a = torch.tensor([t[i] for t in ar_tokens])
-        w = torch.tensor([t[i] for t in wfd_tokens])
-        support = sorted(set(a.tolist()) | set(w.tolist()))
-        table = [[int((a == s).sum()) for s in support], [int((w == s).sum()) for s in support]]
+    pvalues = []
+    for i in range(len(a[0])):
+        left, right = [t[i] for t in a], [t[i] for t in b]
+        support = sorted(set(left) | set(right))
+        table = [[row.count(s) for s in support] for row in (left, right)]
         frequent = [j for j in range(len(support)) if table[0][j] + table[1][j] >= 10]
         rest = [j for j in range(len(support)) if j not in frequent]
-        rows = [[row[j] for j in frequent] + [sum(row[j] for j in rest)] for row in table]
-        rows = [[x for x, keep in zip(r, [True] * len(frequent) + [bool(rest)], strict=True)
-                 if keep] for r in rows]
-        assert chi2_contingency(rows).pvalue > 0.001
+        rows = [[row[j] for j in frequent] + ([sum(row[j] for j in rest)] if rest else [])
+                for row in table]
+        pvalues.append(chi2_contingency(rows).pvalue)
+    return min(pvalues)
+
+
+@pytest.fixture(scope="module")
+def ar_samples():
+    return sampled_tokens("ar", 0)
+
+
+@pytest.mark.parametrize("schedule", ["dtv", "wfd"])
+def test_sampling_matches_ar_in_distribution(ar_samples, schedule):
+    """DtV and WFD commit tokens distributed as AR's at every position; the same test tells a
+    verifier that commits its drafts unchecked (the depth-d distribution) from AR's."""
+    options = dict(draft_depth=1, block_length=3)
+    assert same_distribution_pvalue(ar_samples, sampled_tokens(schedule, 10_000,
+                                                               **options)) > 0.001
+    if schedule == "dtv":  # the test has power: it rejects drafts committed unchecked
+        unchecked = sampled_tokens(schedule, 10_000, force_acceptance=1.0, **options)
+        assert same_distribution_pvalue(ar_samples, unchecked) < 0.001

@@ -1,7 +1,7 @@
 """A decoder for looped (recurrent-depth) language models: Huginn and Ouro architectures, a
 recurrence-specific KV cache, and the AR, DtV and WaveFront schedules."""
 
-__all__ = ["load_model", "generate_ar"]
+__all__ = ["load_model", "generate"]
 
 
 def __getattr__(name: str):  # torch loads on first use, not on `import wfd`
@@ -9,8 +9,8 @@ def __getattr__(name: str):  # torch loads on first use, not on `import wfd`
         from .checkpoint import load_model
 
         return load_model
-    if name == "generate_ar":
-        from .generate import generate_ar
+    if name == "generate":
+        from .generate import generate
 
-        return generate_ar
+        return generate
     raise AttributeError(name)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from costmodel.plans import core_slot
+
 
 class CacheError(RuntimeError):
     """A write that would leave a hole in a slot, or a cache that is too small."""
@@ -108,7 +110,7 @@ class KVCache:
         """Slot written and read by the step that brings a position to ``depth`` (1-based)."""
         if not 1 <= depth <= self.depth:
             raise CacheError(f"depth {depth} outside 1..{self.depth}")
-        return (depth - 1) % self.kv_sharing if self.kv_sharing else depth - 1
+        return core_slot(depth, self.kv_sharing)
 
     def coda_slot(self, readout_depth: int) -> int:
         if readout_depth not in self.coda_slot_of:

@@ -1,12 +1,11 @@
-"""Model configuration: one shape for both families, read from and written to each family's
-HF config.json keys (../shared/reference/huginn.md section 1, ouro.md section 1)."""
+"""Model configuration: the cost model's architecture description, read from and written to
+each family's config.json keys (Huginn's RavenConfig, Ouro's OuroConfig)."""
 
 from __future__ import annotations
 
-import math
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from costmodel.specs import LoopedModelSpec
 
@@ -15,31 +14,23 @@ class ConfigError(ValueError):
     """A config.json that does not describe a Huginn or Ouro model."""
 
 
-class ModelConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class ModelConfig(LoopedModelSpec):
+    """The cost model's architecture description plus what the decoder alone needs (RoPE base,
+    norm epsilon) and the mapping to each family's config.json keys."""
 
-    family: Literal["huginn", "ouro"]
-    hidden_size: int = Field(gt=0)
-    num_heads: int = Field(gt=0)
-    num_kv_heads: int = Field(gt=0)
-    head_dim: int = Field(gt=0)
-    mlp_size: int = Field(gt=0)
-    vocab_size: int = Field(gt=0)
-    prelude_layers: int = Field(ge=0)
-    core_layers: int = Field(gt=0)
-    coda_layers: int = Field(ge=0)
-    depth: int = Field(ge=1, description="default recurrence depth R")
-    max_position_embeddings: int = Field(gt=0)
+    name: str = "checkpoint"
+    tied_head: bool = False
+    default_acceptance: float = Field(default=0.9, ge=0, le=1)
     rope_base: float
     norm_eps: float = 1e-6
-    qk_bias: bool = False
-    tied_head: bool = False
-    exit_gate: bool = False
+
+    @property
+    def depth(self) -> int:
+        """The default recurrence depth R."""
+        return self.default_depth
 
     @model_validator(mode="after")
-    def _check(self) -> ModelConfig:
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError("num_heads must be a multiple of num_kv_heads")
+    def _check_decoder(self) -> ModelConfig:
         if self.head_dim % 2:
             raise ValueError("head_dim must be even for rotary embeddings")
         if self.family == "huginn" and self.num_heads * self.head_dim != self.hidden_size:
@@ -65,7 +56,7 @@ class ModelConfig(BaseModel):
                     prelude_layers=int(raw["n_layers_in_prelude"]),
                     core_layers=int(raw["n_layers_in_recurrent_block"]),
                     coda_layers=int(raw["n_layers_in_coda"]),
-                    depth=int(raw.get("mean_recurrence", 32)),
+                    default_depth=int(raw.get("mean_recurrence", 32)),
                     max_position_embeddings=int(raw.get("block_size", 4096)),
                     rope_base=float(raw.get("rope_base", 50000.0)),
                     norm_eps=float(raw.get("norm_eps", 1e-6)),
@@ -80,7 +71,7 @@ class ModelConfig(BaseModel):
                     head_dim=int(raw.get("head_dim") or h // heads),
                     mlp_size=int(raw["intermediate_size"]), vocab_size=int(raw["vocab_size"]),
                     prelude_layers=0, core_layers=int(raw["num_hidden_layers"]), coda_layers=0,
-                    depth=int(raw.get("total_ut_steps", 4)),
+                    default_depth=int(raw.get("total_ut_steps", 4)),
                     max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
                     rope_base=float(raw.get("rope_theta", 10000.0)),
                     norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
@@ -128,23 +119,10 @@ class ModelConfig(BaseModel):
     # -- the cost model's view -------------------------------------------------------------------
     @classmethod
     def from_spec(cls, spec: LoopedModelSpec) -> ModelConfig:
-        return cls(
-            family=spec.family, hidden_size=spec.hidden_size, num_heads=spec.num_heads,
-            num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, mlp_size=spec.mlp_size,
-            vocab_size=spec.vocab_size, prelude_layers=spec.prelude_layers,
-            core_layers=spec.core_layers, coda_layers=spec.coda_layers, depth=spec.default_depth,
-            max_position_embeddings=spec.max_position_embeddings,
-            rope_base=50000.0 if spec.family == "huginn" else 1e6, qk_bias=spec.qk_bias,
-            tied_head=spec.tied_head, exit_gate=spec.exit_gate)
+        return cls(**spec.model_dump(),
+                   rope_base=50000.0 if spec.family == "huginn" else 1e6)
 
-    def to_spec(self, name: str, default_acceptance: float = 0.9) -> LoopedModelSpec:
-        depth = max(self.depth, 2)
-        return LoopedModelSpec(
-            name=name, family=self.family, hidden_size=self.hidden_size,
-            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            mlp_size=self.mlp_size, vocab_size=self.vocab_size, tied_head=self.tied_head,
-            prelude_layers=self.prelude_layers, core_layers=self.core_layers,
-            coda_layers=self.coda_layers, qk_bias=self.qk_bias, exit_gate=self.exit_gate,
-            default_depth=depth, default_acceptance=default_acceptance,
-            default_draft_depth=max(1, min(depth - 1, math.ceil(depth / 8))),
-            max_position_embeddings=self.max_position_embeddings)
+    def to_spec(self, name: str) -> LoopedModelSpec:
+        """The architecture alone, named (profiles store it)."""
+        fields = self.model_dump(exclude={"rope_base", "norm_eps"})
+        return LoopedModelSpec(**{**fields, "name": name})

@@ -1,75 +1,32 @@
-"""Autoregressive decoding of a looped LM, with the call trace and the depth trace.
+"""The decoder: executes a schedule's plan (costmodel.plans) with the model's tensors.
 
-    prefill: P over the prompt, R block calls over all its positions, C at each readout depth
-    per token: P, R block calls (one position), C at depth R
-
-With ``depth_trace`` the coda also reads every position out at every depth r = 1..R (each depth
-has its own coda KV slot), giving y(p, r) for the depth trace of DESIGN.md section 4.
+The plan says which call comes next; this module runs it against the KV cache and keeps each
+position's latest state and injection in buffers indexed by position (every block call of AR,
+DtV and WFD covers a contiguous range of positions, so reading them is a view). Readouts become
+drafts, verifications (greedy, speculative sampling, or forced outcomes for timing on random
+weights) and committed tokens. With ``depth_trace`` an AR run also reads every position out at
+every depth r = 1..R (each depth has its own coda KV slot), giving y(p, r) for the depth trace.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from costmodel.plans import Call, Executor, Plan, make_plan
+from costmodel.simulate import acceptance_draws
 from costmodel.trace import CallRecord, DepthRecord
 
 from .cache import KVCache
-from .runtime import Runner
+from .runtime import Runner, make_cache
+from .sampling import Draft, GenerationError, Sampling, Verifier
 
-
-class GenerationError(ValueError):
-    """A request the model cannot serve (prompt too long, bad depth), in one line."""
-
-
-@dataclass
-class Sampling:
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise GenerationError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise GenerationError(f"top-p must be in (0, 1], got {self.top_p}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """The distribution sampling draws from: softmax(logits / T), cut to the top-p nucleus;
-        fp32 on the CPU so that draws do not depend on the device."""
-        probs = torch.softmax(logits.detach().float().cpu() / self.temperature, dim=-1)
-        if self.top_p < 1:
-            sorted_probs, order = probs.sort(descending=True)
-            keep = sorted_probs.cumsum(-1) - sorted_probs < self.top_p
-            keep[..., 0] = True
-            mask = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, keep)
-            probs = torch.where(mask, probs, 0.0)
-            probs = probs / probs.sum(-1, keepdim=True)
-        return probs
-
-    def uniform(self, position: int, stream: int = 0) -> float:
-        """A uniform draw that depends only on (seed, position, stream)."""
-        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + position) * 8 + stream)
-        return float(torch.rand((), generator=gen))
-
-    def draw(self, probs: torch.Tensor, position: int, stream: int = 0) -> int:
-        """Inverse-CDF draw from probs with the (seed, position, stream) uniform."""
-        cdf = probs.cumsum(-1)
-        u = self.uniform(position, stream) * float(cdf[-1])
-        return int(min(torch.searchsorted(cdf, torch.tensor([u])).item(), probs.numel() - 1))
-
-    def choose(self, logits: torch.Tensor, position: int) -> int:
-        """The token committed from ``position``'s logits."""
-        if self.greedy:
-            return int(logits.argmax())
-        return self.draw(self.probs(logits), position)
+__all__ = ["GenerationError", "GenerationResult", "Sampling", "full_forward", "generate",
+           "make_cache", "prefill"]
 
 
 @dataclass
@@ -104,25 +61,6 @@ class GenerationResult:
                 "tokens_per_block_call": len(self.tokens) / len(blocks) if blocks else 0.0}
 
 
-def make_cache(model: nn.Module, *, prompt_len: int, max_new_tokens: int, depth: int,
-               kv_sharing: int, readout_depths: list[int], lookahead: int = 0) -> KVCache:
-    cfg = model.config
-    if depth < 1:
-        raise GenerationError(f"depth must be at least 1, got {depth}")
-    if kv_sharing < 0:
-        raise GenerationError(f"KV sharing must be 0 or a slot count >= 1, got {kv_sharing}")
-    total = prompt_len + max_new_tokens
-    if total > cfg.max_position_embeddings:
-        raise GenerationError(f"a prompt of {prompt_len} tokens plus {max_new_tokens} new ones "
-                              f"exceeds the model's context of {cfg.max_position_embeddings}")
-    param = next(model.parameters())
-    return KVCache(prelude_layers=cfg.prelude_layers, core_layers=cfg.core_layers,
-                   coda_layers=cfg.coda_layers, depth=depth, kv_sharing=kv_sharing,
-                   readout_depths=readout_depths, kv_heads=cfg.num_kv_heads,
-                   head_dim=cfg.head_dim, max_len=total + lookahead + 1, dtype=param.dtype,
-                   device=param.device)
-
-
 def depth_record(position: int, token: int, readouts: dict[int, torch.Tensor]) -> DepthRecord:
     depths = sorted(readouts)
     probs = [torch.softmax(readouts[r].float(), -1) for r in depths]
@@ -131,67 +69,97 @@ def depth_record(position: int, token: int, readouts: dict[int, torch.Tensor]) -
                        top1_prob=[float(p.max()) for p in probs])
 
 
-def prefill(runner: Runner, prompt: list[int], depth: int, readout_depths: list[int]
+class Decoder(Executor):
+    """Executes a plan's events with the model and commits tokens until ``max_new_tokens`` or a
+    stop token."""
+
+    def __init__(self, runner: Runner, prompt: Sequence[int], *, max_new_tokens: int,
+                 sampling: Sampling, verifier: Verifier,
+                 stop_tokens: frozenset[int] = frozenset(), keep_depths: bool = False,
+                 on_rollback: Callable[[KVCache, list[int]], None] | None = None):
+        self.runner, self.prompt = runner, list(prompt)
+        self.max_new_tokens, self.stop_tokens = max_new_tokens, stop_tokens
+        self.sampling, self.verifier = sampling, verifier
+        self.on_rollback = on_rollback
+        cfg, param = runner.model.config, next(runner.model.parameters())
+        shape = (runner.cache.max_len, cfg.hidden_size)
+        self.states = torch.zeros(shape, dtype=param.dtype, device=param.device)
+        self.injections = torch.zeros_like(self.states)
+        self.token_at = dict(enumerate(self.prompt))  # the token each position enters with
+        self.tokens: list[int] = []
+        self.readouts: dict[int, torch.Tensor] = {}  # position -> logits of the last coda call
+        self.drafts: dict[int, Draft] = {}
+        # position -> depth -> logits, from the last prompt position on (depth trace, prefill)
+        self.keep_depths = keep_depths
+        self.depth_logits: dict[int, dict[int, torch.Tensor]] = {}
+        self.depth_records: list[DepthRecord] = []
+        self.last_depths: dict[int, torch.Tensor] = {}
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) >= self.max_new_tokens or bool(
+            self.tokens and self.tokens[-1] in self.stop_tokens)
+
+    def call(self, call: Call) -> None:
+        positions, depths = list(call.positions), list(call.depths)
+        first = positions[0]
+        rows = slice(first, first + len(positions)) if positions == list(
+            range(first, first + len(positions))) else torch.tensor(positions)
+        if call.kind == "prelude":
+            e, state = self.runner.prelude([self.token_at[p] for p in positions], positions)
+            self.injections[rows], self.states[rows] = e, state
+        elif call.kind == "block":
+            self.states[rows] = self.runner.block(self.states[rows], self.injections[rows],
+                                                  positions, depths)
+        else:
+            logits = self.runner.coda(self.states[rows], positions, depths)
+            self.readouts = dict(zip(positions, logits, strict=True))
+            if self.keep_depths:
+                for p, r, row in zip(positions, depths, logits, strict=True):
+                    if p >= len(self.prompt) - 1:
+                        self.depth_logits.setdefault(p, {})[r] = row
+
+    def commit(self, position: int, token: int) -> None:
+        self.tokens.append(token)
+        self.token_at[position + 1] = token
+
+    def draft(self, position: int) -> None:
+        draft = self.verifier.draft(self.readouts[position], position)
+        self.drafts[position] = draft
+        self.token_at[position + 1] = draft.token
+
+    def verify(self, position: int) -> bool:
+        ok, token = self.verifier.verify(self.readouts[position], self.drafts.pop(position),
+                                         position)
+        self.commit(position, token)
+        return ok
+
+    def bonus(self, position: int) -> None:
+        token = self.sampling.choose(self.readouts[position], position)
+        self.commit(position, token)
+        if position >= len(self.prompt):
+            self.verifier.bonus += 1
+        if self.keep_depths:
+            self.last_depths = self.depth_logits.pop(position)
+            self.depth_records.append(depth_record(position, token, self.last_depths))
+
+    def rollback(self, length: int) -> None:
+        self.runner.cache.truncate(length)
+        if self.on_rollback is not None:
+            self.on_rollback(self.runner.cache, self.tokens)
+
+
+def prefill(runner: Runner, prompt: list[int], depth: int, readout_depths: Sequence[int]
             ) -> dict[int, torch.Tensor]:
-    """Run the prompt through every depth; return the last position's logits per readout depth.
-
-    A coda with attention reads out every prompt position (its KV is needed later); a coda
-    without (Ouro) only the last one."""
-    positions = list(range(len(prompt)))
-    e, state = runner.prelude(prompt, positions)
-    readout_positions = positions if runner.model.config.coda_layers else positions[-1:]
-    logits = {}
-    for r in range(1, depth + 1):
-        state = runner.block(state, e, positions, [r] * len(positions))
-        if r in readout_depths:
-            sel = state[-len(readout_positions):]
-            logits[r] = runner.coda(sel, readout_positions, [r] * len(readout_positions))[-1]
-    return logits
-
-
-def generate_ar(model: nn.Module, prompt: list[int], *, max_new_tokens: int,
-                depth: int | None = None, kv_sharing: int = 0,
-                sampling: Sampling | None = None, stop_tokens: frozenset[int] = frozenset(),
-                depth_trace: bool = False, record: bool = True) -> GenerationResult:
-    sampling = sampling or Sampling()
-    depth = depth or model.config.depth
-    if not prompt:
-        raise GenerationError("the prompt is empty")
-    if max_new_tokens < 1:
-        raise GenerationError(f"max new tokens must be at least 1, got {max_new_tokens}")
-    readouts = list(range(1, depth + 1)) if depth_trace else [depth]
-    cache = make_cache(model, prompt_len=len(prompt), max_new_tokens=max_new_tokens,
-                       depth=depth, kv_sharing=kv_sharing, readout_depths=readouts)
-    runner = Runner(model, cache, record=record)
-    start = time.perf_counter()
-    last = len(prompt) - 1
-    logits = prefill(runner, prompt, depth, readouts)
-    token = sampling.choose(logits[depth], last)
-    tokens = [token]
-    depth_records = [depth_record(last, token, logits)] if depth_trace else []
-    while len(tokens) < max_new_tokens and token not in stop_tokens:
-        p = last + len(tokens)
-        e, state = runner.prelude([token], [p])
-        logits = {}
-        for r in range(1, depth + 1):
-            state = runner.block(state, e, [p], [r])
-            if r in readouts:
-                logits[r] = runner.coda(state, [p], [r])[0]
-        token = sampling.choose(logits[depth], p)
-        tokens.append(token)
-        if depth_trace:
-            depth_records.append(depth_record(p, token, logits))
-    wall = time.perf_counter() - start
-    return GenerationResult(prompt=list(prompt), tokens=tokens, wall_s=wall, schedule="ar",
-                            records=runner.records, depth_records=depth_records, cache=cache,
-                            stats={"acceptance": None, "flushed_positions": 0,
-                                   "forced_acceptance": False})
-
-
-def forced_sequence(acceptance: float, count: int, seed: int) -> list[bool]:
-    """Seeded Bernoulli outcomes for forced-acceptance timing runs."""
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.rand(count, generator=gen) < acceptance).tolist()
+    """Run a prompt through every depth (the plans' prefill); the last position's logits at each
+    readout depth."""
+    plan = Plan(len(prompt), depth, coda_attends=runner.model.config.coda_layers > 0,
+                readout_depths=readout_depths)
+    decoder = Decoder(runner, prompt, max_new_tokens=1, sampling=Sampling(),
+                      verifier=Verifier(Sampling()), keep_depths=True)
+    with torch.inference_mode():
+        decoder.run(plan)
+    return decoder.last_depths
 
 
 def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_new_tokens: int,
@@ -199,27 +167,52 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
              stop_tokens: frozenset[int] = frozenset(), depth_trace: bool = False,
              draft_depth: int | None = None, block_length: int = 4,
              width_cap: int | None = None, force_acceptance: float | None = None,
-             seed: int = 0, record: bool = True) -> GenerationResult:
-    """Run one schedule: "ar", "dtv" (block_length, draft_depth) or "wfd" (draft_depth,
-    width_cap). Without a draft depth, ceil(R / 8) (Huginn at R = 32: 4; Ouro at R = 4: 1)."""
+             seed: int = 0, record: bool = True,
+             on_rollback: Callable[[KVCache, list[int]], None] | None = None
+             ) -> GenerationResult:
+    """Run one schedule: "ar" (with ``depth_trace``), "dtv" (block_length, draft_depth) or "wfd"
+    (draft_depth, width_cap). Without a draft depth, ceil(R / 8). ``force_acceptance`` replaces
+    verification by seeded outcomes (timing on random weights; flagged in the stats)."""
+    sampling = sampling or Sampling()
     depth = depth or model.config.depth
-    if schedule == "ar":
-        return generate_ar(model, prompt, max_new_tokens=max_new_tokens, depth=depth,
-                           kv_sharing=kv_sharing, sampling=sampling, stop_tokens=stop_tokens,
-                           depth_trace=depth_trace, record=record)
-    from .speculative import generate_dtv, generate_wfd
-
-    d = draft_depth if draft_depth is not None else max(1, -(-depth // 8))
-    forced = None if force_acceptance is None else forced_sequence(
+    if not prompt:
+        raise GenerationError("the prompt is empty")
+    if max_new_tokens < 1:
+        raise GenerationError(f"max new tokens must be at least 1, got {max_new_tokens}")
+    readouts = range(1, depth + 1) if depth_trace and schedule == "ar" else ()
+    try:
+        plan = make_plan(schedule, len(prompt), depth,
+                         coda_attends=model.config.coda_layers > 0, draft_depth=draft_depth,
+                         block_length=block_length, width_cap=width_cap, readout_depths=readouts)
+    except ValueError as exc:
+        raise GenerationError(str(exc)) from None
+    cache = make_cache(model, prompt_len=len(prompt), max_new_tokens=max_new_tokens,
+                       depth=depth, kv_sharing=kv_sharing, readout_depths=plan.readout_depths,
+                       lookahead=plan.lookahead)
+    runner = Runner(model, cache, record=record)
+    forced = None if force_acceptance is None else acceptance_draws(
         force_acceptance, max_new_tokens + 1, seed)
-    common = dict(max_new_tokens=max_new_tokens, draft_depth=d, depth=depth,
-                  kv_sharing=kv_sharing, sampling=sampling, stop_tokens=stop_tokens,
-                  forced_acceptance=forced, record=record)
+    verifier = Verifier(sampling, forced, first_position=len(prompt))
+    decoder = Decoder(runner, prompt, max_new_tokens=max_new_tokens, sampling=sampling,
+                      verifier=verifier, stop_tokens=stop_tokens, keep_depths=bool(readouts),
+                      on_rollback=on_rollback)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        decoder.run(plan)
+    wall = time.perf_counter() - start
+    stats: dict[str, float | int | bool | None] = {"acceptance": None, "flushed_positions": 0,
+                                                    "forced_acceptance": False}
     if schedule == "dtv":
-        return generate_dtv(model, prompt, block_length=block_length, **common)
-    if schedule == "wfd":
-        return generate_wfd(model, prompt, width_cap=width_cap, **common)
-    raise GenerationError(f"unknown schedule {schedule!r}; use ar, dtv or wfd")
+        stats = {**verifier.stats(), "rounds": plan.rounds, "flushed_positions": 0,
+                 "block_length": plan.block_length, "draft_depth": plan.draft_depth}
+    elif schedule == "wfd":
+        stats = {**verifier.stats(), "ticks": plan.rounds, "flushed_positions": plan.flushed,
+                 "draft_depth": plan.draft_depth, "width": plan.width,
+                 "width_cap": plan.width_cap}
+    return GenerationResult(prompt=list(prompt), tokens=decoder.tokens, wall_s=wall,
+                            schedule=schedule, records=runner.records,
+                            depth_records=decoder.depth_records, stats=stats, cache=cache,
+                            outcomes=verifier.outcomes)
 
 
 @torch.inference_mode()

@@ -4,14 +4,16 @@ recorded in the call trace (costmodel.trace.CallRecord), against one KV cache.""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
+from costmodel.plans import call_slots
 from costmodel.trace import CallRecord
 
 from .cache import KVCache
+from .sampling import GenerationError
 
 
 class Timer:
@@ -33,6 +35,26 @@ class Timer:
         return out, time.perf_counter() - t0
 
 
+def make_cache(model: nn.Module, *, prompt_len: int, max_new_tokens: int, depth: int,
+               kv_sharing: int, readout_depths: Sequence[int], lookahead: int = 0) -> KVCache:
+    """A cache for a prompt, its new tokens and the positions a schedule writes ahead."""
+    cfg = model.config
+    if depth < 1:
+        raise GenerationError(f"depth must be at least 1, got {depth}")
+    if kv_sharing < 0:
+        raise GenerationError(f"KV sharing must be 0 or a slot count >= 1, got {kv_sharing}")
+    total = prompt_len + max_new_tokens
+    if total > cfg.max_position_embeddings:
+        raise GenerationError(f"a prompt of {prompt_len} tokens plus {max_new_tokens} new ones "
+                              f"exceeds the model's context of {cfg.max_position_embeddings}")
+    param = next(model.parameters())
+    return KVCache(prelude_layers=cfg.prelude_layers, core_layers=cfg.core_layers,
+                   coda_layers=cfg.coda_layers, depth=depth, kv_sharing=kv_sharing,
+                   readout_depths=list(readout_depths), kv_heads=cfg.num_kv_heads,
+                   head_dim=cfg.head_dim, max_len=total + lookahead + 1, dtype=param.dtype,
+                   device=param.device)
+
+
 class Runner:
     """A model, its cache and the call trace of one generation."""
 
@@ -44,13 +66,12 @@ class Runner:
         self.records: list[CallRecord] = []
         self.record = record
 
-    def _log(self, kind: str, positions: list[int], depths: list[int], slots: list[int],
-             wall_s: float) -> None:
+    def _log(self, kind: str, positions: list[int], depths: list[int], wall_s: float) -> None:
         if self.record:
-            self.records.append(CallRecord(kind=kind, positions=list(positions),
-                                           depths=list(depths),
-                                           contexts=[p + 1 for p in positions],
-                                           slots=list(slots), wall_s=wall_s))
+            self.records.append(CallRecord(
+                kind=kind, positions=list(positions), depths=list(depths),
+                contexts=[p + 1 for p in positions],
+                slots=call_slots(kind, depths, self.cache.kv_sharing), wall_s=wall_s))
 
     @torch.inference_mode()
     def prelude(self, tokens: list[int], positions: list[int]
@@ -58,7 +79,7 @@ class Runner:
         ids = torch.tensor(tokens, device=self.device)
         (e, state), wall = self.timer.measure(
             lambda: self.model.prelude(ids, positions, self.cache))
-        self._log("prelude", positions, [0] * len(positions), [0] * len(positions), wall)
+        self._log("prelude", positions, [0] * len(positions), wall)
         return e, state
 
     @torch.inference_mode()
@@ -66,7 +87,7 @@ class Runner:
               depths: list[int]) -> torch.Tensor:
         out, wall = self.timer.measure(
             lambda: self.model.block(state, e, positions, depths, self.cache))
-        self._log("block", positions, depths, [self.cache.core_slot(r) for r in depths], wall)
+        self._log("block", positions, depths, wall)
         return out
 
     @torch.inference_mode()
@@ -74,5 +95,5 @@ class Runner:
              readout_depths: list[int]) -> torch.Tensor:
         logits, wall = self.timer.measure(
             lambda: self.model.coda(state, positions, readout_depths, self.cache))
-        self._log("coda", positions, readout_depths, list(readout_depths), wall)
+        self._log("coda", positions, readout_depths, wall)
         return logits

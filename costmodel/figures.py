@@ -1,0 +1,29 @@
+"""Figures, when matplotlib (the ``plots`` extra) is installed: drawn off-screen, written
+atomically. Without it, nothing is written and the caller says so."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+
+def save_figure(path: str | Path, draw: Callable[[object], None],
+                size_in: tuple[float, float]) -> bool:
+    """Draw with ``draw(figure)`` and write a PNG to ``path``; False without matplotlib."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        return False
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=size_in, layout="constrained")
+    draw(fig)
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    tmp.replace(path)
+    return True
+
+
+NO_PLOTS = "note: no figure written (matplotlib is missing: pip install 'looped-decoding[plots]')"

@@ -1,0 +1,124 @@
+"""The shape of the code: no import cycle among the project's modules, a cost model that imports
+no heavy package, and a clear error when a command needs an extra that is not installed."""
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("costmodel", "wfd", "calibrate", "studies")
+
+
+def module_files() -> dict[str, Path]:
+    files = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            files[name] = path
+    return files
+
+
+def imports_of(name: str, path: Path, modules: set[str]) -> set[str]:
+    """The project modules ``name`` imports, at the top or inside functions."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+                break
+    return found
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycle():
+    files = module_files()
+    graph = {name: imports_of(name, path, set(files)) for name, path in files.items()}
+    assert "wfd.runtime" in graph["wfd.generate"]  # the parser sees relative imports
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _python(code: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+
+
+HEAVY = ("torch", "scipy", "matplotlib")
+
+
+def test_the_cost_model_imports_no_heavy_package():
+    code = f"""
+import sys
+sys.argv = ["costmodel", "predict", "--bandwidth", "768GB/s", "--width", "8", "--json"]
+import costmodel, costmodel.plans, costmodel.simulate, costmodel.trace, costmodel.profile
+import studies
+from costmodel.cli import main
+try:
+    main()
+except SystemExit as exc:
+    assert exc.code == 0, exc.code
+print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)), file=sys.stderr)
+"""
+    out = _python("import json\n" + code)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["schedules"]["wfd"]["width"] == 8
+    assert json.loads(out.stderr.strip().splitlines()[-1]) == []
+
+
+BLOCK = "import sys\nfor m in {blocked!r}: sys.modules[m] = None\n"
+
+
+def test_a_command_needing_a_missing_extra_says_which(tmp_path):
+    wfd = BLOCK.format(blocked=["torch"]) + "from wfd.cli import main\nmain()"
+    out = _python(wfd, "generate", "--prompt", "hi")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "error: this command needs torch, which is not installed: "
+        "pip install 'looped-decoding[decoder]'"]
+    # a study without matplotlib still writes its tables, and says why there is no figure
+    study = BLOCK.format(blocked=["matplotlib"]) + "from costmodel.cli import main\nmain()"
+    out = _python(study, "study", "memory", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "memory.csv").is_file() and not (tmp_path / "memory.png").exists()
+    assert "looped-decoding[plots]" in out.stderr
