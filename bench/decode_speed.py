@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from costmodel.plans import default_draft_depth, wave_width
 from wfd.checkpoint import load_model
 from wfd.generate import generate, make_cache, prefill
 from wfd.runtime import Runner
@@ -54,11 +55,11 @@ def schedules(args) -> None:
         model = load_model(name, dtype=args.dtype)
         forced = args.acceptance if name.endswith(":random") else None
         depth = model.config.depth
-        d = args.draft_depth or max(1, -(-depth // 8))
+        d = args.draft_depth or default_draft_depth(depth)
         configs = {"AR": ("ar", {})}
         for k in args.block_lengths:
             configs[f"DtV k={k} d={d}"] = ("dtv", {"block_length": k, "draft_depth": d})
-        configs[f"WFD d={d} W={-(-depth // d)}"] = ("wfd", {"draft_depth": d})
+        configs[f"WFD d={d} W={wave_width(depth, d)}"] = ("wfd", {"draft_depth": d})
         rates: dict[str, list[float]] = {label: [] for label in configs}
         info: dict[str, dict] = {}
         time_schedule(model, "ar", 4, None)  # warm-up

@@ -16,6 +16,7 @@ import json
 
 import torch
 
+from costmodel.plans import default_draft_depth
 from wfd.checkpoint import SHIPPED_DIR, load_model
 from wfd.generate import generate
 from wfd.train import evaluate, load_corpus
@@ -95,7 +96,7 @@ def main() -> None:
     for name in args.models:
         model = load_model(name)
         depth = model.config.depth
-        d = max(1, -(-depth // 8))
+        d = default_draft_depth(depth)
         metrics = evaluate(model, heldout, depth, windows=args.windows)
         gen = {**wfd_acceptance(model, prompts, args.new_tokens, d),
                "prompts": len(prompts), "new_tokens": args.new_tokens}

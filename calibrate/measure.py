@@ -117,14 +117,11 @@ def _best_time(fn, device: torch.device, repeats: int) -> float:
 
 
 class Quiet:
-    """Measurements taken while the machine is quiet. On this project's shared VMs, other
-    tenants' load comes in spells of 10-40 s during which blocked matrix products (over 4+ rows)
-    run up to 2x slower while one-row products and memory copies barely change. So the canary is
-    such a product (6 rows against eight 6.5 MB matrices), timed before and after each
-    measurement; when either ran more than ``tolerance`` slower than the fastest canary so far,
-    the measurement is taken again after a pause (at most ``retries`` times, keeping the
-    fastest), as long as the time spent measuring again over the whole calibration stays within
-    ``budget_s``."""
+    """Measurements taken while the machine is quiet. On a shared VM other tenants' load comes
+    in spells that slow blocked matrix products most, so the canary is such a product, timed
+    before and after each measurement; when either ran more than ``tolerance`` slower than the
+    fastest canary so far, the measurement is taken again after a pause (at most ``retries``
+    times, keeping the fastest), within ``budget_s`` of extra time over the calibration."""
 
     def __init__(self, device: str, tolerance: float = 1.2, retries: int = 4,
                  pause_s: float = 1.0, budget_s: float = float("inf")):
@@ -201,9 +198,8 @@ def measure_peaks(device: str, dtype: str) -> Peaks:
     # products costs about n passes; the first n well below that is a blocked kernel.
     side = int((max(4 * cache, 64 * 2**20) / dt.itemsize) ** 0.5)
     weights = torch.randn(side, side, device=dev).to(dt)
-    # A spell of load slows blocked products most, which moved the switch to 5 rows once (and
-    # the fit with it): each timing is taken while the canary says the machine is quiet.
-    # (a GPU is not shared: a slow canary there is launch jitter, not load, and is not retried)
+    # A spell of load slows blocked products most and can move the switch: time while quiet
+    # (a GPU is not shared: a slow canary there is launch jitter, not load, and is not retried).
     quiet = Quiet(device, budget_s=20.0, retries=0 if dev.type == "cuda" else 4)
 
     def rows_time(n: int) -> float:

@@ -11,12 +11,12 @@ held out for validation.
 
 from __future__ import annotations
 
-import platform
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
+from costmodel.plans import default_draft_depth
 from costmodel.presets import MODELS
 from costmodel.profile import CalibrationProfile, FittedValue
 from costmodel.specs import HardwareSpec
@@ -40,20 +40,6 @@ from .validate import ValidationPoint, run_point
 # 3: the most rows a CPU library (MKL, fp32) runs as vector products, whose passes grow less than
 # linearly with the rows; without it the fit extrapolates 2 rows' cost to 3 (+15-25% on Ouro)
 TRAIN_POSITIONS = (1, 2, 3, 4, 32)
-
-
-def machine_name(device: str) -> str:
-    import torch
-
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_name()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def default_models(family: str, checkpoint: str | None) -> tuple[list[str], str]:
@@ -80,6 +66,7 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
     import torch
 
     from wfd.checkpoint import CheckpointError, load_model
+    from wfd.runtime import machine_name
 
     if threads:
         torch.set_num_threads(threads)
@@ -130,7 +117,7 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
     depth = held.config.depth
     prompt = [32 + (i * 7) % 90 for i in range(64)]
     tokens = 24 if quick else 48
-    drafts = sorted({max(1, -(-depth // 8)), max(1, depth // 4)})
+    drafts = sorted({default_draft_depth(depth), max(1, depth // 4)})
     schedules = [("ar", {})] + [("wfd", {"draft_depth": d}) for d in drafts] + [
         ("dtv", {"draft_depth": d, "block_length": 4}) for d in drafts]
     # the quick grid measures the runs twice (before and after the passes), the default three times
@@ -153,11 +140,8 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
         return out
 
     # Two passes over the grid, the second in reverse order, keeping each point's faster median:
-    # a burst of load from another process rarely hits the same point twice. The runs are
-    # measured before, between and after the passes, each keeping its fastest: a run lasts
-    # seconds where a call's repeats last a fraction of one, so a spell of load on this shared VM
-    # is more likely to overlap it (with two measurements the AR run came out 10-15% slower than
-    # its calls predicted in most calibrations). The quick grid skips the one between, for time.
+    # a burst of load rarely hits the same point twice. The runs (seconds long, so more often hit)
+    # are measured before, between and after the passes, keeping the fastest; quick: not between.
     run_measurements = [holdout_runs()]
     passes: list[dict[int, CallSample]] = [{}, {}]
     for pass_index, order in enumerate((range(len(plan)), reversed(range(len(plan))))):

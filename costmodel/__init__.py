@@ -5,11 +5,12 @@ Imports nothing heavy: no torch, and scipy/matplotlib only inside the functions 
 
 from .predict import Prediction, ScheduleResult, predict, sweep
 from .presets import HARDWARE, MODELS, get_hardware, get_model
+from .recommend import Choice, recommend
 from .simulate import SimulationResult, simulate
 from .specs import AR, WFD, DtV, HardwareSpec, LoopedModelSpec, Workload
 
 __all__ = [
-    "AR", "DtV", "WFD", "HARDWARE", "MODELS", "HardwareSpec", "LoopedModelSpec", "Prediction",
-    "ScheduleResult", "SimulationResult", "Workload", "get_hardware", "get_model", "predict",
-    "simulate", "sweep",
+    "AR", "Choice", "DtV", "WFD", "HARDWARE", "MODELS", "HardwareSpec", "LoopedModelSpec",
+    "Prediction", "ScheduleResult", "SimulationResult", "Workload", "get_hardware", "get_model",
+    "predict", "recommend", "simulate", "sweep",
 ]

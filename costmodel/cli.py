@@ -172,6 +172,70 @@ def predict_cmd(
         raise typer.Exit(1)
 
 
+@app.command("recommend")
+def recommend_cmd(
+    model: Annotated[str, typer.Option(help="model preset")] = "huginn-3.5b",
+    hardware: Annotated[str, typer.Option(help="hardware preset")] = "a6000",
+    profile: Annotated[Path | None, typer.Option(
+        help="calibration profile (JSON): its fitted hardware replaces --hardware")] = None,
+    depth_trace: Annotated[Path | None, typer.Option(
+        help="a depth trace (wfd generate --depth-trace): the acceptance of every depth")] = None,
+    acceptance_by_depth: Annotated[str | None, typer.Option(
+        help="the acceptance at each draft depth, e.g. 1:0.6,2:0.8,4:0.93")] = None,
+    context: Annotated[int, typer.Option(help="prompt/context length in tokens")] = 1024,
+    new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 512,
+    batch: Annotated[int, typer.Option(help="sequences decoded together")] = 1,
+    dtype: Annotated[str | None, typer.Option(
+        help="fp32, bf16, fp16 (default: bf16, or the profile's)")] = None,
+    top: Annotated[int, typer.Option(help="configurations to list")] = 5,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """The fastest schedules and their parameters for a model, hardware and acceptance curve,
+    with the `wfd generate` flags that run each."""
+    from .recommend import parse_acceptance_by_depth, recommend
+    from .trace import read_depth_trace
+
+    if (depth_trace is None) == (acceptance_by_depth is None):
+        raise UserError("give exactly one of --depth-trace and --acceptance-by-depth")
+    for name, value in (("context", context), ("new tokens", new_tokens), ("batch", batch),
+                        ("top", top)):
+        if value < 1:
+            raise UserError(f"{name} must be at least 1, got {value}")
+    spec = get_model(model)
+    if depth_trace is not None:
+        trace = read_depth_trace(depth_trace)
+        if trace.header.depth != spec.default_depth:
+            raise UserError(f"the depth trace was recorded at R = {trace.header.depth} "
+                            f"({trace.header.model}); {model} runs at R = {spec.default_depth}")
+        acceptance = trace.acceptance_by_depth()
+    else:
+        acceptance = parse_acceptance_by_depth(acceptance_by_depth)
+    prof = load_profile(profile) if profile is not None else None
+    hw = prof.hardware if prof is not None else get_hardware(hardware)
+    dtype = dtype or (prof.dtype if prof is not None else "bf16")
+    workload = Workload(context_length=context, new_tokens=new_tokens, batch_size=batch,
+                        dtype=dtype)
+    choices = recommend(spec, hw, acceptance, workload, top=top)
+    if as_json:
+        print_json({"model": spec.name, "hardware": hw.name, "workload": workload.model_dump(),
+                    "acceptance_by_depth": acceptance,
+                    "choices": [{**c.model_dump(), "label": c.label, "flags": c.flags}
+                                for c in choices]})
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{spec.name} on {hw.name}, context {context}, batch {batch}",
+                  header_style="bold")
+    for col in ("rank", "configuration", "acceptance", "tokens/s", "speedup", "bound",
+                "wfd generate flags"):
+        table.add_column(col)
+    for rank, c in enumerate(choices, 1):
+        table.add_row(str(rank), c.label, "" if c.acceptance is None else f"{c.acceptance:.2f}",
+                      f"{c.tokens_per_s:.1f}", f"{c.speedup_vs_ar:.2f}x", c.bound, c.flags)
+    Console(width=max(Console().width, 110)).print(table)
+
+
 @app.command("study")
 def study_cmd(
     name: Annotated[str, typer.Argument(help="study name, or 'list'")],

@@ -103,10 +103,12 @@ class Plan:
             yield from self.prefill_steps()
         yield from self.decode()
 
-    def prefill_steps(self) -> Steps:
+    def prefill_steps(self, every_position: bool = False) -> Steps:
+        """P over the prompt, R block calls, a readout at each readout depth: of every prompt
+        position when the coda attends (its KV is needed later) or ``every_position`` asks."""
         last = self.prompt_length - 1
         positions = tuple(range(self.prompt_length))
-        readout = positions if self.coda_attends else (last,)
+        readout = positions if self.coda_attends or every_position else (last,)
         yield Call("prelude", positions, (0,) * len(positions))
         for r in range(1, self.depth + 1):
             yield Call("block", positions, (r,) * len(positions))
@@ -249,11 +251,14 @@ class Executor:
 
     def rollback(self, length: int) -> None: ...
 
-    def run(self, plan: Plan) -> None:
-        steps = plan.steps()
+    def run(self, steps: Steps) -> None:
+        """Execute events (``plan.steps()``, or a part of a plan) until ``done`` or their end."""
         reply: bool | None = None
         while not self.done:
-            event = steps.send(reply)
+            try:
+                event = steps.send(reply)
+            except StopIteration:
+                return
             reply = None
             if isinstance(event, Call):
                 self.call(event)
@@ -265,7 +270,6 @@ class Executor:
                 self.bonus(event.position)
             else:
                 self.rollback(event.length)
-        steps.close()
 
 
 def _check_draft_depth(draft_depth: int, depth: int) -> None:

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .cost import call_cost
 from .memory import MemoryReport, memory_report
+from .plans import wave_width
 from .presets import get_hardware, get_model
 from .schedules import (
     CallGroup,
@@ -185,8 +186,7 @@ def predict(
     hw.achievable_flops_per_s(wl.dtype)  # an unknown dtype fails here with a clear message
 
     wfd = WFD(draft_depth=d, width_cap=width_cap)
-    natural_width = -(-depth // d)
-    width_used = min(natural_width, width_cap) if width_cap else natural_width
+    width_used = wave_width(depth, d, width_cap)
     ks = [block_length] if block_length else list(range(1, MAX_BLOCK_LENGTH + 1))
     memory = memory_report(spec, hw, wl, depth=depth, readout_depths=2,
                            positions_per_call=max(width_used, max(ks) + 1))

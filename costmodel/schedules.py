@@ -26,11 +26,11 @@ under a binding cap, every R ticks (V = W verifies). Block calls per token: alph
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from .plans import core_slot, wave_width
 from .specs import AR, WFD, DtV
 
 Basis = tuple  # hashable: ("const",), ("dtv", k), ("wfd-ramp",), ("wfd-tail", n, V)
@@ -121,9 +121,8 @@ def wave_entry_ticks(depth: int, draft_depth: int, width_cap: int | None, count:
 
 def wfd_period(depth: int, schedule: WFD) -> tuple[int, int]:
     """(ticks, verifies) of the steady-state period that repeats after the first R ticks."""
-    natural_width = math.ceil(depth / schedule.draft_depth)
     cap = schedule.width_cap
-    if cap is not None and cap < natural_width:
+    if cap is not None and cap < wave_width(depth, schedule.draft_depth):
         return depth, cap
     return schedule.draft_depth, 1
 
@@ -137,7 +136,7 @@ def wfd_ticks(depth: int, schedule: WFD, kv_sharing: int) -> list[Tick]:
     ticks = []
     for t in range(1, horizon + 1):
         depths = [t - e for e in entries if e < t <= e + depth]
-        slots = {(r - 1) % kv_sharing if kv_sharing else r - 1 for r in depths}
+        slots = {core_slot(r, kv_sharing) for r in depths}
         ticks.append(Tick(
             index=t,
             block_positions=len(depths),

@@ -123,7 +123,7 @@ def simulate(
                      block_length=getattr(schedule, "block_length", 1),
                      width_cap=getattr(schedule, "width_cap", None), prefill=prefill)
     sim = _Simulator(plan, kv_sharing, padded, new_tokens if prefill else decode_tokens)
-    sim.run(plan)
+    sim.run(plan.steps())
     res = sim.result
     if prefill:
         res.committed_tokens -= 1

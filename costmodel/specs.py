@@ -35,66 +35,47 @@ class HardwareSpec(Spec):
     graph_launch_overhead_s: Annotated[float, Field(ge=0)] = 1e-6
     # Per call of a part (P, B or C): Python and framework dispatch outside the kernels.
     host_overhead_s: Annotated[float, Field(ge=0)] = 20e-6
-    # Per transformer layer in a call, beyond its kernels' launch overhead: the operations inside
-    # a layer (products, attention, RoPE, cache writes, with the decoder's Python around them)
-    # cost the host more than those outside (an embedding lookup, a norm, the head). 0: every
-    # operation costs the same.
+    # Per transformer layer in a call, beyond its kernels' launch overhead: a layer's operations
+    # cost the host more than those outside layers. 0: every operation costs the same.
     layer_overhead_s: Annotated[float, Field(ge=0)] = 0.0
     bandwidth_efficiency: Annotated[float, Field(gt=0, le=1)] = 0.8
     # Achievable fraction for KV-cache traffic; None means the same as for weights.
     kv_bandwidth_efficiency: Annotated[float, Field(gt=0, le=1)] | None = None
     flops_efficiency: Annotated[float, Field(gt=0, le=1)] = 0.7
-    # How memory and compute time combine: the larger of the two (None, the roofline), or the
-    # p-norm (m^p + c^p)^(1/p), which a CPU that cannot fully overlap them follows near the ridge.
+    # How memory and compute time combine: the larger (None, the roofline), or the p-norm
+    # (m^p + c^p)^(1/p), for a CPU that cannot fully overlap them near the ridge.
     roofline_exponent: Annotated[float, Field(ge=1)] | None = None
     cuda_graphs: bool = False
-    # Whether launch and host overheads overlap the device's work (a GPU runs kernels while the
-    # host enqueues the next ones: a call costs the larger of the two) or add to it (a CPU runs
-    # the kernels itself).
+    # Whether host overheads overlap the device's work (a GPU runs kernels while the host
+    # enqueues more: a call costs the larger) or add to it (a CPU runs the kernels itself).
     overhead_overlaps: bool = False
-    # Matrix products on some CPU libraries: over fewer than ``blocked_gemm_rows`` positions, each
-    # position is its own vector product and streams ``gemv_row_passes`` of the weights again
-    # (small matrices stay partly cached between rows); from that many on, a blocked kernel
-    # streams (and packs) the weights ``blocked_gemm_weight_passes`` times and is then bound by
-    # compute. 1 and 1.0 (GPUs): the weights are streamed once, whatever the rows. Calibration
-    # measures the row count from a matrix-product sweep and fits the passes.
+    # CPU matrix products: below ``blocked_gemm_rows`` rows each row is a vector product that
+    # streams the weights again (1 + gemv_row_passes * (n - 1) ** gemv_row_exponent passes);
+    # from there a blocked kernel streams them ``blocked_gemm_weight_passes`` times at a fixed
+    # ``blocked_gemm_latency_s`` each. A GPU streams the weights once, whatever the rows.
     blocked_gemm_rows: Annotated[int, Field(ge=1)] = 1
     gemv_row_passes: Annotated[float, Field(ge=0, le=1)] = 1.0
     blocked_gemm_weight_passes: Annotated[float, Field(ge=1)] = 1.0
-    # How the vector products' extra passes grow with the rows: 1 + passes * (n - 1) ** exponent;
-    # below 1, each extra row costs less than the one before (a CPU library's few-row kernels keep
-    # part of each weight tile in registers and cache).
     gemv_row_exponent: Annotated[float, Field(gt=0, le=1)] = 1.0
-    # Fixed time per blocked matrix product, beyond its bytes and flops: setting up the blocks
-    # and handing them to the threads. It matters for small matrices: on this project's CPU a
-    # 576x192 product costs 10 us over one row and 22-31 us over 4-8 rows, where its bytes and
-    # flops take a few. Calibration fits it; 0: not modelled.
     blocked_gemm_latency_s: Annotated[float, Field(ge=0)] = 0.0
-    # CPU threads: a library may run a blocked product over few rows on one thread and split it
-    # over all of them only from ``threaded_gemm_rows`` rows on (MKL with two threads: 5); the
-    # products on one thread reach ``unthreaded_flops_fraction`` of the all-thread peak flops.
-    # None: every product uses every thread. Calibration measures both.
+    # CPU threads: products under ``threaded_gemm_rows`` rows run on one thread, at
+    # ``unthreaded_flops_fraction`` of the all-thread peak. None: every product uses every thread.
     threaded_gemm_rows: Annotated[int, Field(ge=1)] | None = None
     unthreaded_flops_fraction: Annotated[float, Field(gt=0, le=1)] = 1.0
-    # Achievable fraction of peak flops in attention (per-head score and value products over the
-    # context, softmax, masks: far smaller products than the projections). None: flops_efficiency.
+    # Attention's fraction of peak flops (small per-head products). None: flops_efficiency.
     attention_flops_efficiency: Annotated[float, Field(gt=0, le=1)] | None = None
-    # Fixed time per transformer layer whose weights stream from memory rather than the cache:
-    # the ramp-up of each matrix product's stream (small matrices reach less bandwidth).
+    # Fixed time per layer whose weights stream from memory (each stream's ramp-up).
     layer_stream_latency_s: Annotated[float, Field(ge=0)] = 0.0
-    # The last-level cache: a part whose weights fit in half of it (a tiny model's, Ouro's head on
-    # a CPU) streams them from the cache at this bandwidth, since every call of the loop reuses
-    # them and the rest of the loop streams through the other half. 0: not modelled.
+    # The last-level cache: a part whose weights fit in half of it streams them from the cache
+    # at this bandwidth (every call of the loop reuses them). 0: not modelled.
     cache_bytes: Annotated[float, Field(ge=0)] = 0.0
     cache_bandwidth_bytes_per_s: Annotated[float, Field(gt=0)] | None = None
-    # How the decoder's kernels are counted: per transformer layer (norms, matmuls, rope,
-    # activations, residuals), and for attention per distinct KV slot read when split by slot.
+    # Kernels per transformer layer, and for attention per distinct KV slot read when split.
     kernels_per_layer: Annotated[int, Field(ge=0)] = 14
     attention_kernels_per_slot: Annotated[int, Field(ge=0)] = 2
     attention_split_by_slot: bool = True
-    # Kernels a call of each part launches outside its layers (embedding, initial state, final
-    # norms, head), by part name; missing parts use the model spec's estimate. Calibration counts
-    # the decoder's dispatched operations.
+    # Kernels a call of each part launches outside its layers, by part name (calibration counts
+    # the decoder's); missing parts use the model spec's estimate.
     part_extra_kernels: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
 
     @property
@@ -283,7 +264,7 @@ class Workload(Spec):
     new_tokens: Annotated[int, Field(ge=1)] = 512
     # None: the model's default acceptance, or the one a depth trace gives.
     acceptance: Annotated[float, Field(ge=0, le=1)] | None = None
-    # A measured depth trace (JSON Lines, DESIGN.md section 4): the acceptance of the draft depth
+    # A measured depth trace (JSON Lines): the acceptance of the draft depth
     # is read from it (the rate at which y(p, d) equals y(p, R) over its decoded positions).
     depth_trace: str | None = None
     batch_size: Annotated[int, Field(ge=1)] = 1

@@ -89,6 +89,10 @@ class DepthTrace(BaseModel):
         return [rec.predictions[draft_depth - 1] == rec.predictions[depth - 1]
                 for rec in self.records if rec.position >= self.header.prompt_length]
 
+    def acceptance_by_depth(self) -> dict[int, float]:
+        """The acceptance of every draft depth 1..R-1 over the decoded positions."""
+        return {d: self.acceptance(d) for d in range(1, self.header.depth)}
+
     def acceptance(self, draft_depth: int) -> float:
         seq = self.acceptance_sequence(draft_depth)
         if not seq:

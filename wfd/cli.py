@@ -37,7 +37,11 @@ def generate(
     ] = DEFAULT_MODEL,
     prompt: Annotated[str | None, typer.Option(help="prompt text")] = None,
     prompt_ids: Annotated[str | None, typer.Option(help="prompt token ids, e.g. 1,2,3")] = None,
-    schedule: Annotated[str, typer.Option(help="ar, dtv or wfd")] = "ar",
+    schedule: Annotated[str, typer.Option(
+        help="ar, dtv, wfd, or auto (the cost model picks one from the prompt's acceptance)")
+    ] = "ar",
+    profile: Annotated[Path | None, typer.Option(
+        help="auto: the calibration profile to decide with (default: this machine's)")] = None,
     draft_depth: Annotated[int | None, typer.Option(
         help="DtV/WFD draft depth d (default: the model's)")] = None,
     width: Annotated[int | None, typer.Option(
@@ -68,8 +72,8 @@ def generate(
     """Generate from a prompt; print the text (or token ids) and the decoding statistics."""
     if (prompt is None) == (prompt_ids is None):
         raise UserError("give exactly one of --prompt and --prompt-ids")
-    if schedule not in ("ar", "dtv", "wfd"):
-        raise UserError(f"unknown schedule {schedule!r}; use ar, dtv or wfd")
+    if schedule not in ("ar", "dtv", "wfd", "auto"):
+        raise UserError(f"unknown schedule {schedule!r}; use ar, dtv, wfd or auto")
     if width is not None and draft_depth is not None:
         raise UserError("give either --width or --draft-depth, not both")
     if force_acceptance is not None and not 0 <= force_acceptance <= 1:
@@ -83,10 +87,13 @@ def generate(
 
     import torch  # heavy: only once the arguments are known to be sane
 
+    from costmodel.predict import resolve_draft_depth
+    from costmodel.profile import load_profile
     from costmodel.trace import TraceHeader, current_commit, write_jsonl
 
     from .checkpoint import SHIPPED_DIR, CheckpointError, load_model
     from .generate import GenerationError, Sampling, generate
+    from .runtime import machine_profile
     from .tokenizer import tokenizer_for
 
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -109,10 +116,13 @@ def generate(
                             f"{net.config.vocab_size}")
         stops = frozenset(_parse_ids(stop_ids, "--stop-ids")) if stop_ids else frozenset()
         run_depth = depth or net.config.depth
-        if width is not None:
-            if not 2 <= width <= run_depth:
-                raise UserError(f"width must be in 2..{run_depth} (R = {run_depth}), got {width}")
-            draft_depth = -(-run_depth // width)
+        if schedule in ("dtv", "wfd"):
+            draft_depth = resolve_draft_depth(net.config, run_depth, width, draft_depth)
+        hardware = None
+        if schedule == "auto":
+            chosen = profile or machine_profile(net.config.family, device)
+            hardware = load_profile(chosen).hardware
+            typer.echo(f"auto: deciding with {chosen}", err=True)
         if depth_trace is not None and schedule != "ar":
             raise UserError("--depth-trace is recorded by an AR run (--schedule ar)")
         result = generate(net, ids, schedule=schedule, max_new_tokens=max_new_tokens,
@@ -120,13 +130,13 @@ def generate(
                           sampling=Sampling(temperature, top_p, seed), stop_tokens=stops,
                           depth_trace=depth_trace is not None, draft_depth=draft_depth,
                           block_length=block_length, width_cap=width_cap,
-                          force_acceptance=force_acceptance, seed=seed)
+                          force_acceptance=force_acceptance, seed=seed, hardware=hardware)
     except (CheckpointError, GenerationError) as exc:
         raise UserError(str(exc)) from None
 
     header = dict(source="measured", model=model, device=str(device), dtype=dtype,
                   commit=current_commit(), depth=run_depth, prompt_length=len(ids),
-                  schedule=schedule, extra={k: v for k, v in result.stats.items()
+                  schedule=result.schedule, extra={k: v for k, v in result.stats.items()
                                             if k in ("draft_depth", "block_length", "width",
                                                      "width_cap", "forced_acceptance")})
     if trace is not None:
@@ -134,18 +144,27 @@ def generate(
     if depth_trace is not None:
         write_jsonl(depth_trace, TraceHeader(trace="depths", **header), result.depth_records)
 
+    auto = result.stats.get("auto")
+    if auto:
+        best = max(auto["acceptance_by_depth"].items(), key=lambda kv: kv[1])
+        typer.echo(f"auto: {auto['choice']} ({auto['flags']}): predicted "
+                   f"{auto['predicted_tokens_per_s']:.1f} tokens/s, "
+                   f"{auto['predicted_speedup_vs_ar']:.2f}x AR, with the prompt's acceptance "
+                   f"{auto['acceptance_by_depth'].get(result.stats.get('draft_depth'), 0):.2f} "
+                   f"at its draft depth (best {best[1]:.2f} at d = {best[0]}) on "
+                   f"{auto['hardware']}", err=True)
     text = tok.decode(result.tokens) if tok is not None else None
     n = len(result.tokens)
     if as_json:
         print_json({
             "text": text, "tokens": result.tokens, "new_tokens": n, "wall_s": result.wall_s,
-            "tokens_per_s": n / result.wall_s, "schedule": schedule,
+            "tokens_per_s": n / result.wall_s, "schedule": result.schedule,
             **result.call_stats(), **result.stats,
         })
     else:
         typer.echo(text if text is not None else ",".join(map(str, result.tokens)))
         acceptance = result.stats.get("acceptance")
-        typer.echo(f"[{schedule}] {n} tokens in {result.wall_s:.2f} s "
+        typer.echo(f"[{result.schedule}] {n} tokens in {result.wall_s:.2f} s "
                    f"({n / result.wall_s:.1f} tokens/s), {result.block_calls} block calls"
                    + (f", acceptance {acceptance:.2f}" if acceptance is not None else "")
                    + (", FORCED acceptance: not a real decode"

@@ -93,6 +93,7 @@ class Decoder(Executor):
         self.keep_depths = keep_depths
         self.depth_logits: dict[int, dict[int, torch.Tensor]] = {}
         self.depth_records: list[DepthRecord] = []
+        self.probe: dict[int, torch.Tensor] | None = None  # depth -> the prompt's greedy readouts
         self.last_depths: dict[int, torch.Tensor] = {}
 
     @property
@@ -114,6 +115,8 @@ class Decoder(Executor):
         else:
             logits = self.runner.coda(self.states[rows], positions, depths)
             self.readouts = dict(zip(positions, logits, strict=True))
+            if self.probe is not None:
+                self.probe[depths[0]] = logits.argmax(-1)
             if self.keep_depths:
                 for p, r, row in zip(positions, depths, logits, strict=True):
                     if p >= len(self.prompt) - 1:
@@ -158,8 +161,29 @@ def prefill(runner: Runner, prompt: list[int], depth: int, readout_depths: Seque
     decoder = Decoder(runner, prompt, max_new_tokens=1, sampling=Sampling(),
                       verifier=Verifier(Sampling()), keep_depths=True)
     with torch.inference_mode():
-        decoder.run(plan)
+        decoder.run(plan.steps())
     return decoder.last_depths
+
+
+def prompt_acceptance(argmax_by_depth: dict[int, torch.Tensor], depth: int
+                      ) -> dict[int, float]:
+    """The agreement of every depth's greedy readout with depth R's over the prompt positions:
+    the acceptance each draft depth would have had there."""
+    final = argmax_by_depth[depth]
+    return {d: float((argmax_by_depth[d] == final).float().mean()) for d in range(1, depth)}
+
+
+def choose(model: nn.Module, hardware, acceptance: dict[int, float], prompt_length: int,
+           max_new_tokens: int, depth: int, kv_sharing: int):
+    """The fastest configuration the cost model predicts for this run (``--schedule auto``)."""
+    from costmodel.recommend import recommend
+    from costmodel.specs import Workload
+
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[
+        next(model.parameters()).dtype]
+    workload = Workload(context_length=prompt_length, new_tokens=max_new_tokens, dtype=dtype,
+                        depth=depth, kv_sharing=kv_sharing)
+    return recommend(model.config, hardware, acceptance, workload, top=1, quick=True)[0]
 
 
 def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_new_tokens: int,
@@ -167,28 +191,38 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
              stop_tokens: frozenset[int] = frozenset(), depth_trace: bool = False,
              draft_depth: int | None = None, block_length: int = 4,
              width_cap: int | None = None, force_acceptance: float | None = None,
-             seed: int = 0, record: bool = True,
+             seed: int = 0, record: bool = True, hardware=None,
              on_rollback: Callable[[KVCache, list[int]], None] | None = None
              ) -> GenerationResult:
-    """Run one schedule: "ar" (with ``depth_trace``), "dtv" (block_length, draft_depth) or "wfd"
-    (draft_depth, width_cap). Without a draft depth, ceil(R / 8). ``force_acceptance`` replaces
-    verification by seeded outcomes (timing on random weights; flagged in the stats)."""
+    """Run one schedule: "ar" (with ``depth_trace``), "dtv" (block_length, draft_depth), "wfd"
+    (draft_depth, width_cap), or "auto": the prefill reads every prompt position out at every
+    depth, and the cost model with ``hardware`` (a calibrated HardwareSpec) picks the fastest
+    configuration for that acceptance by depth (``stats["auto"]`` says which and why). Without
+    a draft depth, ceil(R / 8). ``force_acceptance`` replaces verification by seeded outcomes
+    (timing on random weights; flagged in the stats)."""
     sampling = sampling or Sampling()
     depth = depth or model.config.depth
     if not prompt:
         raise GenerationError("the prompt is empty")
     if max_new_tokens < 1:
         raise GenerationError(f"max new tokens must be at least 1, got {max_new_tokens}")
-    readouts = range(1, depth + 1) if depth_trace and schedule == "ar" else ()
+    auto = schedule == "auto"
+    if auto and (hardware is None or force_acceptance is not None or depth < 2):
+        raise GenerationError("--schedule auto needs a calibration profile, a depth of at least "
+                              "2 and the model's own acceptance (no forced acceptance)")
+    readouts = range(1, depth + 1) if (depth_trace and schedule == "ar") or auto else ()
+    coda_attends = model.config.coda_layers > 0
     try:
-        plan = make_plan(schedule, len(prompt), depth,
-                         coda_attends=model.config.coda_layers > 0, draft_depth=draft_depth,
-                         block_length=block_length, width_cap=width_cap, readout_depths=readouts)
+        plan = Plan(len(prompt), depth, coda_attends=coda_attends, readout_depths=readouts) \
+            if auto else make_plan(schedule, len(prompt), depth, coda_attends=coda_attends,
+                                   draft_depth=draft_depth, block_length=block_length,
+                                   width_cap=width_cap, readout_depths=readouts)
     except ValueError as exc:
         raise GenerationError(str(exc)) from None
+    # auto: room for any schedule's lookahead (DtV's k + 1, WFD's W + 1)
     cache = make_cache(model, prompt_len=len(prompt), max_new_tokens=max_new_tokens,
                        depth=depth, kv_sharing=kv_sharing, readout_depths=plan.readout_depths,
-                       lookahead=plan.lookahead)
+                       lookahead=max(33, depth + 1) if auto else plan.lookahead)
     runner = Runner(model, cache, record=record)
     forced = None if force_acceptance is None else acceptance_draws(
         force_acceptance, max_new_tokens + 1, seed)
@@ -197,11 +231,30 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
                       verifier=verifier, stop_tokens=stop_tokens, keep_depths=bool(readouts),
                       on_rollback=on_rollback)
     start = time.perf_counter()
+    decision: dict[str, object] = {}
     with torch.inference_mode():
-        decoder.run(plan)
+        if auto:
+            decoder.probe = {}
+            decoder.run(plan.prefill_steps(every_position=True))
+            decided = time.perf_counter()
+            acceptance = prompt_acceptance(decoder.probe, depth)
+            choice = choose(model, hardware, acceptance, len(prompt), max_new_tokens, depth,
+                            kv_sharing)
+            decoder.probe = None
+            plan = make_plan(choice.schedule, len(prompt), depth, coda_attends=coda_attends,
+                             draft_depth=choice.draft_depth,
+                             block_length=choice.block_length or 4,
+                             width_cap=choice.width_cap, prefill=False)
+            schedule = choice.schedule
+            decision = {"choice": choice.label, "flags": choice.flags,
+                        "predicted_tokens_per_s": choice.tokens_per_s,
+                        "predicted_speedup_vs_ar": choice.speedup_vs_ar,
+                        "acceptance_by_depth": acceptance, "hardware": hardware.name,
+                        "decide_s": time.perf_counter() - decided}
+        decoder.run(plan.steps())
     wall = time.perf_counter() - start
-    stats: dict[str, float | int | bool | None] = {"acceptance": None, "flushed_positions": 0,
-                                                    "forced_acceptance": False}
+    stats: dict[str, object] = {"acceptance": None, "flushed_positions": 0,
+                                "forced_acceptance": False}
     if schedule == "dtv":
         stats = {**verifier.stats(), "rounds": plan.rounds, "flushed_positions": 0,
                  "block_length": plan.block_length, "draft_depth": plan.draft_depth}
@@ -209,6 +262,8 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
         stats = {**verifier.stats(), "ticks": plan.rounds, "flushed_positions": plan.flushed,
                  "draft_depth": plan.draft_depth, "width": plan.width,
                  "width_cap": plan.width_cap}
+    if decision:
+        stats["auto"] = decision
     return GenerationResult(prompt=list(prompt), tokens=decoder.tokens, wall_s=wall,
                             schedule=schedule, records=runner.records,
                             depth_records=decoder.depth_records, stats=stats, cache=cache,

@@ -3,8 +3,10 @@ recorded in the call trace (costmodel.trace.CallRecord), against one KV cache.""
 
 from __future__ import annotations
 
+import platform
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -53,6 +55,40 @@ def make_cache(model: nn.Module, *, prompt_len: int, max_new_tokens: int, depth:
                    readout_depths=list(readout_depths), kv_heads=cfg.num_kv_heads,
                    head_dim=cfg.head_dim, max_len=total + lookahead + 1, dtype=param.dtype,
                    device=param.device)
+
+
+PROFILES_DIR = Path(__file__).resolve().parents[1] / "data" / "profiles"
+
+
+def machine_name(device: str) -> str:
+    """The CPU's or GPU's model name, as profiles record it."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_profile(family: str, device: str) -> Path:
+    """This machine's calibration profile for a model family in data/profiles/: the default
+    grid's before the quick one's."""
+    from costmodel.profile import ProfileError, load_profile
+
+    here, kind = machine_name(device), "cuda" if device.startswith("cuda") else "cpu"
+    for path in sorted(PROFILES_DIR.glob(f"*{family}*.json"), key=lambda p: "quick" in p.name):
+        try:
+            profile = load_profile(path)
+        except ProfileError:
+            continue
+        if profile.machine == here and profile.device.split(":")[0] == kind:
+            return path
+    raise GenerationError(f"no calibration profile of {family} for this machine ({here}, {kind}) "
+                          f"in {PROFILES_DIR}; make one with `costmodel calibrate --model "
+                          f"{family}` and pass it with --profile")
 
 
 class Runner:

@@ -1,0 +1,180 @@
+"""Choose a schedule: every AR, DtV(k, d) and WFD(d, cap) configuration priced by the closed
+forms with the acceptance measured at its own draft depth, the finalists re-priced call by call
+by the simulator, ranked by predicted tokens/s.
+
+The acceptance at each draft depth comes from a depth trace (the agreement of every depth's
+readout with the full-depth one, recorded once by an AR run) or is given depth by depth. The
+search is exhaustive: d over the depths given, k in 1..32, every width cap below the wave's
+natural width.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from .memory import memory_report
+from .plans import wave_width
+from .predict import MAX_BLOCK_LENGTH, _bound, _Pricer
+from .presets import get_hardware, get_model
+from .schedules import call_groups
+from .simulate import simulate
+from .specs import AR, WFD, DtV, HardwareSpec, LoopedModelSpec, Workload
+
+FINALISTS = 5  # configurations re-priced by the simulator
+SIMULATED_TOKENS = 160
+CAP_RANGE = 1.5
+
+
+class Choice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    schedule: Literal["ar", "dtv", "wfd"]
+    draft_depth: int | None = None
+    block_length: int | None = None
+    width_cap: int | None = None
+    width: int | None = None
+    acceptance: float | None = None
+    latency_per_token_s: float
+    tokens_per_s: float
+    speedup_vs_ar: float = 1.0
+    bound: Literal["bandwidth", "compute", "overhead"]
+
+    @property
+    def label(self) -> str:
+        if self.schedule == "ar":
+            return "AR"
+        if self.schedule == "dtv":
+            return f"DtV k={self.block_length} d={self.draft_depth}"
+        width = f"cap={self.width_cap}" if self.width_cap else f"W={self.width}"
+        return f"WFD d={self.draft_depth} {width}"
+
+    @property
+    def flags(self) -> str:
+        """The `wfd generate` options that run this configuration."""
+        out = f"--schedule {self.schedule}"
+        if self.draft_depth is not None:
+            out += f" --draft-depth {self.draft_depth}"
+        if self.block_length is not None:
+            out += f" --block-length {self.block_length}"
+        if self.width_cap is not None:
+            out += f" --width-cap {self.width_cap}"
+        return out
+
+    def schedule_spec(self) -> AR | DtV | WFD:
+        return _schedule(self.model_dump())
+
+
+def _schedule(fields: dict) -> AR | DtV | WFD:
+    if fields["schedule"] == "ar":
+        return AR()
+    if fields["schedule"] == "dtv":
+        return DtV(block_length=fields["block_length"], draft_depth=fields["draft_depth"])
+    return WFD(draft_depth=fields["draft_depth"], width_cap=fields.get("width_cap"))
+
+
+def parse_acceptance_by_depth(text: str) -> dict[int, float]:
+    """'1:0.6,2:0.8' -> {1: 0.6, 2: 0.8}."""
+    out: dict[int, float] = {}
+    for item in (part.strip() for part in text.split(",") if part.strip()):
+        depth, sep, value = item.partition(":")
+        try:
+            out[int(depth)] = float(value)
+        except ValueError:
+            raise ValueError(f"acceptance by depth takes DEPTH:ACCEPTANCE pairs such as "
+                             f"1:0.6,4:0.9; got {item!r}") from None
+        if not sep:
+            raise ValueError(f"acceptance by depth: {item!r} has no ':'")
+    return out
+
+
+def check_acceptance(acceptance: dict[int, float], depth: int) -> None:
+    if not acceptance:
+        raise ValueError("no acceptance at any draft depth (an empty trace?)")
+    for d, alpha in acceptance.items():
+        if not 1 <= d < depth:
+            raise ValueError(f"draft depth {d} outside 1..{depth - 1} (R = {depth})")
+        if not 0 <= alpha <= 1:
+            raise ValueError(f"acceptance {alpha} at depth {d} outside [0, 1]")
+
+
+# The quick search (``wfd generate --schedule auto``, which must cost little beside the run it
+# chooses for) tries these values only: every small one, then about two per octave.
+QUICK_VALUES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
+
+
+def recommend(model: str | LoopedModelSpec, hardware: str | HardwareSpec,
+              acceptance: dict[int, float], workload: Workload | None = None, *,
+              top: int = 5, seed: int = 0, quick: bool = False) -> list[Choice]:
+    """The ``top`` configurations by predicted tokens/s, best first; speedups are over AR's
+    predicted latency for the same workload. The search tries every draft depth given, every
+    block length in 1..32 and every width cap, then re-prices the finalists with the simulator;
+    ``quick`` tries the QUICK_VALUES of each (width caps for the two best waves' draft depths
+    only) and keeps the closed forms' ranking."""
+    spec = get_model(model) if isinstance(model, str) else model
+    hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
+    wl = workload or Workload()
+    depth = wl.depth or spec.default_depth
+    check_acceptance(acceptance, depth)
+    hw.achievable_flops_per_s(wl.dtype)  # an unknown dtype fails here with a clear message
+    memory = memory_report(spec, hw, wl, depth=depth, readout_depths=2,
+                           positions_per_call=max(depth, MAX_BLOCK_LENGTH + 1))
+    if not memory.fits:
+        raise ValueError(f"the context does not fit: {memory.total_bytes / 1e9:.1f} GB needed, "
+                         f"{memory.capacity_bytes / 1e9:.1f} GB on {hw.name} (at most "
+                         f"{memory.max_context:,} tokens of sequence)")
+    pricer = _Pricer(spec, hw, wl.dtype, np.asarray(wl.mean_context()),
+                     np.asarray(float(wl.batch_size)), None)
+
+    def priced(choice: dict, alpha: float) -> Choice:
+        totals = pricer.per_token(call_groups(_schedule(choice), depth, wl.kv_sharing),
+                                  np.asarray(alpha))
+        latency = float(totals["latency_s"])
+        bound = _bound({k: float(totals[k]) for k in ("weights_s", "kv_s", "compute_s",
+                                                        "overhead_s")})
+        return Choice(**choice, latency_per_token_s=latency,
+                      tokens_per_s=wl.batch_size / latency, bound=bound)
+
+    def tried(values: range) -> list[int]:
+        return [v for v in values if v in QUICK_VALUES] if quick else list(values)
+
+    candidates = [ar := priced({"schedule": "ar"}, 0.0)]
+    for d, alpha in sorted(acceptance.items()):
+        if quick and d not in QUICK_VALUES:
+            continue
+        common = {"draft_depth": d, "acceptance": alpha}
+        candidates += [priced({"schedule": "dtv", "block_length": k, "width": k + 1, **common},
+                              alpha) for k in tried(range(1, MAX_BLOCK_LENGTH + 1))]
+        candidates.append(priced({"schedule": "wfd", "width": wave_width(depth, d), **common},
+                                 alpha))
+    # width caps: for the draft depths whose uncapped wave is within CAP_RANGE of the best one
+    # (a cap trades wider calls for more of them: it moves a wave's cost by far less than that),
+    # or (quick) for the two best waves' depths
+    waves = sorted((c for c in candidates if c.schedule == "wfd"),
+                   key=lambda c: c.latency_per_token_s)
+    best = waves[0].latency_per_token_s if waves else 0.0
+    for wave in waves[:2] if quick else [w for w in waves
+                                         if w.latency_per_token_s <= CAP_RANGE * best]:
+        d, alpha = wave.draft_depth, wave.acceptance
+        candidates += [priced({"schedule": "wfd", "width_cap": cap, "draft_depth": d,
+                               "width": cap, "acceptance": alpha}, alpha)
+                       for cap in tried(range(1, wave_width(depth, d)))]
+    candidates.sort(key=lambda c: c.latency_per_token_s)
+    finalists = candidates[:max(FINALISTS, top)]
+    finalists += [] if ar in finalists else [ar]
+    if not quick:
+        # the simulator prices each call at its own context, over a stretch of the generation
+        # centred on its mean context (hundreds of candidates must answer in about a second)
+        new_tokens = max(2, min(wl.new_tokens, SIMULATED_TOKENS))
+        context = wl.context_length + (wl.new_tokens - new_tokens) // 2
+        for choice in finalists:
+            sim = simulate(spec, hw, choice.schedule_spec(), context_length=context,
+                           new_tokens=new_tokens, acceptance=choice.acceptance or 0.0,
+                           seed=seed, depth=depth, kv_sharing=wl.kv_sharing, dtype=wl.dtype,
+                           batch_size=wl.batch_size)
+            choice.latency_per_token_s = sim.latency_per_token_s
+            choice.tokens_per_s = wl.batch_size / sim.latency_per_token_s
+    for choice in finalists:
+        choice.speedup_vs_ar = ar.latency_per_token_s / choice.latency_per_token_s
+    return sorted(finalists, key=lambda c: c.latency_per_token_s)[:top]

@@ -1,0 +1,112 @@
+"""`costmodel recommend` and `wfd generate --schedule auto`: the search, its agreement with
+`predict`, its extremes, bad input, and a decoder that runs what it chooses."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import model_for
+
+from costmodel import Workload, get_hardware, predict, recommend
+from costmodel.profile import load_profile
+from costmodel.trace import DepthRecord, TraceHeader, write_jsonl
+from wfd.generate import GenerationError, generate
+
+CPU_PROFILE = "data/profiles/cpu-huginn-fp32.json"
+
+
+def test_the_quick_search_prices_as_predict_does():
+    acceptance = {1: 0.7, 2: 0.85, 4: 0.94, 8: 0.98}
+    for top in recommend("huginn-3.5b", "a6000", acceptance, top=3, quick=True):
+        if top.schedule == "ar":
+            continue
+        p = predict("huginn-3.5b", "a6000", Workload(acceptance=top.acceptance),
+                    draft_depth=top.draft_depth, block_length=top.block_length,
+                    width_cap=top.width_cap).schedules[top.schedule]
+        assert top.latency_per_token_s == pytest.approx(p.latency_per_token_s, rel=1e-9)
+
+
+def test_extremes():
+    hw = get_hardware("h100-sxm")
+    never = recommend("huginn-3.5b", hw, {d: 0.0 for d in range(1, 32)}, top=1)[0]
+    assert never.schedule == "ar"
+    # every draft accepted, at a short context (the weights, not the 32 slots' KV, dominate):
+    # the widest wave streams the block's weights once per token
+    always = recommend("huginn-3.5b", hw, {d: 1.0 for d in range(1, 32)},
+                       Workload(context_length=32, new_tokens=64), top=3)
+    assert always[0].schedule == "wfd" and always[0].draft_depth == 1
+    assert always[0].speedup_vs_ar > 5  # 32 block calls per token against about 1
+    ranked = [c.latency_per_token_s for c in always]
+    assert ranked == sorted(ranked)
+
+
+def test_the_best_draft_depth_follows_the_acceptance_curve():
+    steep = recommend("huginn-3.5b", "a6000", {1: 0.3, 2: 0.5, 4: 0.95, 8: 0.97}, top=1)[0]
+    assert steep.draft_depth == 4
+
+
+def test_bad_input_is_a_clear_error():
+    with pytest.raises(ValueError, match="outside 1..31"):
+        recommend("huginn-3.5b", "a6000", {32: 0.9})
+    with pytest.raises(ValueError, match=r"outside \[0, 1\]"):
+        recommend("huginn-3.5b", "a6000", {4: 1.2})
+    with pytest.raises(ValueError, match="empty trace"):
+        recommend("huginn-3.5b", "a6000", {})
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "costmodel", "recommend", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_cli_json_and_bad_input(tmp_path):
+    out = _cli("--acceptance-by-depth", "1:0.6,4:0.94", "--top", "3", "--json")
+    assert out.returncode == 0, out.stderr
+    payload = json.loads(out.stdout)
+    assert len(payload["choices"]) == 3 and payload["choices"][0]["flags"].startswith(
+        "--schedule ")
+    header = dict(source="measured", model="m", device="cpu", dtype="fp32", depth=4,
+                  prompt_length=2)
+    other = tmp_path / "other.jsonl"  # a depth trace of a model at R = 4
+    write_jsonl(other, TraceHeader(trace="depths", **header),
+                [DepthRecord(position=2, token=1, predictions=[1, 1, 1, 1], top1_prob=[1] * 4)])
+    empty = tmp_path / "empty.jsonl"
+    write_jsonl(empty, TraceHeader(trace="depths", **header), [])
+    for args in (("--acceptance-by-depth", "1:1.5"), ("--acceptance-by-depth", "40:0.9"),
+                 ("--acceptance-by-depth", "four"), ("--depth-trace", str(other)),
+                 ("--model", "ouro-2.6b", "--depth-trace", str(empty)), ()):
+        out = _cli(*args)
+        assert out.returncode == 2, (args, out.stdout)
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+@pytest.mark.parametrize("family", ["huginn", "ouro"])
+def test_auto_runs_what_it_chooses_and_stays_exact(family):
+    model = model_for(family, True)
+    hw = load_profile(CPU_PROFILE).hardware
+    prompt = [5, 9, 33, 2, 17, 8, 40, 1]
+    auto = generate(model, prompt, schedule="auto", max_new_tokens=20, hardware=hw)
+    decision = auto.stats["auto"]
+    assert auto.schedule in ("ar", "dtv", "wfd") and decision["flags"].startswith(
+        f"--schedule {auto.schedule}")
+    assert set(decision["acceptance_by_depth"]) == set(range(1, model.config.depth))
+    assert auto.tokens == generate(model, prompt, max_new_tokens=20).tokens
+    with pytest.raises(GenerationError, match="calibration profile"):
+        generate(model, prompt, schedule="auto", max_new_tokens=4)
+
+
+def test_this_machines_profile_is_found_or_the_error_says_how_to_make_one(monkeypatch,
+                                                                            tmp_path):
+    import shutil
+
+    import wfd.runtime as runtime
+
+    monkeypatch.setattr(runtime, "PROFILES_DIR", tmp_path)
+    with pytest.raises(GenerationError, match="costmodel calibrate --model huginn"):
+        runtime.machine_profile("huginn", "cpu")
+    shutil.copy(CPU_PROFILE, tmp_path / "cpu-huginn-fp32.json")
+    monkeypatch.setattr(runtime, "machine_name", lambda device: "AMD EPYC")
+    assert runtime.machine_profile("huginn", "cpu").name == "cpu-huginn-fp32.json"
+    with pytest.raises(GenerationError):
+        runtime.machine_profile("ouro", "cpu")
