@@ -23,6 +23,19 @@ from .units import (
     parse_flops,
 )
 
+# Options that several commands share.
+ModelOption = Annotated[str, typer.Option("--model", help="model preset")]
+HardwareOption = Annotated[str, typer.Option("--hardware", help="hardware preset")]
+ProfileOption = Annotated[Path | None, typer.Option(
+    "--profile", help="calibration profile (JSON): its fitted hardware replaces --hardware")]
+ContextOption = Annotated[int, typer.Option("--context", help="prompt/context length in tokens")]
+NewTokensOption = Annotated[int, typer.Option("--new-tokens", help="tokens to generate")]
+BatchOption = Annotated[int, typer.Option("--batch", help="sequences decoded together")]
+DtypeOption = Annotated[str | None, typer.Option(
+    "--dtype", help="fp32, bf16, fp16 (default: bf16, or the profile's)")]
+JsonOption = Annotated[bool, typer.Option("--json", help="print one JSON object")]
+
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Predict and explain the decoding speed of looped language models.")
 
@@ -98,10 +111,9 @@ def _print_table(p: Prediction) -> None:
 
 @app.command("predict")
 def predict_cmd(
-    model: Annotated[str, typer.Option(help="model preset")] = "huginn-3.5b",
-    hardware: Annotated[str, typer.Option(help="hardware preset")] = "a6000",
-    profile: Annotated[Path | None, typer.Option(
-        help="calibration profile (JSON): its fitted hardware replaces --hardware")] = None,
+    model: ModelOption = "huginn-3.5b",
+    hardware: HardwareOption = "a6000",
+    profile: ProfileOption = None,
     bandwidth: Annotated[str | None, typer.Option(help="memory bandwidth, e.g. 768GB/s")] = None,
     flops: Annotated[str | None, typer.Option(help="peak matrix flops, e.g. 155TFLOPS")] = None,
     memory: Annotated[str | None, typer.Option(help="memory capacity, e.g. 48GB, 48GiB")] = None,
@@ -116,17 +128,16 @@ def predict_cmd(
         help="draft acceptance alpha in [0, 1] (default: the model's)")] = None,
     depth_trace: Annotated[Path | None, typer.Option(
         help="a measured depth trace: the acceptance at the draft depth is read from it")] = None,
-    context: Annotated[int, typer.Option(help="prompt/context length in tokens")] = 1024,
-    new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 512,
+    context: ContextOption = 1024,
+    new_tokens: NewTokensOption = 512,
     depth: Annotated[int | None, typer.Option(help="recurrence depth R (default: model's)")] = None,
     kv_sharing: Annotated[int, typer.Option(
         help="0: one KV slot per depth; S >= 1: S shared slots")] = 0,
-    batch: Annotated[int, typer.Option(help="sequences decoded together")] = 1,
-    dtype: Annotated[str | None, typer.Option(
-        help="fp32, bf16, fp16 (default: bf16, or the profile's)")] = None,
+    batch: BatchOption = 1,
+    dtype: DtypeOption = None,
     cuda_graphs: Annotated[bool | None, typer.Option(
         "--cuda-graphs/--no-cuda-graphs", help="replay kernels from CUDA graphs")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Per-token latency, speedup and its breakdown for AR, DtV and WFD."""
     if acceptance is not None and not 0 <= acceptance <= 1:
@@ -174,21 +185,19 @@ def predict_cmd(
 
 @app.command("recommend")
 def recommend_cmd(
-    model: Annotated[str, typer.Option(help="model preset")] = "huginn-3.5b",
-    hardware: Annotated[str, typer.Option(help="hardware preset")] = "a6000",
-    profile: Annotated[Path | None, typer.Option(
-        help="calibration profile (JSON): its fitted hardware replaces --hardware")] = None,
+    model: ModelOption = "huginn-3.5b",
+    hardware: HardwareOption = "a6000",
+    profile: ProfileOption = None,
     depth_trace: Annotated[Path | None, typer.Option(
         help="a depth trace (wfd generate --depth-trace): the acceptance of every depth")] = None,
     acceptance_by_depth: Annotated[str | None, typer.Option(
         help="the acceptance at each draft depth, e.g. 1:0.6,2:0.8,4:0.93")] = None,
-    context: Annotated[int, typer.Option(help="prompt/context length in tokens")] = 1024,
-    new_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 512,
-    batch: Annotated[int, typer.Option(help="sequences decoded together")] = 1,
-    dtype: Annotated[str | None, typer.Option(
-        help="fp32, bf16, fp16 (default: bf16, or the profile's)")] = None,
+    context: ContextOption = 1024,
+    new_tokens: NewTokensOption = 512,
+    batch: BatchOption = 1,
+    dtype: DtypeOption = None,
     top: Annotated[int, typer.Option(help="configurations to list")] = 5,
-    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """The fastest schedules and their parameters for a model, hardware and acceptance curve,
     with the `wfd generate` flags that run each."""
@@ -243,7 +252,7 @@ def study_cmd(
         help="calibration profile whose hardware the study uses")] = None,
     out: Annotated[Path, typer.Option(help="folder for the table and figure")] = Path(
         "out/studies"),
-    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Run a design-space study: writes NAME.csv, NAME.md and NAME.png into --out."""
     import studies
@@ -289,7 +298,7 @@ def calibrate_cmd(
     holdout_model: Annotated[str | None, typer.Option(
         help="model size held out for validation (default: FAMILY-base:random)")] = None,
     out: Annotated[Path | None, typer.Option(help="profile file to write")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Measure the decoder on this machine, fit the cost model, validate on held-out points and
     save a versioned profile."""
@@ -406,7 +415,7 @@ def validate_cmd(
     profile: Annotated[Path, typer.Option(help="calibration profile (JSON)")],
     plot_file: Annotated[Path | None, typer.Option(
         "--plot", help="measured-vs-predicted plot (default: beside the profile)")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Re-price the profile's held-out points with its fitted hardware: median and max relative
     error per schedule, and a measured-vs-predicted plot."""

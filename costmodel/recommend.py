@@ -24,6 +24,7 @@ from .simulate import simulate
 from .specs import AR, WFD, DtV, HardwareSpec, LoopedModelSpec, Workload
 
 FINALISTS = 5  # configurations re-priced by the simulator
+QUICK_FINALISTS = 2
 SIMULATED_TOKENS = 160
 CAP_RANGE = 1.5
 
@@ -100,8 +101,10 @@ def check_acceptance(acceptance: dict[int, float], depth: int) -> None:
 
 
 # The quick search (``wfd generate --schedule auto``, which must cost little beside the run it
-# chooses for) tries these values only: every small one, then about two per octave.
-QUICK_VALUES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
+# chooses for) tries these draft depths and block lengths only, and no width cap (a capped
+# wave's closed form is the costliest to build, and a cap rarely pays: docs/recommend.md).
+QUICK_DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24)
+QUICK_BLOCK_LENGTHS = (1, 2, 4, 8, 16, 32)
 
 
 def recommend(model: str | LoopedModelSpec, hardware: str | HardwareSpec,
@@ -110,8 +113,8 @@ def recommend(model: str | LoopedModelSpec, hardware: str | HardwareSpec,
     """The ``top`` configurations by predicted tokens/s, best first; speedups are over AR's
     predicted latency for the same workload. The search tries every draft depth given, every
     block length in 1..32 and every width cap, then re-prices the finalists with the simulator;
-    ``quick`` tries the QUICK_VALUES of each (width caps for the two best waves' draft depths
-    only) and keeps the closed forms' ranking."""
+    ``quick`` tries QUICK_DEPTHS and QUICK_BLOCK_LENGTHS and no cap, and simulates the best
+    QUICK_FINALISTS only."""
     spec = get_model(model) if isinstance(model, str) else model
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
     wl = workload or Workload()
@@ -136,39 +139,36 @@ def recommend(model: str | LoopedModelSpec, hardware: str | HardwareSpec,
         return Choice(**choice, latency_per_token_s=latency,
                       tokens_per_s=wl.batch_size / latency, bound=bound)
 
-    def tried(values: range) -> list[int]:
-        return [v for v in values if v in QUICK_VALUES] if quick else list(values)
-
     candidates = [ar := priced({"schedule": "ar"}, 0.0)]
     for d, alpha in sorted(acceptance.items()):
-        if quick and d not in QUICK_VALUES:
+        if quick and d not in QUICK_DEPTHS:
             continue
         common = {"draft_depth": d, "acceptance": alpha}
+        lengths = QUICK_BLOCK_LENGTHS if quick else range(1, MAX_BLOCK_LENGTH + 1)
         candidates += [priced({"schedule": "dtv", "block_length": k, "width": k + 1, **common},
-                              alpha) for k in tried(range(1, MAX_BLOCK_LENGTH + 1))]
+                              alpha) for k in lengths]
         candidates.append(priced({"schedule": "wfd", "width": wave_width(depth, d), **common},
                                  alpha))
     # width caps: for the draft depths whose uncapped wave is within CAP_RANGE of the best one
-    # (a cap trades wider calls for more of them: it moves a wave's cost by far less than that),
-    # or (quick) for the two best waves' depths
+    # (a cap trades wider calls for more of them: it moves a wave's cost by far less than that)
     waves = sorted((c for c in candidates if c.schedule == "wfd"),
                    key=lambda c: c.latency_per_token_s)
     best = waves[0].latency_per_token_s if waves else 0.0
-    for wave in waves[:2] if quick else [w for w in waves
-                                         if w.latency_per_token_s <= CAP_RANGE * best]:
+    for wave in [] if quick else [w for w in waves if w.latency_per_token_s <= CAP_RANGE * best]:
         d, alpha = wave.draft_depth, wave.acceptance
         candidates += [priced({"schedule": "wfd", "width_cap": cap, "draft_depth": d,
                                "width": cap, "acceptance": alpha}, alpha)
-                       for cap in tried(range(1, wave_width(depth, d)))]
+                       for cap in range(1, wave.width)]
     candidates.sort(key=lambda c: c.latency_per_token_s)
-    finalists = candidates[:max(FINALISTS, top)]
+    finalists = candidates[:max(QUICK_FINALISTS if quick else FINALISTS, top)]
     finalists += [] if ar in finalists else [ar]
-    if not quick:
-        # the simulator prices each call at its own context, over a stretch of the generation
-        # centred on its mean context (hundreds of candidates must answer in about a second)
-        new_tokens = max(2, min(wl.new_tokens, SIMULATED_TOKENS))
-        context = wl.context_length + (wl.new_tokens - new_tokens) // 2
-        for choice in finalists:
+    # the simulator prices each call at its own context, and the wave's fill and the last
+    # round, which the closed forms leave out, over a stretch of the generation centred on its
+    # mean context (hundreds of candidates must answer in about a second)
+    new_tokens = max(2, min(wl.new_tokens, SIMULATED_TOKENS))
+    context = wl.context_length + (wl.new_tokens - new_tokens) // 2
+    for choice in finalists:
+        if choice is not ar or not quick:
             sim = simulate(spec, hw, choice.schedule_spec(), context_length=context,
                            new_tokens=new_tokens, acceptance=choice.acceptance or 0.0,
                            seed=seed, depth=depth, kv_sharing=wl.kv_sharing, dtype=wl.dtype,

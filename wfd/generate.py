@@ -170,7 +170,8 @@ def prompt_acceptance(argmax_by_depth: dict[int, torch.Tensor], depth: int
     """The agreement of every depth's greedy readout with depth R's over the prompt positions:
     the acceptance each draft depth would have had there."""
     final = argmax_by_depth[depth]
-    return {d: float((argmax_by_depth[d] == final).float().mean()) for d in range(1, depth)}
+    return {d: float((readout == final).float().mean())
+            for d, readout in sorted(argmax_by_depth.items()) if d < depth}
 
 
 def choose(model: nn.Module, hardware, acceptance: dict[int, float], prompt_length: int,
@@ -210,7 +211,11 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
     if auto and (hardware is None or force_acceptance is not None or depth < 2):
         raise GenerationError("--schedule auto needs a calibration profile, a depth of at least "
                               "2 and the model's own acceptance (no forced acceptance)")
-    readouts = range(1, depth + 1) if (depth_trace and schedule == "ar") or auto else ()
+    readouts = range(1, depth + 1) if depth_trace and schedule == "ar" else ()
+    if auto:  # the probe reads the prompt out at the draft depths the quick search tries
+        from costmodel.recommend import QUICK_DEPTHS
+
+        readouts = [d for d in QUICK_DEPTHS if d < depth]
     coda_attends = model.config.coda_layers > 0
     try:
         plan = Plan(len(prompt), depth, coda_attends=coda_attends, readout_depths=readouts) \
