@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Unattended GPU calibration: one NVIDIA GPU, no network. On an H200: Huginn 99-123 s, Ouro
-# 68-85 s (QUICK=1: 47 s and 49 s), docs/calibration.md.
+# 68-85 s (QUICK=1: 47 s and 49 s), docs/results/2026-11-30-h200-eager.md.
 #
 #   bash calibrate/gpu.sh                  # cuda, bf16, real Huginn-3.5B and Ouro-2.6B sizes
 #   DEVICE=cpu DTYPE=fp32 QUICK=1 SIZES=tiny bash calibrate/gpu.sh   # the same script, tiny, CPU
