@@ -25,7 +25,7 @@ from .specs import AR, WFD, DtV, HardwareSpec, LoopedModelSpec, Workload
 
 FINALISTS = 5  # configurations re-priced by the simulator
 QUICK_FINALISTS = 2
-SIMULATED_TOKENS = 160
+SIMULATED_TOKENS = 160  # 64 for the quick search
 CAP_RANGE = 1.5
 
 
@@ -103,7 +103,7 @@ def check_acceptance(acceptance: dict[int, float], depth: int) -> None:
 # The quick search (``wfd generate --schedule auto``, which must cost little beside the run it
 # chooses for) tries these draft depths and block lengths only, and no width cap (a capped
 # wave's closed form is the costliest to build, and a cap rarely pays: docs/recommend.md).
-QUICK_DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24)
+QUICK_DEPTHS = (1, 2, 3, 4, 8, 16)
 QUICK_BLOCK_LENGTHS = (1, 2, 4, 8, 16, 32)
 
 
@@ -165,14 +165,14 @@ def recommend(model: str | LoopedModelSpec, hardware: str | HardwareSpec,
     # the simulator prices each call at its own context, and the wave's fill and the last
     # round, which the closed forms leave out, over a stretch of the generation centred on its
     # mean context (hundreds of candidates must answer in about a second)
-    new_tokens = max(2, min(wl.new_tokens, SIMULATED_TOKENS))
+    new_tokens = max(2, min(wl.new_tokens, 64 if quick else SIMULATED_TOKENS))
     context = wl.context_length + (wl.new_tokens - new_tokens) // 2
     for choice in finalists:
         if choice is not ar or not quick:
             sim = simulate(spec, hw, choice.schedule_spec(), context_length=context,
                            new_tokens=new_tokens, acceptance=choice.acceptance or 0.0,
                            seed=seed, depth=depth, kv_sharing=wl.kv_sharing, dtype=wl.dtype,
-                           batch_size=wl.batch_size)
+                           batch_size=wl.batch_size, records=False)
             choice.latency_per_token_s = sim.latency_per_token_s
             choice.tokens_per_s = wl.batch_size / sim.latency_per_token_s
     for choice in finalists:

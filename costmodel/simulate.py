@@ -33,10 +33,11 @@ class SimulationResult:
     rounds_or_ticks: int = 0
     latency_s: float = 0.0
     breakdown_s: dict[str, float] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)  # calls of each part (P, B, C)
 
     @property
     def block_calls(self) -> int:
-        return sum(1 for r in self.records if r.kind == "block")
+        return self.calls.get("block", 0)
 
     @property
     def latency_per_token_s(self) -> float:
@@ -54,21 +55,34 @@ class _Simulator(Executor):
     """Executes a plan without a model: each call becomes a record, each verification takes the
     outcome of its position from the acceptance sequence."""
 
-    def __init__(self, plan: Plan, kv_sharing: int, accept: Sequence[bool], tokens: int):
+    def __init__(self, plan: Plan, kv_sharing: int, accept: Sequence[bool], tokens: int,
+                 records: bool):
         self.plan, self.kv_sharing, self.accept, self.tokens = plan, kv_sharing, accept, tokens
         self.result = SimulationResult([], committed_tokens=0)
         self.start = plan.prompt_length
+        self.records = records
+        self.shapes: dict[str, list[tuple[int, int, int, int]]] = {}  # without records
 
     @property
     def done(self) -> bool:
         return self.result.committed_tokens >= self.tokens
 
     def call(self, call: Call) -> None:
-        # model_construct: records by the hundred thousand, correct by construction
-        self.result.records.append(CallRecord.model_construct(
-            kind=call.kind, positions=list(call.positions), depths=list(call.depths),
-            contexts=[p + 1 for p in call.positions],
-            slots=call_slots(call.kind, call.depths, self.kv_sharing), wall_s=0.0))
+        calls = self.result.calls
+        calls[call.kind] = calls.get(call.kind, 0) + 1
+        slots = call_slots(call.kind, call.depths, self.kv_sharing)
+        if self.records:
+            # model_construct: records by the hundred thousand, correct by construction
+            self.result.records.append(CallRecord.model_construct(
+                kind=call.kind, positions=list(call.positions), depths=list(call.depths),
+                contexts=[p + 1 for p in call.positions], slots=slots, wall_s=0.0))
+        else:  # the four numbers a call is priced by
+            lengths: dict[int, int] = {}
+            for slot, p in zip(slots, call.positions, strict=True):
+                lengths[slot] = max(lengths.get(slot, 0), p + 1)
+            self.shapes.setdefault(call.kind, []).append(
+                (len(slots), len(lengths), sum(call.positions) + len(slots),
+                 sum(lengths.values())))
 
     def verify(self, position: int) -> bool:
         ok = bool(self.accept[position - self.start])
@@ -100,12 +114,14 @@ def simulate(
     dtype: str = "bf16",
     batch_size: int = 1,
     prefill: bool = False,
+    records: bool = True,
 ) -> SimulationResult:
     """Simulate decoding ``new_tokens`` after a prompt of ``context_length`` tokens, and price it.
 
     Exactly one of ``acceptance`` (Bernoulli draws with ``seed``) and ``accept_sequence`` gives the
     draft outcomes; AR needs neither. With ``prefill`` the records begin with the prefill's calls
     (as a decoder's call trace does); the latency and committed tokens count decoding only.
+    Without ``records`` only the latency, its breakdown and the counts come back (faster).
     """
     depth = depth or model.default_depth
     decode_tokens = new_tokens - 1
@@ -122,12 +138,18 @@ def simulate(
                      draft_depth=getattr(schedule, "draft_depth", None),
                      block_length=getattr(schedule, "block_length", 1),
                      width_cap=getattr(schedule, "width_cap", None), prefill=prefill)
-    sim = _Simulator(plan, kv_sharing, padded, new_tokens if prefill else decode_tokens)
+    sim = _Simulator(plan, kv_sharing, padded, new_tokens if prefill else decode_tokens,
+                     records or prefill)
     sim.run(plan.steps())
     res = sim.result
     if prefill:
         res.committed_tokens -= 1
     res.rounds_or_ticks, res.flushed_positions = plan.rounds, plan.flushed
+    if not sim.records:
+        res.breakdown_s, times = price_shapes(model, hw, sim.shapes, dtype=dtype,
+                                              batch_size=batch_size)
+        res.latency_s = sum(float(np.sum(t)) for t in times.values())
+        return res
     decode = [r for r in res.records if min(r.positions) >= context_length]
     if prefill:
         price_records(model, hw, res.records[:len(res.records) - len(decode)], dtype=dtype,
@@ -142,24 +164,33 @@ def price_records(model: LoopedModelSpec, hw: HardwareSpec, records: list[CallRe
     """Set each record's ``wall_s`` to its predicted time; return the summed breakdown.
 
     Records are priced together, one vectorized ``call_cost`` per part."""
-    parts = model.parts
-    totals = {"weights_s": 0.0, "kv_s": 0.0, "compute_s": 0.0, "overhead_s": 0.0}
-    for kind, part in parts.items():
-        mine = [r for r in records if r.kind == kind]
-        if not mine:
-            continue
-        slot_ctx = [r.slot_contexts() for r in mine]
-        cost = call_cost(
-            model, hw, part, dtype,
-            n_positions=batch_size * np.array([len(r.positions) for r in mine], dtype=float),
-            n_slots=np.array([len(s) for s in slot_ctx], dtype=float),
-            context_sum_positions=batch_size * np.array([sum(r.contexts) for r in mine],
-                                                        dtype=float),
-            context_sum_slots=batch_size * np.array([sum(s.values()) for s in slot_ctx],
-                                                    dtype=float))
-        times = np.broadcast_to(cost.time_s, (len(mine),))
-        for record, t in zip(mine, times, strict=True):
+    shapes: dict[str, list[tuple[int, int, int, int]]] = {}
+    mine: dict[str, list[CallRecord]] = {}
+    for r in records:
+        lengths = r.slot_contexts()
+        shapes.setdefault(r.kind, []).append((len(r.positions), len(lengths), sum(r.contexts),
+                                              sum(lengths.values())))
+        mine.setdefault(r.kind, []).append(r)
+    totals, times = price_shapes(model, hw, shapes, dtype=dtype, batch_size=batch_size)
+    for kind, recs in mine.items():
+        for record, t in zip(recs, times[kind], strict=True):
             record.wall_s = float(t)
-        for key in totals:
-            totals[key] += float(np.sum(np.broadcast_to(getattr(cost, key), (len(mine),))))
     return totals
+
+
+def price_shapes(model: LoopedModelSpec, hw: HardwareSpec,
+                 shapes: dict[str, list[tuple[int, int, int, int]]], *, dtype: str,
+                 batch_size: int = 1) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+    """Calls given as (positions, distinct slots, sum of the positions' contexts, sum of the
+    slots' lengths) per part: the summed breakdown, and each call's time."""
+    totals = {"weights_s": 0.0, "kv_s": 0.0, "compute_s": 0.0, "overhead_s": 0.0}
+    times: dict[str, np.ndarray] = {}
+    for kind, rows in shapes.items():
+        n, slots, ctx_positions, ctx_slots = np.array(rows, dtype=float).T
+        cost = call_cost(model, hw, model.part(kind), dtype, n_positions=batch_size * n,
+                         n_slots=slots, context_sum_positions=batch_size * ctx_positions,
+                         context_sum_slots=batch_size * ctx_slots)
+        times[kind] = np.broadcast_to(cost.time_s, (len(rows),))
+        for key in totals:
+            totals[key] += float(np.sum(np.broadcast_to(getattr(cost, key), (len(rows),))))
+    return totals, times

@@ -137,3 +137,16 @@ def test_ar_simulation_equals_closed_form_exactly_at_fixed_context():
     assert calls == 32
     assert sim.latency_per_token_s == pytest.approx(latency, rel=1e-3)
     assert math.isclose(sim.block_calls / sim.committed_tokens, 32)
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(schedules, st.floats(0.0, 1.0), st.sampled_from([0, 2]), st.integers(1, 4))
+def test_simulating_without_records_prices_the_same(schedule, alpha, sharing, batch):
+    """The record-free simulation (the recommender's) prices exactly what the records price."""
+    args = dict(context_length=300, new_tokens=120, acceptance=alpha, kv_sharing=sharing,
+                batch_size=batch, seed=1)
+    full = simulate(HUGINN, A6000, schedule, **args)
+    lean = simulate(HUGINN, A6000, schedule, records=False, **args)
+    assert lean.records == [] and lean.block_calls == full.block_calls
+    assert lean.latency_s == pytest.approx(full.latency_s, rel=1e-12)
+    assert lean.breakdown_s == pytest.approx(full.breakdown_s, rel=1e-12)
