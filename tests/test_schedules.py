@@ -45,10 +45,11 @@ def test_simulator_mean_agrees_with_closed_form(schedule, alpha, sharing, seed):
     sim_latency = np.mean([s.latency_per_token_s for s in sims])
     sim_calls = np.mean([s.block_calls / s.committed_tokens for s in sims])
     latency, calls = closed_form(model, A6000, schedule, alpha, 2048, new_tokens, sharing)
-    # sampling error of a renewal process over ~800 tokens, plus the end of the last wave: the
-    # worst of 150 random configurations was 3.3% (latency) and 3.4% (calls per token)
-    assert sim_calls == pytest.approx(calls, rel=0.05, abs=0.05)
-    assert sim_latency == pytest.approx(latency, rel=0.05)
+    # sampling error of a renewal process over ~800 tokens, plus the end of the last wave: over
+    # 450 random configurations (bench/simulator_vs_closed_form.py, seeds 1 and 2) the 99th
+    # percentile was 4.5% and the worst 7.5%
+    assert sim_calls == pytest.approx(calls, rel=0.08, abs=0.05)
+    assert sim_latency == pytest.approx(latency, rel=0.08)
 
 
 @pytest.mark.parametrize("d", [1, 2, 3, 4, 5, 8, 16, 31])
