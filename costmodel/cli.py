@@ -64,6 +64,22 @@ def _override(hw: HardwareSpec, bandwidth: str | None, flops: str | None, memory
 
 
 
+def _at_least_one(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise UserError(f"{name.replace('_', ' ')} must be at least 1, got {value}")
+
+
+def _hardware(profile: Path | None, hardware: str, dtype: str | None):
+    """(the profile or None, its fitted hardware or the preset, the dtype: given, the
+    profile's, or bf16)."""
+    prof = load_profile(profile) if profile is not None else None
+    dtype = dtype or (prof.dtype if prof is not None else "bf16")
+    if dtype not in ("fp32", "bf16", "fp16"):
+        raise UserError(f"unknown dtype {dtype!r}; use fp32, bf16 or fp16")
+    return prof, prof.hardware if prof is not None else get_hardware(hardware), dtype
+
+
 def _flops_text(flops_per_s: float) -> str:
     return f"{flops_per_s / 1e12:.0f} TFLOPS" if flops_per_s >= 1e12 else \
         f"{flops_per_s / 1e9:.0f} GFLOPS"
@@ -142,24 +158,14 @@ def predict_cmd(
     """Per-token latency, speedup and its breakdown for AR, DtV and WFD."""
     if acceptance is not None and not 0 <= acceptance <= 1:
         raise UserError(f"acceptance must be in [0, 1], got {acceptance}")
-    for name, value in (("context", context), ("new tokens", new_tokens), ("batch", batch)):
-        if value < 1:
-            raise UserError(f"{name} must be at least 1, got {value}")
+    _at_least_one(context=context, new_tokens=new_tokens, batch=batch)
     if kv_sharing < 0:
         raise UserError(f"KV sharing must be 0 (per-depth slots) or a slot count >= 1, "
                         f"got {kv_sharing}")
     if depth is not None and depth < 2:
         raise UserError(f"depth R must be at least 2, got {depth}")
-    prof = load_profile(profile) if profile is not None else None
-    dtype = dtype or (prof.dtype if prof is not None else "bf16")
-    if dtype not in ("fp32", "bf16", "fp16"):
-        raise UserError(f"unknown dtype {dtype!r}; use fp32, bf16 or fp16")
-    if prof is not None:
-        base = prof.hardware
-        hw = _override(base, bandwidth, flops, memory, launch_overhead, dtype, cuda_graphs)
-    else:
-        hw = _override(get_hardware(hardware), bandwidth, flops, memory, launch_overhead, dtype,
-                       cuda_graphs)
+    prof, base, dtype = _hardware(profile, hardware, dtype)
+    hw = _override(base, bandwidth, flops, memory, launch_overhead, dtype, cuda_graphs)
     spec = get_model(model)
     workload = Workload(context_length=context, new_tokens=new_tokens, acceptance=acceptance,
                         depth_trace=str(depth_trace) if depth_trace else None,
@@ -206,10 +212,7 @@ def recommend_cmd(
 
     if (depth_trace is None) == (acceptance_by_depth is None):
         raise UserError("give exactly one of --depth-trace and --acceptance-by-depth")
-    for name, value in (("context", context), ("new tokens", new_tokens), ("batch", batch),
-                        ("top", top)):
-        if value < 1:
-            raise UserError(f"{name} must be at least 1, got {value}")
+    _at_least_one(context=context, new_tokens=new_tokens, batch=batch, top=top)
     spec = get_model(model)
     if depth_trace is not None:
         trace = read_depth_trace(depth_trace)
@@ -219,9 +222,7 @@ def recommend_cmd(
         acceptance = trace.acceptance_by_depth()
     else:
         acceptance = parse_acceptance_by_depth(acceptance_by_depth)
-    prof = load_profile(profile) if profile is not None else None
-    hw = prof.hardware if prof is not None else get_hardware(hardware)
-    dtype = dtype or (prof.dtype if prof is not None else "bf16")
+    _, hw, dtype = _hardware(profile, hardware, dtype)
     workload = Workload(context_length=context, new_tokens=new_tokens, batch_size=batch,
                         dtype=dtype)
     choices = recommend(spec, hw, acceptance, workload, top=top)

@@ -25,7 +25,8 @@ from .specs import AR, WFD, DtV, HardwareSpec, LoopedModelSpec, Workload
 
 FINALISTS = 5  # configurations re-priced by the simulator
 QUICK_FINALISTS = 2
-SIMULATED_TOKENS = 160  # 64 for the quick search
+SIMULATED_TOKENS = 160
+QUICK_SIMULATED_TOKENS = 64
 CAP_RANGE = 1.5
 
 
@@ -165,7 +166,7 @@ def recommend(model: str | LoopedModelSpec, hardware: str | HardwareSpec,
     # the simulator prices each call at its own context, and the wave's fill and the last
     # round, which the closed forms leave out, over a stretch of the generation centred on its
     # mean context (hundreds of candidates must answer in about a second)
-    new_tokens = max(2, min(wl.new_tokens, 64 if quick else SIMULATED_TOKENS))
+    new_tokens = max(2, min(wl.new_tokens, QUICK_SIMULATED_TOKENS if quick else SIMULATED_TOKENS))
     context = wl.context_length + (wl.new_tokens - new_tokens) // 2
     for choice in finalists:
         if choice is not ar or not quick:

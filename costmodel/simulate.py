@@ -19,7 +19,7 @@ import numpy as np
 from .cost import call_cost
 from .plans import Call, Executor, Plan, call_slots, make_plan
 from .specs import AR, WFD, DtV, HardwareSpec, LoopedModelSpec
-from .trace import CallRecord
+from .trace import CallRecord, slot_lengths
 
 
 @dataclass
@@ -76,13 +76,9 @@ class _Simulator(Executor):
             self.result.records.append(CallRecord.model_construct(
                 kind=call.kind, positions=list(call.positions), depths=list(call.depths),
                 contexts=[p + 1 for p in call.positions], slots=slots, wall_s=0.0))
-        else:  # the four numbers a call is priced by
-            lengths: dict[int, int] = {}
-            for slot, p in zip(slots, call.positions, strict=True):
-                lengths[slot] = max(lengths.get(slot, 0), p + 1)
+        else:
             self.shapes.setdefault(call.kind, []).append(
-                (len(slots), len(lengths), sum(call.positions) + len(slots),
-                 sum(lengths.values())))
+                call_shape(slots, [p + 1 for p in call.positions]))
 
     def verify(self, position: int) -> bool:
         ok = bool(self.accept[position - self.start])
@@ -146,9 +142,9 @@ def simulate(
         res.committed_tokens -= 1
     res.rounds_or_ticks, res.flushed_positions = plan.rounds, plan.flushed
     if not sim.records:
-        res.breakdown_s, times = price_shapes(model, hw, sim.shapes, dtype=dtype,
-                                              batch_size=batch_size)
-        res.latency_s = sum(float(np.sum(t)) for t in times.values())
+        res.breakdown_s, _ = price_shapes(model, hw, sim.shapes, dtype=dtype,
+                                          batch_size=batch_size)
+        res.latency_s = sum(res.breakdown_s.values())
         return res
     decode = [r for r in res.records if min(r.positions) >= context_length]
     if prefill:
@@ -167,9 +163,7 @@ def price_records(model: LoopedModelSpec, hw: HardwareSpec, records: list[CallRe
     shapes: dict[str, list[tuple[int, int, int, int]]] = {}
     mine: dict[str, list[CallRecord]] = {}
     for r in records:
-        lengths = r.slot_contexts()
-        shapes.setdefault(r.kind, []).append((len(r.positions), len(lengths), sum(r.contexts),
-                                              sum(lengths.values())))
+        shapes.setdefault(r.kind, []).append(call_shape(r.slots, r.contexts))
         mine.setdefault(r.kind, []).append(r)
     totals, times = price_shapes(model, hw, shapes, dtype=dtype, batch_size=batch_size)
     for kind, recs in mine.items():
@@ -178,11 +172,18 @@ def price_records(model: LoopedModelSpec, hw: HardwareSpec, records: list[CallRe
     return totals
 
 
+def call_shape(slots: Sequence[int], contexts: Sequence[int]) -> tuple[int, int, int, int]:
+    """The four numbers a call is priced by: its positions, the distinct slots it reads, the sum
+    of the positions' contexts, and the sum of the slots' lengths."""
+    lengths = slot_lengths(slots, contexts)
+    return len(contexts), len(lengths), sum(contexts), sum(lengths.values())
+
+
 def price_shapes(model: LoopedModelSpec, hw: HardwareSpec,
                  shapes: dict[str, list[tuple[int, int, int, int]]], *, dtype: str,
                  batch_size: int = 1) -> tuple[dict[str, float], dict[str, np.ndarray]]:
-    """Calls given as (positions, distinct slots, sum of the positions' contexts, sum of the
-    slots' lengths) per part: the summed breakdown, and each call's time."""
+    """Calls given by their ``call_shape`` per part: the summed breakdown, and each call's
+    time."""
     totals = {"weights_s": 0.0, "kv_s": 0.0, "compute_s": 0.0, "overhead_s": 0.0}
     times: dict[str, np.ndarray] = {}
     for kind, rows in shapes.items():

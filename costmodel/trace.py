@@ -60,11 +60,15 @@ class CallRecord(BaseModel):
         return sorted(set(self.slots))
 
     def slot_contexts(self) -> dict[int, int]:
-        """Length of each distinct slot read: the longest context among its readers."""
-        lengths: dict[int, int] = {}
-        for slot, ctx in zip(self.slots, self.contexts, strict=True):
-            lengths[slot] = max(lengths.get(slot, 0), ctx)
-        return lengths
+        return slot_lengths(self.slots, self.contexts)
+
+
+def slot_lengths(slots: Sequence[int], contexts: Sequence[int]) -> dict[int, int]:
+    """Length of each distinct slot a call reads: the longest context among its readers."""
+    lengths: dict[int, int] = {}
+    for slot, ctx in zip(slots, contexts, strict=True):
+        lengths[slot] = max(lengths.get(slot, 0), ctx)
+    return lengths
 
 
 class DepthRecord(BaseModel):

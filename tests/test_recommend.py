@@ -115,6 +115,7 @@ def test_this_machines_profile_is_found_or_the_error_says_how_to_make_one(monkey
         runtime.machine_profile("huginn", "cpu")
     shutil.copy(CPU_PROFILE, tmp_path / "cpu-huginn-fp32.json")
     monkeypatch.setattr(runtime, "machine_name", lambda device: "AMD EPYC")
-    assert runtime.machine_profile("huginn", "cpu").name == "cpu-huginn-fp32.json"
+    path, profile = runtime.machine_profile("huginn", "cpu")
+    assert path.name == "cpu-huginn-fp32.json" and profile.device == "cpu"
     with pytest.raises(GenerationError):
         runtime.machine_profile("ouro", "cpu")

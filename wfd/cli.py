@@ -120,8 +120,9 @@ def generate(
             draft_depth = resolve_draft_depth(net.config, run_depth, width, draft_depth)
         hardware = None
         if schedule == "auto":
-            chosen = profile or machine_profile(net.config.family, device)
-            hardware = load_profile(chosen).hardware
+            chosen, calibrated = (profile, load_profile(profile)) if profile else \
+                machine_profile(net.config.family, device)
+            hardware = calibrated.hardware
             typer.echo(f"auto: deciding with {chosen}", err=True)
         if depth_trace is not None and schedule != "ar":
             raise UserError("--depth-trace is recorded by an AR run (--schedule ar)")
@@ -146,13 +147,14 @@ def generate(
 
     auto = result.stats.get("auto")
     if auto:
-        best = max(auto["acceptance_by_depth"].items(), key=lambda kv: kv[1])
+        by_depth = auto["acceptance_by_depth"]
+        best = max(by_depth.items(), key=lambda kv: kv[1])
+        d = result.stats.get("draft_depth")
+        at_d = f"{by_depth[d]:.2f} at its draft depth, " if d in by_depth else ""
         typer.echo(f"auto: {auto['choice']} ({auto['flags']}): predicted "
                    f"{auto['predicted_tokens_per_s']:.1f} tokens/s, "
                    f"{auto['predicted_speedup_vs_ar']:.2f}x AR, with the prompt's acceptance "
-                   f"{auto['acceptance_by_depth'].get(result.stats.get('draft_depth'), 0):.2f} "
-                   f"at its draft depth (best {best[1]:.2f} at d = {best[0]}) on "
-                   f"{auto['hardware']}", err=True)
+                   f"{at_d}best {best[1]:.2f} at d = {best[0]}, on {auto['hardware']}", err=True)
     text = tok.decode(result.tokens) if tok is not None else None
     n = len(result.tokens)
     if as_json:

@@ -73,19 +73,21 @@ def machine_name(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_profile(family: str, device: str) -> Path:
-    """This machine's calibration profile for a model family in data/profiles/: the default
-    grid's before the quick one's."""
+def machine_profile(family: str, device: str):
+    """(path, profile): this machine's calibration profile for a model family in data/profiles/,
+    the default grid's before the quick one's."""
     from costmodel.profile import ProfileError, load_profile
 
     here, kind = machine_name(device), "cuda" if device.startswith("cuda") else "cpu"
-    for path in sorted(PROFILES_DIR.glob(f"*{family}*.json"), key=lambda p: "quick" in p.name):
+    paths = [p for p in PROFILES_DIR.glob(f"*{family}*.json")
+             if not p.name.endswith(".validation.json")]  # reports beside the profiles
+    for path in sorted(paths, key=lambda p: "quick" in p.name):
         try:
             profile = load_profile(path)
         except ProfileError:
             continue
         if profile.machine == here and profile.device.split(":")[0] == kind:
-            return path
+            return path, profile
     raise GenerationError(f"no calibration profile of {family} for this machine ({here}, {kind}) "
                           f"in {PROFILES_DIR}; make one with `costmodel calibrate --model "
                           f"{family}` and pass it with --profile")
