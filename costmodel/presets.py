@@ -35,8 +35,8 @@ MODELS: dict[str, LoopedModelSpec] = {
     "huginn-tiny": LoopedModelSpec(
         name="huginn-tiny", family="huginn", hidden_size=192, num_heads=3, num_kv_heads=3,
         head_dim=64, mlp_size=512, vocab_size=256, tied_head=True, prelude_layers=1,
-        core_layers=2, coda_layers=1, qk_bias=True, default_depth=32,
-        default_acceptance=0.94, default_draft_depth=4, max_position_embeddings=2048),
+        core_layers=2, coda_layers=1, qk_bias=True, default_depth=8,
+        default_acceptance=0.94, default_draft_depth=2, max_position_embeddings=2048),
     "ouro-tiny": LoopedModelSpec(
         name="ouro-tiny", family="ouro", hidden_size=192, num_heads=3, num_kv_heads=3,
         head_dim=64, mlp_size=512, vocab_size=256, tied_head=False, prelude_layers=0,
@@ -47,8 +47,8 @@ MODELS: dict[str, LoopedModelSpec] = {
     "huginn-nano": LoopedModelSpec(
         name="huginn-nano", family="huginn", hidden_size=64, num_heads=1, num_kv_heads=1,
         head_dim=64, mlp_size=176, vocab_size=256, tied_head=True, prelude_layers=1,
-        core_layers=2, coda_layers=1, qk_bias=True, default_depth=32,
-        default_acceptance=0.94, default_draft_depth=4, max_position_embeddings=2048),
+        core_layers=2, coda_layers=1, qk_bias=True, default_depth=8,
+        default_acceptance=0.94, default_draft_depth=2, max_position_embeddings=2048),
     "huginn-small": LoopedModelSpec(
         name="huginn-small", family="huginn", hidden_size=512, num_heads=8, num_kv_heads=8,
         head_dim=64, mlp_size=1408, vocab_size=256, tied_head=True, prelude_layers=2,

@@ -161,7 +161,8 @@ class LoopedModelSpec(Spec):
     @model_validator(mode="before")
     @classmethod
     def _default_draft_depth(cls, data):
-        if isinstance(data, dict) and "default_draft_depth" not in data and "default_depth" in data:
+        if (isinstance(data, dict) and data.get("default_draft_depth") is None
+                and "default_depth" in data):
             data = {**data, "default_draft_depth": default_draft_depth(data["default_depth"])}
         return data
 

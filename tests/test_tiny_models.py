@@ -21,7 +21,7 @@ def test_both_models_ship_small_with_a_card():
         assert "bits per byte" in card and "agreement" in card
 
 
-@pytest.mark.parametrize(("name", "depth", "d"), [("huginn-tiny", 32, 4), ("ouro-tiny", 4, 1)])
+@pytest.mark.parametrize(("name", "depth", "d"), [("huginn-tiny", 8, 2), ("ouro-tiny", 4, 1)])
 def test_wfd_and_dtv_equal_ar_with_real_drafts(name, depth, d):
     model = load_model(name)
     assert model.config.depth == depth

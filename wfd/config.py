@@ -57,6 +57,7 @@ class ModelConfig(LoopedModelSpec):
                     core_layers=int(raw["n_layers_in_recurrent_block"]),
                     coda_layers=int(raw["n_layers_in_coda"]),
                     default_depth=int(raw.get("mean_recurrence", 32)),
+                    default_draft_depth=raw.get("default_draft_depth"),
                     max_position_embeddings=int(raw.get("block_size", 4096)),
                     rope_base=float(raw.get("rope_base", 50000.0)),
                     norm_eps=float(raw.get("norm_eps", 1e-6)),
@@ -72,6 +73,7 @@ class ModelConfig(LoopedModelSpec):
                     mlp_size=int(raw["intermediate_size"]), vocab_size=int(raw["vocab_size"]),
                     prelude_layers=0, core_layers=int(raw["num_hidden_layers"]), coda_layers=0,
                     default_depth=int(raw.get("total_ut_steps", 4)),
+                    default_draft_depth=raw.get("default_draft_depth"),
                     max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
                     rope_base=float(raw.get("rope_theta", 10000.0)),
                     norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
@@ -97,6 +99,9 @@ class ModelConfig(LoopedModelSpec):
                 "n_layers_in_recurrent_block": self.core_layers,
                 "n_layers_in_coda": self.coda_layers, "mean_recurrence": self.depth,
                 "mean_backprop_depth": min(8, self.depth),
+                # this project's key (the release has none): the draft depth the model is
+                # measured at, when its card chose one other than ceil(R / 8)
+                "default_draft_depth": self.default_draft_depth,
                 "block_size": self.max_position_embeddings,
                 "rope_base": self.rope_base, "norm_eps": self.norm_eps, "qk_bias": self.qk_bias,
                 "tie_embeddings": self.tied_head, "bias": False,
@@ -110,6 +115,7 @@ class ModelConfig(LoopedModelSpec):
             "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
             "intermediate_size": self.mlp_size, "vocab_size": self.vocab_size,
             "num_hidden_layers": self.core_layers, "total_ut_steps": self.depth,
+            "default_draft_depth": self.default_draft_depth,
             "max_position_embeddings": self.max_position_embeddings,
             "rope_theta": self.rope_base, "rms_norm_eps": self.norm_eps,
             "tie_word_embeddings": self.tied_head, "hidden_act": "silu",
