@@ -1,84 +1,213 @@
-"""AR vs DtV (best k) vs WFD tokens/s on this machine, and the cost of one block call vs the
-number of positions in it.
+"""AR vs DtV (best k) vs WFD tokens/s on this machine, per execution mode, and the cost of one
+block call vs the number of positions in it.
 
     python bench/decode_speed.py schedules [--models huginn-tiny ouro-tiny huginn-mid:random
-        ouro-mid:random] [--repeats 5] [--new-tokens 64] [--acceptance 0.9] [--threads 2]
+        ouro-mid:random] [--modes eager static] [--device cpu] [--context 0] [--repeats 5]
+        [--new-tokens 64] [--acceptance 0.9] [--threads 2] [--reference-huginn DIR]
+        [--reference-ouro DIR] [--out FILE.json]
     python bench/decode_speed.py block-calls [--model huginn-mid:random] [--dtype fp32 bf16]
         [--threads 1 2]
 
-Runs are interleaved (each repeat runs every schedule once, in turn) and the median is reported.
-A trained model decodes for real; a random-weight model (PRESET:random) uses the forced-acceptance
-mode at --acceptance, which times the schedule without a real decode (flagged in the table).
-Prints Markdown tables for docs/.
+Runs are interleaved (each repeat runs every configuration once, in turn) and the median is
+reported. A trained model decodes for real; a random-weight model (PRESET:random) uses the
+forced-acceptance mode at --acceptance, which times the schedule without a real decode (flagged in
+the table). --context N decodes after a prompt of N tokens instead of the three code prompts.
+
+Columns: tokens/s over the whole run (prefill included, as the WFD paper reports); ms per decoded
+token (after the first token); the fraction of the bandwidth roofline the decode reaches (the bytes
+its calls read per token, counted by the cost model from the run's call trace, over this device's
+measured copy bandwidth, divided by the measured ms per token); the speedup over AR in the same
+mode. Capture and warm-up time (static and graphs modes) is excluded. With --reference-huginn or
+--reference-ouro (a folder holding the public reference modeling code, see
+bench/reference_parity.py), the reference implementation's own cached `generate` runs on the same
+random weights as the baseline (it needs transformers in this environment).
+Prints a Markdown table for docs/ and, with --out, writes its rows as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
+import os
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from costmodel.plans import default_draft_depth, wave_width
+from costmodel.plans import wave_width
+from costmodel.predict import resolve_draft_depth
+from costmodel.presets import get_hardware
+from costmodel.simulate import price_bytes
 from wfd.checkpoint import load_model
 from wfd.generate import generate, make_cache, prefill
-from wfd.runtime import Runner
+from wfd.runtime import Runner, default_mode
 
 PROMPTS = [
     "import os\nimport sys\n\n\ndef main(argv):\n    ",
     "class Queue:\n    def __init__(self, maxsize=0):\n        ",
     "    for i, line in enumerate(lines):\n        if ",
 ]
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def time_schedule(model, schedule: str, new_tokens: int, forced: float | None,
-                  prompts: int = len(PROMPTS), **kw) -> tuple[float, dict]:
-    """Tokens per second over the prompts (prefill included, as the WFD paper reports)."""
-    tokens, wall, accepted = 0, 0.0, []
-    for text in PROMPTS[:prompts]:
-        ids = list(text.encode())
+def prompts_for(model, context: int, count: int) -> list[list[int]]:
+    """The code prompts as bytes, or ``count`` synthetic prompts of ``context`` tokens."""
+    if context:
+        vocab = model.config.vocab_size
+        return [[(97 * i + 13 * j) % vocab for i in range(context)] for j in range(count)]
+    return [list(text.encode()) for text in PROMPTS[:count]]
+
+
+def time_schedule(model, schedule: str, prompts: list[list[int]], new_tokens: int,
+                  forced: float | None, **kw) -> dict:
+    """Tokens per second over the prompts, and ms per decoded token after the first."""
+    tokens, wall, decode_s, decoded, accepted = 0, 0.0, 0.0, 0, []
+    for ids in prompts:
         res = generate(model, ids, schedule=schedule, max_new_tokens=new_tokens,
                        force_acceptance=forced if schedule != "ar" else None, record=False, **kw)
         tokens += len(res.tokens)
         wall += res.wall_s
+        decode_s += res.wall_s - res.stats["time_to_first_token_s"]
+        decoded += len(res.tokens) - 1
         if res.stats.get("acceptance") is not None:
             accepted.append(res.stats["acceptance"])
-    return tokens / wall, {"acceptance": statistics.mean(accepted) if accepted else None}
+    return {"tokens_per_s": tokens / wall, "ms_per_token": 1e3 * decode_s / max(decoded, 1),
+            "acceptance": statistics.mean(accepted) if accepted else None}
+
+
+def decode_bytes_per_token(model, schedule: str, prompt: list[int], new_tokens: int,
+                           forced: float | None, **kw) -> float:
+    """Bytes the decode's calls read and write per token after the first (cost model counts
+    over the run's own call trace; the prefill's calls are left out)."""
+    res = generate(model, prompt, schedule=schedule, max_new_tokens=new_tokens,
+                   force_acceptance=forced if schedule != "ar" else None, record=True, **kw)
+    decode = [r for r in res.records if min(r.positions) >= len(prompt)]
+    dtype = DTYPE_NAMES[next(model.parameters()).dtype]
+    return price_bytes(model.config, get_hardware("h200"), decode, dtype=dtype) / max(
+        len(res.tokens) - 1, 1)
+
+
+def reference_rate(family: str, folder: str, model, prompts: list[list[int]], new_tokens: int
+                   ) -> float:
+    """Tokens/s of the public reference implementation's cached greedy `generate` on the same
+    weights (saved in the public layout and loaded with its own class)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from reference_parity import import_reference
+
+    from wfd.checkpoint import save
+
+    package = import_reference(folder)
+    dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    with tempfile.TemporaryDirectory() as tmp:
+        save(model, tmp)
+        if family == "huginn":
+            mod = importlib.import_module(f"{package}.raven_modeling_minimal")
+            ref = mod.RavenForCausalLM.from_pretrained(tmp, torch_dtype=dtype)
+            extra = {"num_steps": model.config.depth}
+        else:
+            mod = importlib.import_module(f"{package}.modeling_ouro")
+            ref = mod.OuroForCausalLM.from_pretrained(tmp, torch_dtype=dtype)
+            extra = {}
+    ref = ref.to(device).eval()
+    tokens, wall = 0, 0.0
+    for i, ids in enumerate([prompts[0], *prompts]):  # the first run warms up
+        x = torch.tensor([ids], device=device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = ref.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=False, use_cache=True, **extra)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i:
+            tokens += out.shape[1] - len(ids)
+            wall += time.perf_counter() - t0
+    return tokens / wall
 
 
 def schedules(args) -> None:
+    from calibrate.measure import memory_bandwidth
+
     torch.set_num_threads(args.threads)
-    print(f"| model | dtype | schedule | tokens/s (median of {args.repeats}) | speedup vs AR | "
-          "acceptance | decode |\n|---|---|---|---|---|---|---|")
+    modes = args.modes or [default_mode(args.device)]
+    bandwidth = memory_bandwidth(args.device, args.dtype)
+    rows = []
     for name in args.models:
-        model = load_model(name, dtype=args.dtype)
+        model = load_model(name, dtype=args.dtype, device=args.device)
         forced = args.acceptance if name.endswith(":random") else None
+        prompts = prompts_for(model, args.context, args.prompts)
         depth = model.config.depth
-        d = args.draft_depth or default_draft_depth(depth)
+        d = resolve_draft_depth(model.config, depth, None, args.draft_depth)
         configs = {"AR": ("ar", {})}
         for k in args.block_lengths:
             configs[f"DtV k={k} d={d}"] = ("dtv", {"block_length": k, "draft_depth": d})
         configs[f"WFD d={d} W={wave_width(depth, d)}"] = ("wfd", {"draft_depth": d})
-        rates: dict[str, list[float]] = {label: [] for label in configs}
-        info: dict[str, dict] = {}
-        time_schedule(model, "ar", 4, None)  # warm-up
+        runs = [(mode, label) for mode in modes for label in configs]
+        results: dict[tuple[str, str], list[dict]] = {run: [] for run in runs}
+        for mode in modes:  # warm-up (and, in graphs mode, the first captures)
+            time_schedule(model, "ar", prompts[:1], 4, None, mode=mode)
         for _ in range(args.repeats):
-            for label, (schedule, kw) in configs.items():
-                rate, info[label] = time_schedule(model, schedule, args.new_tokens, forced,
-                                                  args.prompts, **kw)
-                rates[label].append(rate)
-        ar = statistics.median(rates["AR"])
-        best_dtv = max((label for label in rates if label.startswith("DtV")),
-                       key=lambda lab: statistics.median(rates[lab]))
-        for label, values in rates.items():
-            if label.startswith("DtV") and label != best_dtv:
-                continue
-            med = statistics.median(values)
-            acc = info[label].get("acceptance")
-            print(f"| {name} | {args.dtype} | {label} | {med:.1f} | {med / ar:.2f}x | "
-                  f"{'' if acc is None else f'{acc:.2f}'} | "
-                  f"{'forced acceptance' if forced is not None and label != 'AR' else 'real'} |")
+            for mode, label in runs:
+                schedule, kw = configs[label]
+                results[mode, label].append(time_schedule(model, schedule, prompts,
+                                                          args.new_tokens, forced, mode=mode,
+                                                          **kw))
+        byte_counts = {label: decode_bytes_per_token(model, configs[label][0], prompts[0],
+                                                     args.new_tokens, forced,
+                                                     **configs[label][1])
+                       for label in configs}
+        for mode in modes:
+            def median(label: str, key: str, mode=mode, results=results) -> float:
+                return statistics.median(r[key] for r in results[mode, label])
+
+            ar = median("AR", "tokens_per_s")
+            best_dtv = max((lab for lab in configs if lab.startswith("DtV")),
+                           key=lambda lab: median(lab, "tokens_per_s"))
+            for label in configs:
+                if label.startswith("DtV") and label != best_dtv:
+                    continue
+                ms = median(label, "ms_per_token")
+                acc = results[mode, label][-1]["acceptance"]
+                rows.append({
+                    "model": name, "dtype": args.dtype, "mode": mode, "schedule": label,
+                    "tokens_per_s": median(label, "tokens_per_s"), "ms_per_token": ms,
+                    "roofline_fraction": byte_counts[label] / bandwidth / (ms / 1e3),
+                    "speedup_vs_ar": median(label, "tokens_per_s") / ar, "acceptance": acc,
+                    "decode": "forced acceptance" if forced is not None and label != "AR"
+                    else "real"})
+        reference = {"huginn": args.reference_huginn, "ouro": args.reference_ouro}[
+            model.config.family]
+        if reference:
+            rate = reference_rate(model.config.family, reference, model, prompts,
+                                  args.reference_tokens)
+            rows.append({"model": name, "dtype": args.dtype, "mode": "reference",
+                         "schedule": f"reference generate (AR, {args.reference_tokens} new "
+                                     "tokens)", "tokens_per_s": rate,
+                         "ms_per_token": None, "roofline_fraction": None,
+                         "speedup_vs_ar": None, "acceptance": None, "decode": "real"})
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s ({args.device}, {args.dtype}); medians of "
+          f"{args.repeats}; context {args.context or 'code prompts'}, {args.new_tokens} new "
+          "tokens\n")
+    print("| model | mode | schedule | tokens/s | ms/token | roofline | speedup vs AR | "
+          "acceptance | decode |\n|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        def fmt(value, spec: str, suffix: str = "") -> str:
+            return "" if value is None else f"{value:{spec}}{suffix}"
+
+        print(f"| {r['model']} | {r['mode']} | {r['schedule']} | {r['tokens_per_s']:.1f} | "
+              f"{fmt(r['ms_per_token'], '.2f')} | {fmt(r['roofline_fraction'], '.0%')} | "
+              f"{fmt(r['speedup_vs_ar'], '.2f', 'x')} | {fmt(r['acceptance'], '.2f')} | "
+              f"{r['decode']} |")
+    if args.out:
+        tmp = Path(f"{args.out}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"device": args.device, "bandwidth_bytes_per_s": bandwidth,
+                                   "rows": rows}, indent=2) + "\n")
+        tmp.replace(args.out)
 
 
 @torch.inference_mode()
@@ -127,6 +256,16 @@ def main() -> None:
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--prompts", type=int, default=len(PROMPTS))
     s.add_argument("--dtype", default="fp32")
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--modes", nargs="+", choices=("eager", "static", "graphs"), default=None,
+                   help="default: graphs on CUDA, eager on CPU")
+    s.add_argument("--context", type=int, default=0,
+                   help="prompt length in tokens (0: the three code prompts)")
+    s.add_argument("--reference-huginn", default=None)
+    s.add_argument("--reference-ouro", default=None)
+    s.add_argument("--reference-tokens", type=int, default=32,
+                   help="new tokens per reference run (it is slow: tokens/s is what counts)")
+    s.add_argument("--out", default=None)
     b = sub.add_parser("block-calls")
     b.add_argument("--model", default="huginn-mid:random")
     b.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])

@@ -1,15 +1,28 @@
 #!/usr/bin/env bash
-# Unattended GPU calibration: one NVIDIA GPU, no network. On an H200: Huginn 99-123 s, Ouro
-# 68-85 s (QUICK=1: 47 s and 49 s), docs/results/2026-11-30-h200-eager.md.
+# Unattended GPU calibration and decode benchmark: one NVIDIA GPU, no network. The eager
+# calibration took Huginn 99-123 s, Ouro 68-85 s on an H200 (QUICK=1: 47 s and 49 s),
+# docs/results/2026-11-30-h200-eager.md.
 #
 #   bash calibrate/gpu.sh                  # cuda, bf16, real Huginn-3.5B and Ouro-2.6B sizes
 #   DEVICE=cpu DTYPE=fp32 QUICK=1 SIZES=tiny bash calibrate/gpu.sh   # the same script, tiny, CPU
 #   FAMILIES=ouro bash calibrate/gpu.sh    # one family (each family's run can have its own timeout)
+#   MODES="graphs" BENCH=0 bash calibrate/gpu.sh   # calibrate in graphs mode only, no benchmark
+#   REF_HUGINN=DIR REF_OURO=DIR bash calibrate/gpu.sh  # with the reference implementations'
+#                                                      # generate as the benchmark's baseline
 #
-# Random-weight models at the real sizes (timing needs no trained weights) are fitted with the
-# small and mid variants; the base variant (about 230 MB) is held out. The decoder has no
-# CUDA-graph path yet, so the profile is for eager launches. Writes OUT/gpu-FAMILY-DTYPE.json,
-# its validation plot (.png) and its validation report (.validation.json).
+# For each family and each mode in MODES (default on CUDA: eager and graphs; on a CPU: eager),
+# random-weight models at the real sizes (timing needs no trained weights) are fitted with the
+# small and mid variants; the base variant (about 230 MB) is held out. Writes
+# OUT/gpu-FAMILY-DTYPE.json (eager) or OUT/gpu-FAMILY-DTYPE-graphs.json, each with its validation
+# plot (.png) and report (.validation.json). Then (BENCH=1) bench/decode_speed.py times AR, DtV
+# and WFD at the real size in BENCH_MODES (default: graphs on CUDA), context BENCH_CONTEXT
+# (1,024) and BENCH_TOKENS new tokens (256), forced acceptance 0.9, draft depth 4 (Huginn) or 1
+# (Ouro), and writes OUT/bench-FAMILY-DTYPE.md and .json. REF_HUGINN / REF_OURO: folders of the
+# public modeling code (bench/reference_parity.py says which files); their generate needs the
+# transformers they were written for, carried as wheels on PYTHONPATH: Huginn's
+# raven_modeling_minimal.py runs under 4.53.3 (tokenizers 0.21, huggingface-hub < 1), ouro_rl's
+# modeling_ouro.py under 4.57.6 (tokenizers 0.22, huggingface-hub < 1), so run each family
+# with its own PYTHONPATH (FAMILIES=huginn, then FAMILIES=ouro).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEVICE=${DEVICE:-cuda}
@@ -23,19 +36,40 @@ PY=${PYTHON:-python}
 QUICK_FLAG=$([ "${QUICK:-0}" = "1" ] && echo --quick || true)
 mkdir -p "$OUT"
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+if [ "${DEVICE%%:*}" = cuda ]; then
+  MODES=${MODES:-eager graphs}; BENCH_MODES=${BENCH_MODES:-graphs}
+else
+  MODES=${MODES:-eager}; BENCH_MODES=${BENCH_MODES:-eager}
+fi
 for family in ${FAMILIES:-huginn ouro}; do
   started=$SECONDS
   if [ "$SIZES" = "real" ]; then
     big=$([ "$family" = huginn ] && echo huginn-3.5b || echo ouro-2.6b)
     fit="$family-small:random,$family-mid:random,$big:random"
     holdout="$family-base:random"
+    bench_model="$big:random"
   else
     fit="$family-tiny:random"
     holdout="$family-small:random"
+    bench_model="$family-tiny:random"
   fi
-  "$PY" -m costmodel calibrate --model "$family" --device "$DEVICE" --dtype "$DTYPE" \
-    $QUICK_FLAG --fit-models "$fit" --holdout-model "$holdout" \
-    --out "$OUT/gpu-$family-$DTYPE.json" --json > "$OUT/gpu-$family-$DTYPE.validation.json"
-  "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[1], 'median', round(r['median_rel_error'],3), 'max', round(r['max_rel_error'],3))" "$OUT/gpu-$family-$DTYPE.validation.json"
-  echo "$family calibrated in $((SECONDS - started)) s"
+  for mode in $MODES; do
+    name="gpu-$family-$DTYPE$([ "$mode" = graphs ] && echo -graphs || true)"
+    "$PY" -m costmodel calibrate --model "$family" --device "$DEVICE" --dtype "$DTYPE" \
+      --mode "$mode" $QUICK_FLAG --fit-models "$fit" --holdout-model "$holdout" \
+      --out "$OUT/$name.json" --json > "$OUT/$name.validation.json"
+    "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[1], 'median', round(r['median_rel_error'],3), 'max', round(r['max_rel_error'],3))" "$OUT/$name.validation.json"
+    echo "$family $mode calibrated in $((SECONDS - started)) s"
+  done
+  if [ "${BENCH:-1}" = "1" ]; then
+    draft=$([ "$family" = huginn ] && echo 4 || echo 1)
+    ref_var="REF_${family^^}"
+    ref_flag=${!ref_var:+--reference-$family ${!ref_var}}
+    "$PY" bench/decode_speed.py schedules --models "$bench_model" --device "$DEVICE" \
+      --dtype "$DTYPE" --modes $BENCH_MODES --context "${BENCH_CONTEXT:-1024}" \
+      --new-tokens "${BENCH_TOKENS:-256}" --repeats "${BENCH_REPEATS:-2}" --prompts 1 \
+      --draft-depth "$draft" --block-lengths 2 4 8 --acceptance 0.9 $ref_flag \
+      --out "$OUT/bench-$family-$DTYPE.json" | tee "$OUT/bench-$family-$DTYPE.md"
+    echo "$family benchmarked; $((SECONDS - started)) s in all"
+  fi
 done

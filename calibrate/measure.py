@@ -165,6 +165,27 @@ class Quiet:
         return best
 
 
+def copy_bandwidth(device: str, dtype: str, nbytes: float, inner: int = 1) -> float:
+    """Bytes per second read and written by copies of ``nbytes`` (best of five)."""
+    import torch
+
+    from wfd.checkpoint import DTYPES
+
+    dev, dt = torch.device(device), DTYPES[dtype]
+    src = torch.ones(int(nbytes) // dt.itemsize, dtype=dt, device=dev)
+    dst = torch.empty_like(src)
+
+    def copies() -> None:
+        for _ in range(inner):
+            dst.copy_(src)
+    return 2 * inner * src.numel() * src.element_size() / _best_time(copies, dev, 5)
+
+
+def memory_bandwidth(device: str, dtype: str = "fp32") -> float:
+    """The device memory's copy bandwidth: a copy well beyond the last-level cache."""
+    return copy_bandwidth(device, dtype, max(256 * 2**20, 8 * cache_size_bytes(device)))
+
+
 def measure_peaks(device: str, dtype: str) -> Peaks:
     """Best-of-repeats timings of copies, a large product and products over 1..8 rows."""
     import torch
@@ -177,18 +198,10 @@ def measure_peaks(device: str, dtype: str) -> Peaks:
     def best(fn, repeats: int = 5) -> float:
         return _best_time(fn, dev, repeats)
 
-    def copy_bandwidth(nbytes: float, inner: int) -> float:
-        src = torch.ones(int(nbytes) // dt.itemsize, dtype=dt, device=dev)
-        dst = torch.empty_like(src)
-
-        def copies() -> None:
-            for _ in range(inner):
-                dst.copy_(src)
-        return 2 * inner * src.numel() * src.element_size() / best(copies)
-
     cache = cache_size_bytes(device)
-    bandwidth = copy_bandwidth(max(256 * 2**20, 8 * cache), 1)
-    cache_bandwidth = copy_bandwidth(cache / 4, 20)  # source and copy fill half the cache
+    bandwidth = memory_bandwidth(device, dtype)
+    # source and copy fill half the cache
+    cache_bandwidth = copy_bandwidth(device, dtype, cache / 4, 20)
     # a GPU needs a large product to approach its peak: 1024 is launch-bound on an H200 (about
     # 100 TFLOP/s of its 790)
     side = 8192 if dev.type == "cuda" else 1024
@@ -286,7 +299,7 @@ def count_ops(model, kind: str) -> int:
             return func(*args, **(kwargs or {}))
 
     cache = _timed_cache(model, 8, 1, model.config.depth)
-    runner = Runner(model, cache, record=False)
+    runner = Runner(model, cache, record=False, mode="eager")  # the operations one call issues
     param = next(model.parameters())
     state = torch.zeros(1, model.config.hidden_size, dtype=param.dtype, device=param.device)
     calls = {"prelude": lambda: runner.prelude([1], [8]),
@@ -327,22 +340,20 @@ def _timed_cache(model, context: int, positions: int, depth: int):
 
     cache = make_cache(model, prompt_len=context, max_new_tokens=positions + 1, depth=depth,
                        kv_sharing=0, readout_depths=sorted({1, depth}))
-    for layer in cache.layers():
-        layer.overwrite = True  # the same positions are written on every repeat
-        layer.lengths = [context + positions] * len(layer.lengths)
+    cache.fill(context + positions)  # the same positions are written on every repeat
     return cache
 
 
 @torch.inference_mode()
-def time_call(model, name: str, kind: str, n: int, context: int, slots: int, grid: Grid
-              ) -> CallSample:
+def time_call(model, name: str, kind: str, n: int, context: int, slots: int, grid: Grid,
+              mode: str = "eager") -> CallSample:
     """Median time of one call of ``kind`` over n positions after ``context`` positions, the
     positions spread over ``slots`` distinct depths (B) or readout depths (C)."""
     from wfd.runtime import Runner
 
     depth = model.config.depth
     cache = _timed_cache(model, context, n, depth)
-    runner = Runner(model, cache, record=True)
+    runner = Runner(model, cache, record=True, mode=mode)
     positions = list(range(context, context + n))
     hidden = model.config.hidden_size
     param = next(model.parameters())
@@ -392,18 +403,21 @@ def call_grid(name: str, model, grid: Grid) -> list[tuple[str, int, int, int]]:
 
 
 def measure_runs(name: str, model, prompt: list[int], new_tokens: int,
-                 schedules: list[tuple[str, dict]], forced: float | None) -> list[RunSample]:
-    """Whole runs with their call traces (forced acceptance on random weights)."""
+                 schedules: list[tuple[str, dict]], forced: float | None,
+                 mode: str = "eager") -> list[RunSample]:
+    """Whole runs with their call traces (forced acceptance on random weights); capture time
+    (graphs mode) left out, as the decoder reports it."""
     from wfd.generate import generate
 
     out = []
     for schedule, kw in schedules:
         t0 = time.perf_counter()
         res = generate(model, prompt, schedule=schedule, max_new_tokens=new_tokens,
-                       force_acceptance=forced if schedule != "ar" else None, **kw)
+                       force_acceptance=forced if schedule != "ar" else None, mode=mode, **kw)
         out.append(RunSample(model=name, schedule=schedule,
                              draft_depth=kw.get("draft_depth"),
                              block_length=kw.get("block_length"), tokens=len(res.tokens),
-                             wall_s=time.perf_counter() - t0, records=res.records,
+                             wall_s=time.perf_counter() - t0 - res.stats.get("capture_s", 0.0),
+                             records=res.records,
                              accept=res.acceptance_sequence()))
     return out

@@ -62,7 +62,7 @@ def spec_for(name: str, model) -> object:
 def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu",
               dtype: str = "fp32", quick: bool = False, threads: int | None = None,
               fit_models: list[str] | None = None, holdout_model: str | None = None,
-              progress=None) -> CalibrationProfile:
+              mode: str = "eager", progress=None) -> CalibrationProfile:
     import torch
 
     from wfd.checkpoint import CheckpointError, load_model
@@ -89,7 +89,8 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
                         peak_flops_per_s={dtype: peaks.flops_per_s},
                         memory_capacity_bytes=_memory_capacity(device),
                         overhead_overlaps=device.startswith("cuda"),
-                        attention_split_by_slot=False, cache_bytes=peaks.cache_bytes,
+                        cuda_graphs=mode == "graphs", attention_split_by_slot=False,
+                        cache_bytes=peaks.cache_bytes,
                         cache_bandwidth_bytes_per_s=peaks.cache_bandwidth_bytes_per_s,
                         blocked_gemm_rows=peaks.blocked_gemm_rows,
                         threaded_gemm_rows=peaks.threaded_gemm_rows,
@@ -111,7 +112,7 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
         name, model, _ = loaded[role]
         # touch every weight and warm the allocator before anything is timed
         time_call(model, name, "block", max(grid.positions), max(contexts_for(model, grid)), 1,
-                  Grid(positions=[1], contexts=[1], repeats=1, warmup=3))
+                  Grid(positions=[1], contexts=[1], repeats=1, warmup=3), mode)
         plan += [(role, point) for point in call_grid(name, model, grid)]
     held_name, held, held_spec = loaded["holdout"]
     depth = held.config.depth
@@ -133,7 +134,7 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
             if progress:
                 progress.update(task, description=f"{held_name}: {schedule} run {kw}")
             run = measure_runs(held_name, held, prompt, tokens, [(schedule, kw)],
-                               forced=0.85)[0]
+                               forced=0.85, mode=mode)[0]
             out.append(run_point(held_name, held_spec, run, len(prompt), depth))
             if progress:
                 progress.advance(task)
@@ -153,7 +154,8 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
             if progress:
                 progress.update(task, description=f"{name}: {kind} n={n} context={context} "
                                                   f"slots={slots} (pass {pass_index + 1})")
-            passes[pass_index][i] = time_call(model, name, kind, n, context, slots, grid)
+            passes[pass_index][i] = time_call(model, name, kind, n, context, slots, grid,
+                                              mode)
             if progress:
                 progress.advance(task)
     samples: list[tuple[str, CallSample]] = [

@@ -298,11 +298,18 @@ def calibrate_cmd(
              "and FAMILY-mid:random)")] = None,
     holdout_model: Annotated[str | None, typer.Option(
         help="model size held out for validation (default: FAMILY-base:random)")] = None,
+    mode: Annotated[str, typer.Option(
+        help="the decoder's execution mode to measure: eager, or graphs (CUDA graphs, --device "
+             "cuda only)")] = "eager",
     out: Annotated[Path | None, typer.Option(help="profile file to write")] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Measure the decoder on this machine, fit the cost model, validate on held-out points and
     save a versioned profile."""
+    if mode not in ("eager", "graphs"):
+        raise UserError(f"unknown mode {mode!r}; use eager or graphs")
+    if mode == "graphs" and not device.startswith("cuda"):
+        raise UserError("--mode graphs captures CUDA graphs: it needs --device cuda")
     if model not in ("huginn", "ouro"):
         raise UserError(f"unknown model family {model!r}; use huginn or ouro")
     if dtype not in ("fp32", "bf16", "fp16"):
@@ -328,7 +335,7 @@ def calibrate_cmd(
             profile = calibrate(model, checkpoint=str(checkpoint) if checkpoint else None,
                                 device=device, dtype=dtype, quick=quick, threads=threads,
                                 fit_models=fit_models.split(",") if fit_models else None,
-                                holdout_model=holdout_model, progress=progress)
+                                holdout_model=holdout_model, mode=mode, progress=progress)
     except CheckpointError as exc:
         raise UserError(str(exc)) from None
     save_profile(profile, out)

@@ -2,8 +2,10 @@
 
 KV: every token of the sequence (prompt and generated) holds one entry per prelude layer, one per
 core layer and slot (R slots, or s when shared: depth r uses slot r mod s), and one per coda layer
-and readout depth (DtV and WFD read out at d and at R). Activations: the decode workspace of the
-widest call (positions per call x (hidden activations + fp32 logits)); prefill is assumed chunked.
+and readout depth (DtV and WFD read out at d and at R), for the sequence and the positions the
+schedule writes ahead of it (the decoder's static cache holds exactly these). Activations: the
+decode workspace of the widest call (positions per call x (hidden activations + fp32 logits));
+prefill is assumed chunked.
 """
 
 from __future__ import annotations
@@ -28,20 +30,31 @@ class MemoryReport(BaseModel):
     max_context: int
 
 
+def kv_cache_bytes(model: LoopedModelSpec, workload: Workload, *, depth: int,
+                   readout_depths: int, lookahead: int = 0) -> int:
+    """Bytes of the static KV cache a run allocates: every position of the sequence and of the
+    schedule's lookahead (costmodel.plans.lookahead), for each sequence of the batch."""
+    per_token = model.kv_bytes_per_token(workload.dtype, depth, workload.kv_sharing,
+                                         readout_depths)
+    sequence = workload.context_length + workload.new_tokens + lookahead
+    return workload.batch_size * sequence * per_token
+
+
 def memory_report(model: LoopedModelSpec, hw: HardwareSpec, workload: Workload, *, depth: int,
-                  readout_depths: int, positions_per_call: int) -> MemoryReport:
+                  readout_depths: int, positions_per_call: int, lookahead: int = 0
+                  ) -> MemoryReport:
     dtype = workload.dtype
     weights = model.weight_bytes(dtype)
     per_token = model.kv_bytes_per_token(dtype, depth, workload.kv_sharing, readout_depths)
-    sequence = workload.context_length + workload.new_tokens
-    kv = workload.batch_size * sequence * per_token
+    kv = kv_cache_bytes(model, workload, depth=depth, readout_depths=readout_depths,
+                        lookahead=lookahead)
     per_position = (activation_elements_per_position(model, model.part("block"))
                     * DTYPE_BYTES[dtype] + 4 * model.vocab_size)
     activations = workload.batch_size * positions_per_call * per_position
     total = weights + kv + activations
     capacity = int(hw.memory_capacity_bytes)
     room = capacity - weights - activations
-    max_context = max(0, room // (workload.batch_size * per_token))
+    max_context = max(0, room // (workload.batch_size * per_token) - lookahead)
     return MemoryReport(fits=total <= capacity, weights_bytes=weights, kv_bytes=kv,
                         activation_bytes=activations, total_bytes=total,
                         capacity_bytes=capacity, kv_bytes_per_token=per_token,

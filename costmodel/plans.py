@@ -46,6 +46,13 @@ def default_draft_depth(depth: int) -> int:
     return max(1, min(depth - 1, -(-depth // 8)))
 
 
+def lookahead(schedule: str, *, block_length: int = 0, width: int = 0) -> int:
+    """Positions past the committed ones a schedule may write: DtV's k drafts and its bonus
+    position, WFD's wave and the position after it. The decoder's static KV cache holds them
+    beside the sequence, and the memory model counts them."""
+    return {"ar": 0, "dtv": block_length + 1, "wfd": width + 1}[schedule]
+
+
 @dataclass(frozen=True)
 class Call:
     kind: Literal["prelude", "block", "coda"]
@@ -142,7 +149,7 @@ class DtVPlan(Plan):
         if block_length < 1:
             raise ValueError(f"block length must be at least 1, got {block_length}")
         self.block_length, self.draft_depth = block_length, draft_depth
-        self.lookahead = block_length + 1
+        self.lookahead = lookahead("dtv", block_length=block_length)
 
     def decode(self) -> Steps:
         k, d, depth = self.block_length, self.draft_depth, self.depth
@@ -185,7 +192,7 @@ class WFDPlan(Plan):
             raise ValueError(f"width cap must be at least 1, got {width_cap}")
         self.draft_depth, self.width_cap = draft_depth, width_cap
         self.width = wave_width(depth, draft_depth, width_cap)
-        self.lookahead = self.width + 1
+        self.lookahead = lookahead("wfd", width=self.width)
 
     def decode(self) -> Steps:
         d, depth, cap = self.draft_depth, self.depth, self.width_cap

@@ -9,8 +9,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from .cost import call_cost
-from .memory import MemoryReport, memory_report
-from .plans import wave_width
+from .memory import MemoryReport, kv_cache_bytes, memory_report
+from .plans import lookahead, wave_width
 from .presets import get_hardware, get_model
 from .schedules import (
     CallGroup,
@@ -49,6 +49,9 @@ class ScheduleResult(BaseModel):
     roofline_fraction: float
     bound: Literal["bandwidth", "compute", "overhead"]
     prefill_s: float
+    # the static KV cache this schedule's run allocates (sequence + its lookahead), what
+    # `wfd generate --json` reports as kv_bytes_allocated
+    kv_bytes: int
 
 
 class Prediction(BaseModel):
@@ -189,7 +192,9 @@ def predict(
     width_used = wave_width(depth, d, width_cap)
     ks = [block_length] if block_length else list(range(1, MAX_BLOCK_LENGTH + 1))
     memory = memory_report(spec, hw, wl, depth=depth, readout_depths=2,
-                           positions_per_call=max(width_used, max(ks) + 1))
+                           positions_per_call=max(width_used, max(ks) + 1),
+                           lookahead=max(lookahead("wfd", width=width_used),
+                                         lookahead("dtv", block_length=max(ks))))
 
     pricer = _Pricer(spec, hw, wl.dtype, np.asarray(wl.mean_context()),
                      np.asarray(float(wl.batch_size)), None)
@@ -201,6 +206,8 @@ def predict(
     def result(kind, groups, totals, **fields) -> ScheduleResult:
         latency = float(totals["latency_s"])
         readouts = 1 if kind == "ar" else 2
+        ahead = lookahead(kind, block_length=fields["block_length"] or 0,
+                          width=fields["width"] or 0)
         return ScheduleResult(
             schedule=kind, latency_per_token_s=latency,
             tokens_per_s=wl.batch_size / latency,
@@ -210,6 +217,8 @@ def predict(
             roofline_fraction=float(totals["ideal_s"]) / latency,
             bound=_bound({k: float(totals[k]) for k in _TERMS}),
             prefill_s=prefill_time_s(spec, hw, wl, depth, readouts),
+            kv_bytes=kv_cache_bytes(spec, wl, depth=depth, readout_depths=readouts,
+                                    lookahead=ahead),
             **fields)
 
     ar_groups = call_groups(AR(), depth)

@@ -160,16 +160,31 @@ def price_records(model: LoopedModelSpec, hw: HardwareSpec, records: list[CallRe
     """Set each record's ``wall_s`` to its predicted time; return the summed breakdown.
 
     Records are priced together, one vectorized ``call_cost`` per part."""
-    shapes: dict[str, list[tuple[int, int, int, int]]] = {}
     mine: dict[str, list[CallRecord]] = {}
     for r in records:
-        shapes.setdefault(r.kind, []).append(call_shape(r.slots, r.contexts))
         mine.setdefault(r.kind, []).append(r)
-    totals, times = price_shapes(model, hw, shapes, dtype=dtype, batch_size=batch_size)
+    totals, times = price_shapes(model, hw, _shapes_by_part(records), dtype=dtype,
+                                 batch_size=batch_size)
     for kind, recs in mine.items():
         for record, t in zip(recs, times[kind], strict=True):
             record.wall_s = float(t)
     return totals
+
+
+def price_bytes(model: LoopedModelSpec, hw: HardwareSpec, records: list[CallRecord], *,
+                dtype: str, batch_size: int = 1) -> float:
+    """Bytes the recorded calls read and write (weights, KV, activations), as the cost model
+    counts them: the numerator of a measured run's fraction of the bandwidth roofline."""
+    return sum(float(np.sum(np.broadcast_to(cost.bytes, (count,))))
+               for _, cost, count in _part_costs(model, hw, _shapes_by_part(records), dtype,
+                                                 batch_size))
+
+
+def _shapes_by_part(records: list[CallRecord]) -> dict[str, list[tuple[int, int, int, int]]]:
+    shapes: dict[str, list[tuple[int, int, int, int]]] = {}
+    for r in records:
+        shapes.setdefault(r.kind, []).append(call_shape(r.slots, r.contexts))
+    return shapes
 
 
 def call_shape(slots: Sequence[int], contexts: Sequence[int]) -> tuple[int, int, int, int]:
@@ -186,12 +201,19 @@ def price_shapes(model: LoopedModelSpec, hw: HardwareSpec,
     time."""
     totals = {"weights_s": 0.0, "kv_s": 0.0, "compute_s": 0.0, "overhead_s": 0.0}
     times: dict[str, np.ndarray] = {}
+    for kind, cost, count in _part_costs(model, hw, shapes, dtype, batch_size):
+        times[kind] = np.broadcast_to(cost.time_s, (count,))
+        for key in totals:
+            totals[key] += float(np.sum(np.broadcast_to(getattr(cost, key), (count,))))
+    return totals, times
+
+
+def _part_costs(model: LoopedModelSpec, hw: HardwareSpec,
+                shapes: dict[str, list[tuple[int, int, int, int]]], dtype: str,
+                batch_size: int):
+    """(part, its calls' vectorized CallCost, number of calls) for each part."""
     for kind, rows in shapes.items():
         n, slots, ctx_positions, ctx_slots = np.array(rows, dtype=float).T
-        cost = call_cost(model, hw, model.part(kind), dtype, n_positions=batch_size * n,
-                         n_slots=slots, context_sum_positions=batch_size * ctx_positions,
-                         context_sum_slots=batch_size * ctx_slots)
-        times[kind] = np.broadcast_to(cost.time_s, (len(rows),))
-        for key in totals:
-            totals[key] += float(np.sum(np.broadcast_to(getattr(cost, key), (len(rows),))))
-    return totals, times
+        yield kind, call_cost(model, hw, model.part(kind), dtype, n_positions=batch_size * n,
+                              n_slots=slots, context_sum_positions=batch_size * ctx_positions,
+                              context_sum_slots=batch_size * ctx_slots), len(rows)

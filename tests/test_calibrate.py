@@ -220,14 +220,20 @@ def test_calibrate_with_a_checkpoint_of_the_wrong_family(tmp_path):
 
 
 def test_gpu_script_runs_on_cpu_at_tiny_size(tmp_path):
+    # one family (the other's calibration runs the same lines), with a short benchmark
     env = {"DEVICE": "cpu", "DTYPE": "fp32", "QUICK": "1", "SIZES": "tiny", "OUT": str(tmp_path),
-           "PYTHON": sys.executable}
+           "PYTHON": sys.executable, "FAMILIES": "ouro", "BENCH_CONTEXT": "16",
+           "BENCH_TOKENS": "8", "BENCH_REPEATS": "1"}
     import os
 
     out = subprocess.run(["bash", "calibrate/gpu.sh"], capture_output=True, text=True,
                          timeout=600, env={**os.environ, **env})
     assert out.returncode == 0, out.stderr[-2000:]
-    for family in ("huginn", "ouro"):
+    bench = json.loads((tmp_path / "bench-ouro-fp32.json").read_text())
+    assert {row["schedule"].split()[0] for row in bench["rows"]} == {"AR", "DtV", "WFD"}
+    assert all(row["tokens_per_s"] > 0 and row["mode"] == "eager" for row in bench["rows"])
+    assert "| ouro-tiny:random | eager | AR |" in (tmp_path / "bench-ouro-fp32.md").read_text()
+    for family in ("ouro",):
         profile = load_profile(tmp_path / f"gpu-{family}-fp32.json")
         assert profile.validation and profile.fit_stats["train_points"] > 5
         assert len(profile.training) == profile.fit_stats["train_points"]  # kept for refits

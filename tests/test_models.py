@@ -136,10 +136,11 @@ def test_kv_sharing(family, sharing):
     writes = {}
     original = LayerKV.write
 
-    def logging_write(self, slots, positions, k, v, *indices):
-        for i, (slot, pos) in enumerate(zip(slots, positions, strict=True)):
+    def logging_write(self, slot_index, positions, k, v):
+        for i, (slot, pos) in enumerate(zip(slot_index.tolist(), positions.tolist(),
+                                            strict=True)):
             writes[(id(self), slot, pos)] = (k[i].clone(), v[i].clone())
-        return original(self, slots, positions, k, v, *indices)
+        return original(self, slot_index, positions, k, v)
 
     LayerKV.write = logging_write
     try:

@@ -20,26 +20,29 @@ SETTINGS = settings(max_examples=30, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
+modes = st.sampled_from(["eager", "static"])  # static: the fixed-shape path graphs capture
+
+
 @SETTINGS
 @given(st.sampled_from(["huginn", "ouro"]), st.booleans(), prompts, st.integers(1, 8),
-       st.integers(1, 7))
-def test_dtv_greedy_equals_ar(family, easy, prompt, k, d):
+       st.integers(1, 7), modes)
+def test_dtv_greedy_equals_ar(family, easy, prompt, k, d, mode):
     model = model_for(family, easy)
     d = min(d, model.config.depth - 1)
     ar = run(model, prompt, max_new_tokens=14)
     assert run(model, prompt, "dtv", max_new_tokens=14, block_length=k,
-               draft_depth=d).tokens == ar.tokens
+               draft_depth=d, mode=mode).tokens == ar.tokens
 
 
 @SETTINGS
 @given(st.sampled_from(["huginn", "ouro"]), st.booleans(), prompts, st.integers(1, 7),
-       st.one_of(st.none(), st.integers(1, 8)))
-def test_wfd_greedy_equals_ar(family, easy, prompt, d, cap):
+       st.one_of(st.none(), st.integers(1, 8)), modes)
+def test_wfd_greedy_equals_ar(family, easy, prompt, d, cap, mode):
     model = model_for(family, easy)
     d = min(d, model.config.depth - 1)
     ar = run(model, prompt, max_new_tokens=14)
     assert run(model, prompt, "wfd", max_new_tokens=14, draft_depth=d,
-               width_cap=cap).tokens == ar.tokens
+               width_cap=cap, mode=mode).tokens == ar.tokens
 
 
 @pytest.mark.parametrize("family", ["huginn", "ouro"])

@@ -17,9 +17,11 @@ def run(*args):
 def test_generate_json_and_traces(model, tmp_path):
     trace, depths = tmp_path / "calls.jsonl", tmp_path / "depths.jsonl"
     out = run("generate", "--model", model, "--prompt", "def f(x):", "--max-new-tokens", "6",
-              "--trace", str(trace), "--depth-trace", str(depths), "--json")
+              "--trace", str(trace), "--depth-trace", str(depths), "--mode", "static", "--json")
     assert out.returncode == 0, out.stderr
     payload = json.loads(out.stdout)
+    assert payload["mode"] == "static" and payload["shapes_captured"] > 0
+    assert payload["kv_bytes_allocated"] > 0 and payload["time_to_first_token_s"] > 0
     assert payload["new_tokens"] == len(payload["tokens"]) == 6
     assert payload["schedule"] == "ar" and payload["acceptance"] is None
     assert isinstance(payload["text"], str) and payload["tokens_per_s"] > 0
@@ -50,6 +52,8 @@ def test_prompt_ids_without_tokenizer_prints_ids():
     ["--model", "huginn-tiny:random"],
     ["--model", "huginn-tiny:random", "--prompt", "x", "--schedule", "beam"],
     ["--model", "huginn-tiny:random", "--prompt", "x", "--temperature", "-1"],
+    ["--model", "huginn-tiny:random", "--prompt", "x", "--mode", "fast"],
+    ["--model", "huginn-tiny:random", "--prompt", "x", "--mode", "graphs"],  # no CUDA here
 ])
 def test_bad_input_is_one_line_and_exit_2(args):
     out = run("generate", *args)

@@ -1,8 +1,10 @@
-"""The KV cache of a looped LM: one slot per (depth, layer), position-indexed, with rollback.
+"""The KV cache of a looped LM: one slot per (depth, layer), position-indexed, static, with
+rollback.
 
-Every attention layer owns a tensor K, V of shape [slots, kv_heads, max_len, head_dim]. A
-position's key lives at index = its absolute position, so positions at different depths can be
-written and read in one call without moving anything. Which slot a call uses:
+Allocated once per run for its longest sequence (prompt + new tokens + the schedule's lookahead).
+Every attention layer owns K, V of shape [slots, kv_heads, max_len, head_dim]; a position's key
+lives at index = its absolute position, so positions at different depths are written in place, in
+one indexed store per layer and call, and read as views. Which slot a call uses:
 
 - prelude layers: one slot;
 - core (block) layers: the step that brings a position to depth r uses slot r - 1, or with KV
@@ -10,8 +12,11 @@ written and read in one call without moving anything. Which slot a call uses:
   whatever they wrote last into that slot, as in Huginn's compress-s cache);
 - coda layers (Huginn): one slot per readout depth, so draft readouts never touch the verify path.
 
-Per-slot lengths count the valid prefix of each slot. A write must extend or overwrite the valid
-prefix (never leave a hole), and ``truncate`` rolls every slot back to a prefix of positions.
+The layers of a part see the same writes, so a part keeps one list of per-slot lengths (the valid
+prefix of each slot), checked and advanced once per call by ``claim``: a write must extend or
+overwrite the valid prefix (never leave a hole), and ``truncate`` rolls every slot back to a prefix
+of positions. The tensors themselves are never reallocated, so their shapes stay fixed for the
+whole run (what captured execution needs).
 """
 
 from __future__ import annotations
@@ -31,55 +36,55 @@ class CacheError(RuntimeError):
 class LayerKV:
     keys: torch.Tensor  # [slots, kv_heads, max_len, head_dim]
     values: torch.Tensor
-    lengths: list[int]  # valid prefix per slot
-    overwrite: bool  # whether a position may be written again without a truncate (sharing)
+    lengths: list[int]  # valid prefix per slot: one list shared by the layers of a part
 
-    def write(self, slots: list[int], positions: list[int], k: torch.Tensor, v: torch.Tensor,
-              slot_index: torch.Tensor | None = None, pos_index: torch.Tensor | None = None
-              ) -> None:
-        """Store k, v ([n, kv_heads, head_dim]) of each position in its slot (the index tensors
-        of slots and positions may be passed in, built once per call)."""
-        max_len = self.keys.shape[2]
-        lengths = list(self.lengths)
+    def write(self, slot_index: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """Store k, v ([n, kv_heads, head_dim]) of each position in its slot: one indexed store,
+        no Python loop (the part's ``claim`` checked the writes)."""
+        self.keys[slot_index, :, positions] = k.to(self.keys.dtype)
+        self.values[slot_index, :, positions] = v.to(self.values.dtype)
+
+
+class PartKV:
+    """The layers of one part (prelude, core or coda) and their shared per-slot lengths."""
+
+    def __init__(self, layers: int, slots: int, overwrite: bool, shape_tail: tuple[int, ...],
+                 dtype: torch.dtype, device: torch.device | str):
+        self.lengths = [0] * slots
+        # without sharing a position is written once: a schedule that writes it again forgot to
+        # roll back; with sharing, later depths overwrite the slot by design
+        self.overwrite = overwrite
+        shape = (slots, *shape_tail)
+        self.layers = [LayerKV(torch.zeros(shape, dtype=dtype, device=device),
+                               torch.zeros(shape, dtype=dtype, device=device), self.lengths)
+                       for _ in range(layers)]
+
+    def claim(self, slots: list[int], positions: list[int], max_len: int) -> None:
+        """Check and record one call's writes (position p into slot s) for every layer."""
+        if not self.layers:  # a part without attention (Ouro's) keeps no KV
+            return
+        lengths = self.lengths
+        new = list(lengths)
         for slot, pos in sorted(zip(slots, positions, strict=True)):
             if pos >= max_len:
                 raise CacheError(f"position {pos} beyond the cache's {max_len} positions")
-            if pos > lengths[slot]:
-                raise CacheError(f"slot {slot} holds {lengths[slot]} positions; writing "
+            if pos > new[slot]:
+                raise CacheError(f"slot {slot} holds {new[slot]} positions; writing "
                                  f"position {pos} would leave a hole")
-            if pos < lengths[slot] and not self.overwrite:
-                # without sharing, a position is written once: a schedule forgot to roll back
+            if pos < new[slot] and not self.overwrite:
                 raise CacheError(f"slot {slot} already holds position {pos}; truncate first")
-            lengths[slot] = max(lengths[slot], pos + 1)
-        self.lengths = lengths
-        if slot_index is None:
-            slot_index = torch.tensor(slots, device=self.keys.device)
-        if pos_index is None:
-            pos_index = torch.tensor(positions, device=self.keys.device)
-        self.keys[slot_index, :, pos_index] = k.to(self.keys.dtype)
-        self.values[slot_index, :, pos_index] = v.to(self.values.dtype)
-
-    def read(self, slots: list[int], positions: list[int],
-             slot_index: torch.Tensor | None = None,
-             slot_range: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values each position attends over: [1 or n, kv_heads, T, head_dim] with
-        T = max position + 1 (the caller masks keys after each position). One slot, or distinct
-        slots in arithmetic progression (given as ``slot_range``, ascending), are views of the
-        cache; other mixes are gathered, one row per position."""
-        span = max(positions) + 1
-        if len(set(slots)) == 1:  # one slot: AR, prefill, DtV verify
-            s = slots[0]
-            return self.keys[s, :, :span].unsqueeze(0), self.values[s, :, :span].unsqueeze(0)
-        if slot_range is not None:  # a wave: depths d apart
-            first, last, step = slot_range
-            return (self.keys[first:last + 1:step, :, :span],
-                    self.values[first:last + 1:step, :, :span])
-        if slot_index is None:
-            slot_index = torch.tensor(slots, device=self.keys.device)
-        return self.keys[slot_index, :, :span], self.values[slot_index, :, :span]
+            new[slot] = max(new[slot], pos + 1)
+        lengths[:] = new  # in place: every layer holds this list
 
     def truncate(self, length: int) -> None:
-        self.lengths = [min(n, length) for n in self.lengths]
+        self.lengths[:] = [min(n, length) for n in self.lengths]
+
+    def fill(self, length: int) -> None:
+        """Mark every slot valid up to ``length`` and allow rewrites (timing the same call
+        again and again)."""
+        self.lengths[:] = [length] * len(self.lengths)
+        self.overwrite = True
 
 
 class KVCache:
@@ -95,16 +100,16 @@ class KVCache:
         self.max_len = max_len
         core_slots = depth if kv_sharing == 0 else min(kv_sharing, depth)
         self.coda_slot_of = {r: i for i, r in enumerate(sorted(set(readout_depths)))}
-
-        def make(slots: int, overwrite: bool) -> LayerKV:
-            shape = (slots, kv_heads, max_len, head_dim)
-            return LayerKV(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device), [0] * slots,
-                           overwrite)
-
-        self.prelude = [make(1, False) for _ in range(prelude_layers)]
-        self.core = [make(core_slots, kv_sharing > 0) for _ in range(core_layers)]
-        self.coda = [make(max(len(self.coda_slot_of), 1), False) for _ in range(coda_layers)]
+        tail = (kv_heads, max_len, head_dim)
+        self.parts = {
+            "prelude": PartKV(prelude_layers, 1, False, tail, dtype, device),
+            "block": PartKV(core_layers, core_slots, kv_sharing > 0, tail, dtype, device),
+            "coda": PartKV(coda_layers, max(len(self.coda_slot_of), 1), False, tail, dtype,
+                           device),
+        }
+        self.prelude = self.parts["prelude"].layers
+        self.core = self.parts["block"].layers
+        self.coda = self.parts["coda"].layers
 
     def core_slot(self, depth: int) -> int:
         """Slot written and read by the step that brings a position to ``depth`` (1-based)."""
@@ -118,16 +123,32 @@ class KVCache:
                              f"reads out at {sorted(self.coda_slot_of)}")
         return self.coda_slot_of[readout_depth]
 
+    def slots(self, kind: str, depths: list[int]) -> list[int]:
+        """The slot each position of a call of ``kind`` (prelude, block, coda) writes and reads."""
+        if kind == "prelude":
+            return [0] * len(depths)
+        if kind == "block":
+            return [self.core_slot(r) for r in depths]
+        return [self.coda_slot(r) for r in depths]
+
+    def claim(self, kind: str, slots: list[int], positions: list[int]) -> None:
+        self.parts[kind].claim(slots, positions, self.max_len)
+
     def layers(self) -> list[LayerKV]:
         return [*self.prelude, *self.core, *self.coda]
 
     def truncate(self, length: int) -> None:
         """Roll back every slot to the first ``length`` positions."""
-        for layer in self.layers():
-            layer.truncate(length)
+        for part in self.parts.values():
+            part.truncate(length)
+
+    def fill(self, length: int) -> None:
+        for part in self.parts.values():
+            part.fill(length)
 
     @property
     def nbytes(self) -> int:
+        """Bytes allocated (what the cost model's memory model counts for the same run)."""
         return sum(t.numel() * t.element_size() for layer in self.layers()
                    for t in (layer.keys, layer.values))
 

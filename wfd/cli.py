@@ -64,6 +64,9 @@ def generate(
     stop_ids: Annotated[str | None, typer.Option(help="token ids that end generation")] = None,
     dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp16")] = "fp32",
     device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+    mode: Annotated[str | None, typer.Option(
+        help="eager; static (fixed shapes from static buffers); graphs (static, each shape "
+             "captured once as a CUDA graph). Default: graphs on CUDA, eager on CPU")] = None,
     trace: Annotated[Path | None, typer.Option(help="write the call trace (JSON Lines)")] = None,
     depth_trace: Annotated[Path | None, typer.Option(
         help="write the depth trace (JSON Lines): y(p, r) for every depth")] = None,
@@ -84,6 +87,8 @@ def generate(
         raise UserError(f"depth must be at least 1, got {depth}")
     if init_scale < 0:
         raise UserError(f"init scale must be >= 0, got {init_scale}")
+    if mode is not None and mode not in ("eager", "static", "graphs"):
+        raise UserError(f"unknown mode {mode!r}; use eager, static or graphs")
 
     import torch  # heavy: only once the arguments are known to be sane
 
@@ -100,6 +105,9 @@ def generate(
         raise UserError(f"device {device!r} is not available (torch sees no CUDA device)")
     if device != "cpu" and not device.startswith("cuda"):
         raise UserError(f"unknown device {device!r}; use cpu or cuda")
+    if mode == "graphs" and not device.startswith("cuda"):
+        raise UserError("--mode graphs captures CUDA graphs: it needs --device cuda (on a CPU, "
+                        "--mode static runs the same fixed-shape calls without capture)")
     try:
         net = load_model(model, device=device, dtype=dtype, init_scale=init_scale, seed=seed)
         folder = Path(model) if Path(model).is_dir() else SHIPPED_DIR / model
@@ -131,7 +139,8 @@ def generate(
                           sampling=Sampling(temperature, top_p, seed), stop_tokens=stops,
                           depth_trace=depth_trace is not None, draft_depth=draft_depth,
                           block_length=block_length, width_cap=width_cap,
-                          force_acceptance=force_acceptance, seed=seed, hardware=hardware)
+                          force_acceptance=force_acceptance, seed=seed, hardware=hardware,
+                          mode=mode)
     except (CheckpointError, GenerationError) as exc:
         raise UserError(str(exc)) from None
 
@@ -139,7 +148,8 @@ def generate(
                   commit=current_commit(), depth=run_depth, prompt_length=len(ids),
                   schedule=result.schedule, extra={k: v for k, v in result.stats.items()
                                             if k in ("draft_depth", "block_length", "width",
-                                                     "width_cap", "forced_acceptance")})
+                                                     "width_cap", "forced_acceptance",
+                                                     "mode")})
     if trace is not None:
         write_jsonl(trace, TraceHeader(trace="calls", **header), result.records)
     if depth_trace is not None:

@@ -22,6 +22,7 @@ from costmodel.simulate import acceptance_draws
 from costmodel.trace import CallRecord, DepthRecord
 
 from .cache import KVCache
+from .layers import CallPlan
 from .runtime import Runner, make_cache
 from .sampling import Draft, GenerationError, Sampling, Verifier
 
@@ -95,6 +96,7 @@ class Decoder(Executor):
         self.depth_records: list[DepthRecord] = []
         self.probe: dict[int, torch.Tensor] | None = None  # depth -> the prompt's greedy readouts
         self.last_depths: dict[int, torch.Tensor] = {}
+        self.first_token_at: float | None = None
 
     @property
     def done(self) -> bool:
@@ -123,6 +125,8 @@ class Decoder(Executor):
                         self.depth_logits.setdefault(p, {})[r] = row
 
     def commit(self, position: int, token: int) -> None:
+        if not self.tokens:  # the prefill's readout: the time to the first token
+            self.first_token_at = time.perf_counter() - self.runner.capture_s
         self.tokens.append(token)
         self.token_at[position + 1] = token
 
@@ -192,17 +196,21 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
              stop_tokens: frozenset[int] = frozenset(), depth_trace: bool = False,
              draft_depth: int | None = None, block_length: int = 4,
              width_cap: int | None = None, force_acceptance: float | None = None,
-             seed: int = 0, record: bool = True, hardware=None,
+             seed: int = 0, record: bool = True, hardware=None, mode: str | None = None,
              on_rollback: Callable[[KVCache, list[int]], None] | None = None
              ) -> GenerationResult:
     """Run one schedule: "ar" (with ``depth_trace``), "dtv" (block_length, draft_depth), "wfd"
     (draft_depth, width_cap), or "auto": the prefill reads every prompt position out at every
     depth, and the cost model with ``hardware`` (a calibrated HardwareSpec) picks the fastest
     configuration for that acceptance by depth (``stats["auto"]`` says which and why). Without
-    a draft depth, ceil(R / 8). ``force_acceptance`` replaces verification by seeded outcomes
-    (timing on random weights; flagged in the stats)."""
+    a draft depth, the model's default (ceil(R / 8) unless its config names one). ``mode``:
+    eager, static or graphs (wfd.runtime.Runner; graphs on CUDA, eager elsewhere by default).
+    ``force_acceptance`` replaces verification by seeded
+    outcomes (timing on random weights; flagged in the stats)."""
     sampling = sampling or Sampling()
     depth = depth or model.config.depth
+    if draft_depth is None and depth > 1:  # the model's own (ceil(R / 8) unless it says)
+        draft_depth = min(model.config.default_draft_depth, depth - 1)
     if not prompt:
         raise GenerationError("the prompt is empty")
     if max_new_tokens < 1:
@@ -228,7 +236,7 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
     cache = make_cache(model, prompt_len=len(prompt), max_new_tokens=max_new_tokens,
                        depth=depth, kv_sharing=kv_sharing, readout_depths=plan.readout_depths,
                        lookahead=max(33, depth + 1) if auto else plan.lookahead)
-    runner = Runner(model, cache, record=record)
+    runner = Runner(model, cache, record=record, mode=mode)
     forced = None if force_acceptance is None else acceptance_draws(
         force_acceptance, max_new_tokens + 1, seed)
     verifier = Verifier(sampling, forced, first_position=len(prompt))
@@ -257,7 +265,8 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
                         "acceptance_by_depth": acceptance, "hardware": hardware.name,
                         "decide_s": time.perf_counter() - decided}
         decoder.run(plan.steps())
-    wall = time.perf_counter() - start
+    # capture and warm-up are paid once per shape, reported apart (stats["capture_s"])
+    wall = time.perf_counter() - start - runner.capture_s
     stats: dict[str, object] = {"acceptance": None, "flushed_positions": 0,
                                 "forced_acceptance": False}
     if schedule == "dtv":
@@ -269,6 +278,10 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
                  "width_cap": plan.width_cap}
     if decision:
         stats["auto"] = decision
+    stats.update(runner.mode_stats())
+    stats["kv_bytes_allocated"] = cache.nbytes
+    # prefill and first token; the rest of wall_s is the decode proper
+    stats["time_to_first_token_s"] = decoder.first_token_at - start
     return GenerationResult(prompt=list(prompt), tokens=decoder.tokens, wall_s=wall,
                             schedule=schedule, records=runner.records,
                             depth_records=decoder.depth_records, stats=stats, cache=cache,
@@ -283,11 +296,13 @@ def full_forward(model: nn.Module, tokens: list[int], depth: int | None = None,
     depth = depth or model.config.depth
     readout_depths = readout_depths or [depth]
     positions = list(range(len(tokens)))
-    e, state = model.prelude(torch.tensor(tokens, device=next(model.parameters()).device),
-                             positions, None)
+    device = next(model.parameters()).device
+    plan = CallPlan.uncached(positions, model.config, device)
+    e = model.prelude(torch.tensor(tokens, device=device), plan, None)
+    state = model.initial_state(positions, e)
     out = {}
     for r in range(1, depth + 1):
-        state = model.block(state, e, positions, [r] * len(positions), None)
+        state = model.block(state, e, plan, None)
         if r in readout_depths:
-            out[r] = model.coda(state, positions, [r] * len(positions), None)
+            out[r] = model.coda(state, plan, None)
     return out

@@ -107,27 +107,26 @@ class HuginnModel(nn.Module):
         self._state_tables: dict[tuple[int, float, int], torch.Tensor] = {}
 
     # -- P -------------------------------------------------------------------------------------
-    def prelude(self, tokens: torch.Tensor, positions: list[int], cache: KVCache | None):
-        """Returns (e, s_0): the injection every core step reads, and the initial state."""
+    def prelude(self, tokens: torch.Tensor, plan: CallPlan, cache: KVCache | None):
+        """e: the injection every core step reads (the initial state: ``initial_state``)."""
         x = self.transformer.wte(tokens) * self.embed_scale
-        plan = self._plan(positions, [0] * len(positions) if cache else None, x)
         for i, block in enumerate(self.transformer.prelude):
             x = block(x, plan, cache.prelude[i] if cache else None)
-        return x, self.initial_state(positions, x)
+        return x
 
-    def initial_state(self, positions: list[int], like: torch.Tensor) -> torch.Tensor:
+    def initial_state(self, positions: list[int], e: torch.Tensor) -> torch.Tensor:
         """sqrt(h) * truncated normal(0, std * init_scale, +-3 std), a function of (seed,
         position) only: every schedule sees the same state for the same position. Rows come from
         tables of STATE_CHUNK positions, each drawn at once from a generator seeded by (seed,
         chunk), so a call costs one draw per chunk it touches, not one per position."""
         h = self.config.hidden_size
         if self.init_scale == 0:
-            return torch.zeros(len(positions), h, dtype=like.dtype, device=like.device)
+            return torch.zeros(len(positions), h, dtype=e.dtype, device=e.device)
         chunks = {p // STATE_CHUNK for p in positions}
         tables = {c: self._state_table(c) for c in sorted(chunks)}
         rows = torch.stack([tables[p // STATE_CHUNK][p % STATE_CHUNK] for p in positions]) \
             if len(chunks) > 1 else tables[chunks.pop()][[p % STATE_CHUNK for p in positions]]
-        return rows.to(device=like.device, dtype=like.dtype)
+        return rows.to(device=e.device, dtype=e.dtype)
 
     def _state_table(self, chunk: int) -> torch.Tensor:
         """Initial states of positions chunk * STATE_CHUNK ... + STATE_CHUNK - 1 (the most recent
@@ -144,26 +143,17 @@ class HuginnModel(nn.Module):
         return self._state_tables[key]
 
     # -- B -------------------------------------------------------------------------------------
-    def block(self, state, e, positions: list[int], depths: list[int], cache: KVCache | None):
-        """One recurrence step for each position, bringing it to ``depths`` (1-based)."""
+    def block(self, state, e, plan: CallPlan, cache: KVCache | None):
+        """One recurrence step for each position, bringing it to the depth its slot stands for."""
         x = self.transformer.adapter(torch.cat([state, e], dim=-1))
-        plan = self._plan(positions, [cache.core_slot(r) for r in depths] if cache else None, x)
         for i, block in enumerate(self.transformer.core_block):
             x = block(x, plan, cache.core[i] if cache else None)
         return x
 
     # -- C -------------------------------------------------------------------------------------
-    def coda(self, state, positions: list[int], readout_depths: list[int],
-             cache: KVCache | None) -> torch.Tensor:
-        """fp32 logits of each position read out at its depth (one coda KV slot per depth)."""
+    def coda(self, state, plan: CallPlan, cache: KVCache | None) -> torch.Tensor:
+        """fp32 logits of each position read out (one coda KV slot per readout depth)."""
         x = self.transformer.ln_f(state)
-        if self.transformer.coda:
-            slots = [cache.coda_slot(r) for r in readout_depths] if cache else None
-            plan = self._plan(positions, slots, x)
-            for i, block in enumerate(self.transformer.coda):
-                x = block(x, plan, cache.coda[i] if cache else None)
+        for i, block in enumerate(self.transformer.coda):
+            x = block(x, plan, cache.coda[i] if cache else None)
         return self.lm_head(self.transformer.ln_f(x)).float()
-
-    def _plan(self, positions: list[int], slots: list[int] | None, x: torch.Tensor) -> CallPlan:
-        return CallPlan.make(positions, slots, self.config.head_dim, self.config.rope_base,
-                             x.device)

@@ -3,6 +3,7 @@ positions that may sit at different depths (each reading its own KV slot)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -51,72 +52,103 @@ def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return x * cos + torch.cat((-second, first), dim=-1) * sin
 
 
+@functools.lru_cache(maxsize=4096)
+def slot_layout(slots: tuple[int, ...]) -> tuple[str, tuple[int, int, int] | None, bool]:
+    """How a call's positions read their slots: ("one", None, False) when they share one slot
+    (AR, prefill, DtV's verification); ("range", (first, last, step), descending) when distinct
+    slots form an arithmetic progression (a full wave: depths d apart), read as a strided view of
+    the cache; ("gather", None, False) otherwise (one gathered row per position)."""
+    if len(set(slots)) == 1:
+        return "one", None, False
+    if len(set(slots)) == len(slots):
+        steps = {b - a for a, b in zip(slots, slots[1:], strict=False)}
+        if len(steps) == 1:
+            step = steps.pop()
+            return "range", (min(slots), max(slots), abs(step)), step < 0
+    return "gather", None, False
+
+
 @dataclass
 class CallPlan:
-    """What every attention layer of one call shares, computed once per call: the positions, the
-    KV slot each reads and writes, RoPE angles, index tensors and the causal mask."""
+    """What every attention layer of one call shares, computed once per call from tensors only
+    (so a captured call recomputes it on replay): the positions, the KV slot each writes and
+    reads, RoPE angles and the causal mask over ``span`` keys per slot.
 
-    positions: list[int]
-    slots: list[int] | None  # None: no cache (a full forward)
+    ``span`` is the number of key positions attention reads per slot: the call's max position + 1
+    (eager), or the cache's static length (static shapes: the same for every call of a run, with
+    the mask hiding the keys after each position)."""
+
+    positions: torch.Tensor  # [n] absolute positions
+    slots: tuple[int, ...] | None  # None: no cache (the positions attend over each other)
+    slot_index: torch.Tensor | None  # [n] the slots as a tensor
     cos: torch.Tensor  # [n, head_dim / 2] of the RoPE angles
     sin: torch.Tensor
-    mask: torch.Tensor  # [n, T]: key j visible to position i iff j <= p_i
-    slot_index: torch.Tensor | None
-    pos_index: torch.Tensor
-    # Distinct slots in arithmetic progression (a full wave: depths d apart) are read as a strided
-    # view of the cache, no copy: (first, last, step) in ascending slot order, and whether the
-    # positions come in descending slot order (then queries are flipped to match).
+    mask: torch.Tensor  # [n, span]: key j visible to position i iff j <= p_i
+    layout: str = "none"  # "none" (no cache), "one", "range", "gather": see slot_layout
     slot_range: tuple[int, int, int] | None = None
-    descending: bool = False
+    descending: bool = False  # a range read in descending slot order: queries flipped to match
 
     @classmethod
-    def make(cls, positions: list[int], slots: list[int] | None, head_dim: int, base: float,
-             device: torch.device) -> CallPlan:
-        pos = torch.tensor(positions, device=device)
-        keys = pos if slots is None else torch.arange(max(positions) + 1, device=device)
-        slot_range, descending = None, False
-        if slots is not None and len(slots) > 1 and len(set(slots)) == len(slots):
-            steps = {b - a for a, b in zip(slots, slots[1:], strict=False)}
-            if len(steps) == 1:
-                step = steps.pop()
-                descending = step < 0
-                slot_range = (min(slots), max(slots), abs(step))
-        angles = rope_angles(pos, head_dim, base)
-        return cls(positions=positions, slots=slots, cos=angles.cos(), sin=angles.sin(),
-                   mask=keys[None, :] <= pos[:, None],
-                   slot_index=None if slots is None else torch.tensor(slots, device=device),
-                   pos_index=pos, slot_range=slot_range, descending=descending)
+    def make(cls, positions: torch.Tensor, slots: tuple[int, ...] | None,
+             slot_index: torch.Tensor | None, head_dim: int, base: float,
+             span: int | None = None) -> CallPlan:
+        angles = rope_angles(positions, head_dim, base)
+        if slots is None:
+            keys = positions
+            layout, slot_range, descending = "none", None, False
+        else:
+            keys = torch.arange(span, device=positions.device)
+            layout, slot_range, descending = slot_layout(slots)
+        return cls(positions=positions, slots=slots, slot_index=slot_index, cos=angles.cos(),
+                   sin=angles.sin(), mask=keys[None, :] <= positions[:, None], layout=layout,
+                   slot_range=slot_range, descending=descending)
+
+    @classmethod
+    def uncached(cls, positions: list[int], config, device: torch.device) -> CallPlan:
+        """A full forward's plan (``config``: the model's): the positions attend over each other,
+        no cache."""
+        return cls.make(torch.tensor(positions, device=device), None, None, config.head_dim,
+                        config.rope_base)
+
+
+def read_slots(kv: LayerKV, plan: CallPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values each position attends over: [1 or n, kv_heads, span, head_dim]."""
+    span = plan.mask.shape[-1]
+    if plan.layout == "one":
+        s = plan.slots[0]
+        return kv.keys[s, :, :span].unsqueeze(0), kv.values[s, :, :span].unsqueeze(0)
+    if plan.layout == "range":
+        first, last, step = plan.slot_range
+        return (kv.keys[first:last + 1:step, :, :span],
+                kv.values[first:last + 1:step, :, :span])
+    return kv.keys[plan.slot_index, :, :span], kv.values[plan.slot_index, :, :span]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CallPlan,
            kv: LayerKV | None) -> torch.Tensor:
     """Causal attention of n positions (q: [..., n, heads, head_dim], k, v: [..., n, kv_heads,
-    head_dim], after RoPE).
+    head_dim], after RoPE): one scaled-dot-product kernel per layer and call.
 
     With a cache (one sequence), each position writes its k, v into its slot and attends over that
-    slot's positions 0..p: one batched kernel for all positions, whatever their slots (one slot: a
-    view of the cache; several: gathered, one row per position). Without a cache, the n positions
+    slot's positions 0..p, whatever the mix of slots (one slot: a view of the cache; a wave: a
+    strided view; other mixes: gathered, one row per position). Without a cache, the n positions
     attend over each other only (a full forward; leading batch dimensions allowed, for training).
     """
-    heads = q.shape[-2]
     if kv is None:
         keys, values = k.movedim(-3, -2), v.movedim(-3, -2)  # [..., kv_heads, n, hd]
         shared = True
     else:
-        kv.write(plan.slots, plan.positions, k, v, plan.slot_index, plan.pos_index)
-        keys, values = kv.read(plan.slots, plan.positions, plan.slot_index, plan.slot_range)
-        shared = keys.shape[0] == 1
+        kv.write(plan.slot_index, plan.positions, k, v)
+        keys, values = read_slots(kv, plan)
+        shared = plan.layout == "one"
         if shared:
             keys, values = keys[0], values[0]
-    groups = heads // keys.shape[-3]
-    if groups > 1:
-        keys = keys.repeat_interleave(groups, dim=-3)
-        values = values.repeat_interleave(groups, dim=-3)
+    gqa = q.shape[-2] != keys.shape[-3]
     if shared:  # all positions attend over one key set
         out = F.scaled_dot_product_attention(q.movedim(-3, -2), keys, values,
-                                             attn_mask=plan.mask)
+                                             attn_mask=plan.mask, enable_gqa=gqa)
         return out.movedim(-2, -3)  # [..., n, heads, hd]
     q, mask = (q.flip(0), plan.mask.flip(0)) if plan.descending else (q, plan.mask)
     out = F.scaled_dot_product_attention(q[:, :, None], keys, values,
-                                         attn_mask=mask[:, None, None, :])[:, :, 0]
+                                         attn_mask=mask[:, None, None, :], enable_gqa=gqa)[:, :, 0]
     return out.flip(0) if plan.descending else out

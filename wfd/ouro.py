@@ -91,23 +91,22 @@ class OuroModel(nn.Module):
         # Ouro has no random initial state; kept so both families share one interface.
         self.init_scale, self.seed = init_scale, seed
 
-    def prelude(self, tokens: torch.Tensor, positions: list[int], cache: KVCache | None):
-        """Returns (e, h_0): the embedding is both the injection (unused) and the initial state."""
-        x = self.model.embed_tokens(tokens)
-        return x, x
+    def prelude(self, tokens: torch.Tensor, plan: CallPlan, cache: KVCache | None):
+        """e: the embedding (no injection: it is only the initial state)."""
+        return self.model.embed_tokens(tokens)
 
-    def block(self, state, e, positions: list[int], depths: list[int], cache: KVCache | None):
-        """One pass of the whole stack for each position, bringing it to ``depths``."""
-        slots = [cache.core_slot(r) for r in depths] if cache else None
-        plan = CallPlan.make(positions, slots, self.config.head_dim, self.config.rope_base,
-                             state.device)
+    def initial_state(self, positions: list[int], e: torch.Tensor) -> torch.Tensor:
+        return e
+
+    def block(self, state, e, plan: CallPlan, cache: KVCache | None):
+        """One pass of the whole stack for each position, bringing it to the depth its slot
+        stands for."""
         x = state
         for i, layer in enumerate(self.model.layers):
             x = layer(x, plan, cache.core[i] if cache else None)
         return self.model.norm(x)
 
-    def coda(self, state, positions: list[int], readout_depths: list[int],
-             cache: KVCache | None) -> torch.Tensor:
+    def coda(self, state, plan: CallPlan, cache: KVCache | None) -> torch.Tensor:
         return self.lm_head(state).float()
 
     def exit_lambda(self, state: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,8 @@ from costmodel.plans import call_slots
 from costmodel.trace import CallRecord
 
 from .cache import KVCache
+from .graphs import CallGraphs
+from .layers import CallPlan
 from .sampling import GenerationError
 
 
@@ -39,7 +41,8 @@ class Timer:
 
 def make_cache(model: nn.Module, *, prompt_len: int, max_new_tokens: int, depth: int,
                kv_sharing: int, readout_depths: Sequence[int], lookahead: int = 0) -> KVCache:
-    """A cache for a prompt, its new tokens and the positions a schedule writes ahead."""
+    """A static cache for a prompt, its new tokens and the positions a schedule writes ahead of
+    the committed ones: exactly the sequence the cost model's memory model counts."""
     cfg = model.config
     if depth < 1:
         raise GenerationError(f"depth must be at least 1, got {depth}")
@@ -53,7 +56,7 @@ def make_cache(model: nn.Module, *, prompt_len: int, max_new_tokens: int, depth:
     return KVCache(prelude_layers=cfg.prelude_layers, core_layers=cfg.core_layers,
                    coda_layers=cfg.coda_layers, depth=depth, kv_sharing=kv_sharing,
                    readout_depths=list(readout_depths), kv_heads=cfg.num_kv_heads,
-                   head_dim=cfg.head_dim, max_len=total + lookahead + 1, dtype=param.dtype,
+                   head_dim=cfg.head_dim, max_len=total + lookahead, dtype=param.dtype,
                    device=param.device)
 
 
@@ -93,16 +96,45 @@ def machine_profile(family: str, device: str):
                           f"{family}` and pass it with --profile")
 
 
-class Runner:
-    """A model, its cache and the call trace of one generation."""
+MODES = ("eager", "static", "graphs")
 
-    def __init__(self, model: nn.Module, cache: KVCache, record: bool = True):
+
+def default_mode(device: torch.device | str) -> str:
+    """graphs on CUDA, eager elsewhere."""
+    return "graphs" if torch.device(device).type == "cuda" else "eager"
+
+
+class Runner:
+    """A model, its cache and the call trace of one generation.
+
+    Modes: ``eager`` runs each call as it comes, attention reading the call's span of keys;
+    ``static`` runs every call from static per-shape buffers with attention over the cache's
+    static length (shapes fixed for the whole run); ``graphs`` is ``static`` with each shape
+    captured once as a CUDA graph and replayed. All three execute the same model code."""
+
+    def __init__(self, model: nn.Module, cache: KVCache, record: bool = True,
+                 mode: str | None = None):
         self.model = model
         self.cache = cache
         self.device = next(model.parameters()).device
+        self.mode = mode or default_mode(self.device)
+        if self.mode not in MODES:
+            raise GenerationError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        try:
+            self.graphs = None if self.mode == "eager" else CallGraphs(self.mode == "graphs",
+                                                                       self.device)
+        except RuntimeError as exc:
+            raise GenerationError(str(exc)) from None
         self.timer = Timer(self.device)
         self.records: list[CallRecord] = []
         self.record = record
+        cfg = model.config
+        self._rope = (cfg.head_dim, cfg.rope_base)
+        self._parts = {
+            "prelude": lambda plan, ids: model.prelude(ids, plan, cache),
+            "block": lambda plan, state, e: model.block(state, e, plan, cache),
+            "coda": lambda plan, state: model.coda(state, plan, cache),
+        }
 
     def _log(self, kind: str, positions: list[int], depths: list[int], wall_s: float) -> None:
         if self.record:
@@ -111,27 +143,58 @@ class Runner:
                 contexts=[p + 1 for p in positions],
                 slots=call_slots(kind, depths, self.cache.kv_sharing), wall_s=wall_s))
 
+    def _call(self, kind: str, positions: list[int], depths: list[int],
+              inputs: list[torch.Tensor]) -> torch.Tensor:
+        slots = self.cache.slots(kind, depths)
+        self.cache.claim(kind, slots, positions)
+        part = self._parts[kind]
+        if self.graphs is None:
+            def call() -> torch.Tensor:
+                pos = torch.tensor(positions, device=self.device)
+                plan = CallPlan.make(pos, tuple(slots), torch.tensor(slots, device=self.device),
+                                     *self._rope, span=max(positions) + 1)
+                return part(plan, *inputs)
+
+            out, wall = self.timer.measure(call)
+        else:
+            static_slots, span = tuple(slots), self.cache.max_len
+
+            def captured(pos, slot_index, *xs):
+                return part(CallPlan.make(pos, static_slots, slot_index, *self._rope, span=span),
+                            *xs)
+
+            out, wall = self.graphs.run((kind, static_slots), captured,
+                                        [torch.tensor(positions), torch.tensor(slots), *inputs],
+                                        self.timer.measure)
+        self._log(kind, positions, depths, wall)
+        return out
+
     @torch.inference_mode()
     def prelude(self, tokens: list[int], positions: list[int]
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = torch.tensor(tokens, device=self.device)
-        (e, state), wall = self.timer.measure(
-            lambda: self.model.prelude(ids, positions, self.cache))
-        self._log("prelude", positions, [0] * len(positions), wall)
-        return e, state
+        """(e, s_0) of each position: the injection and the initial state."""
+        e = self._call("prelude", positions, [0] * len(positions),
+                       [torch.tensor(tokens, device=self.device)])
+        return e, self.model.initial_state(positions, e)
 
     @torch.inference_mode()
     def block(self, state: torch.Tensor, e: torch.Tensor, positions: list[int],
               depths: list[int]) -> torch.Tensor:
-        out, wall = self.timer.measure(
-            lambda: self.model.block(state, e, positions, depths, self.cache))
-        self._log("block", positions, depths, wall)
-        return out
+        return self._call("block", positions, depths, [state, e])
 
     @torch.inference_mode()
     def coda(self, state: torch.Tensor, positions: list[int],
              readout_depths: list[int]) -> torch.Tensor:
-        logits, wall = self.timer.measure(
-            lambda: self.model.coda(state, positions, readout_depths, self.cache))
-        self._log("coda", positions, readout_depths, wall)
-        return logits
+        return self._call("coda", positions, readout_depths, [state])
+
+    @property
+    def capture_s(self) -> float:
+        """Capture and warm-up time so far (static and graphs modes), excluded from run times."""
+        return self.graphs.capture_s if self.graphs is not None else 0.0
+
+    def mode_stats(self) -> dict[str, object]:
+        """The mode, and in static and graphs modes the shapes prepared and the calls served."""
+        stats: dict[str, object] = {"mode": self.mode}
+        if self.graphs is not None:
+            stats.update(self.graphs.stats())
+        return stats

@@ -32,6 +32,7 @@ from costmodel.presets import MODELS
 
 from .checkpoint import build, init_random, save
 from .config import ModelConfig
+from .layers import CallPlan
 
 
 def corpus_files() -> list[Path]:
@@ -75,7 +76,9 @@ def forward_losses(model, x, y, depth: int, backprop: int, gen: torch.Generator,
                    family: str) -> list[torch.Tensor]:
     """Cross-entropy at the readouts that carry gradient, last one = the final depth."""
     positions = list(range(x.shape[1]))
-    e, state = model.prelude(x, positions, None)
+    plan = CallPlan.uncached(positions, model.config, x.device)
+    e = model.prelude(x, plan, None)
+    state = e
     if family == "huginn":  # a fresh random initial state, as in training the release
         std = model.state_std
         state = torch.empty_like(e)
@@ -84,40 +87,44 @@ def forward_losses(model, x, y, depth: int, backprop: int, gen: torch.Generator,
     losses = []
     no_grad_steps = max(depth - backprop, 0)
     with torch.no_grad():
-        for r in range(1, no_grad_steps + 1):
-            state = model.block(state, e, positions, [r] * len(positions), None)
+        for _ in range(no_grad_steps):
+            state = model.block(state, e, plan, None)
     if no_grad_steps:
         state = state.detach()
-    for r in range(no_grad_steps + 1, depth + 1):
-        state = model.block(state, e, positions, [r] * len(positions), None)
-        logits = model.coda(state, positions, [r] * len(positions), None)
+    for _ in range(no_grad_steps, depth):
+        state = model.block(state, e, plan, None)
+        logits = model.coda(state, plan, None)
         losses.append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)))
     return losses
 
 
 @torch.no_grad()
-def evaluate(model, data: torch.Tensor, depth: int, length: int = 256, windows: int = 16
-             ) -> dict[str, list[float]]:
-    """Held-out bits per byte at each depth, and greedy agreement of each depth with depth R."""
+def evaluate(model, data: torch.Tensor, depth: int, length: int = 256, windows: int = 16,
+             max_depth: int | None = None) -> dict[str, list[float]]:
+    """Held-out bits per byte at each depth 1..max_depth (default R = ``depth``), and the greedy
+    agreement of each depth with depth R."""
+    max_depth = max(max_depth or depth, depth)
     model.eval()
     step = max((data.numel() - length - 1) // windows, 1)
-    nll = torch.zeros(depth)
-    agree = torch.zeros(depth)
+    nll = torch.zeros(max_depth)
+    agree = torch.zeros(max_depth)
     count = 0
     for w in range(windows):
         chunk = data[w * step: w * step + length + 1]
         x, y = chunk[:-1][None], chunk[1:]
         positions = list(range(length))
-        e, state = model.prelude(x, positions, None)
-        state = state.expand_as(e)  # Huginn's (seed, position) state is one row per position
+        plan = CallPlan.uncached(positions, model.config, x.device)
+        e = model.prelude(x, plan, None)
+        # Huginn's (seed, position) state is one row per position
+        state = model.initial_state(positions, e[0]).expand_as(e)
         preds = []
-        for r in range(1, depth + 1):
-            state = model.block(state, e, positions, [r] * length, None)
-            logits = model.coda(state, positions, [r] * length, None)[0]
+        for r in range(1, max_depth + 1):
+            state = model.block(state, e, plan, None)
+            logits = model.coda(state, plan, None)[0]
             nll[r - 1] += F.cross_entropy(logits, y, reduction="sum")
             preds.append(logits.argmax(-1))
-        for r in range(depth):
-            agree[r] += (preds[r] == preds[-1]).sum()
+        for r in range(max_depth):
+            agree[r] += (preds[r] == preds[depth - 1]).sum()
         count += length
     model.train()
     return {"bits_per_byte": (nll / count / math.log(2)).tolist(),
@@ -184,7 +191,8 @@ def main() -> None:
             log.append(line)
             print(json.dumps(line), flush=True)
     model.eval()
-    metrics = evaluate(model, heldout, cfg.depth)
+    metrics = evaluate(model, heldout, cfg.depth,
+                       max_depth=args.max_depth if args.family == "huginn" else None)
     save(model, args.out)
     (args.out / "training.json").write_text(json.dumps({
         "command": "python -m wfd.train " + " ".join(
