@@ -45,8 +45,13 @@ def _root() -> None:
     """Cost model of AR, draft-then-verify (DtV) and WaveFront Decoding (WFD)."""
 
 
+HOST_TERMS = ("host_overhead_s", "layer_overhead_s", "launch_overhead_s",
+              "graph_launch_overhead_s")
+
+
 def _override(hw: HardwareSpec, bandwidth: str | None, flops: str | None, memory: str | None,
-              launch_overhead: str | None, dtype: str, cuda_graphs: bool | None) -> HardwareSpec:
+              launch_overhead: str | None, dtype: str, mode: str | None = None,
+              host_speed: float | None = None) -> HardwareSpec:
     changes: dict[str, object] = {}
     if bandwidth is not None:
         changes["memory_bandwidth_bytes_per_s"] = parse_bandwidth(bandwidth)
@@ -56,8 +61,17 @@ def _override(hw: HardwareSpec, bandwidth: str | None, flops: str | None, memory
         changes["memory_capacity_bytes"] = parse_bytes(memory)
     if launch_overhead is not None:
         changes["launch_overhead_s"] = parse_duration(launch_overhead)
-    if cuda_graphs is not None:
-        changes["cuda_graphs"] = cuda_graphs
+    if mode is not None:
+        if mode not in ("eager", "graphs"):
+            raise UserError(f"unknown mode {mode!r}; use eager or graphs")
+        changes["cuda_graphs"] = mode == "graphs"
+    if host_speed is not None:
+        if not host_speed > 0:
+            raise UserError(f"host speed must be a positive factor, got {host_speed}")
+        # the host's share of a call (dispatch per call, per layer, per kernel launched) runs
+        # host_speed times faster; the device's terms are untouched
+        for term in HOST_TERMS:
+            changes[term] = float(changes.get(term, getattr(hw, term))) / host_speed
     if changes:
         changes["name"] = f"{hw.name}*"  # the star marks a preset with overridden figures
     return hw.model_copy(update=changes)
@@ -151,8 +165,12 @@ def predict_cmd(
         help="0: one KV slot per depth; S >= 1: S shared slots")] = 0,
     batch: BatchOption = 1,
     dtype: DtypeOption = None,
-    cuda_graphs: Annotated[bool | None, typer.Option(
-        "--cuda-graphs/--no-cuda-graphs", help="replay kernels from CUDA graphs")] = None,
+    mode: Annotated[str | None, typer.Option(
+        help="eager (kernels launched one by one) or graphs (replayed from CUDA graphs); "
+             "default: the profile's or preset's")] = None,
+    host_speed: Annotated[float | None, typer.Option(
+        help="a host X times faster: per-call, per-layer and per-kernel host overheads / X")
+    ] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Per-token latency, speedup and its breakdown for AR, DtV and WFD."""
@@ -165,7 +183,7 @@ def predict_cmd(
     if depth is not None and depth < 2:
         raise UserError(f"depth R must be at least 2, got {depth}")
     prof, base, dtype = _hardware(profile, hardware, dtype)
-    hw = _override(base, bandwidth, flops, memory, launch_overhead, dtype, cuda_graphs)
+    hw = _override(base, bandwidth, flops, memory, launch_overhead, dtype, mode, host_speed)
     spec = get_model(model)
     workload = Workload(context_length=context, new_tokens=new_tokens, acceptance=acceptance,
                         depth_trace=str(depth_trace) if depth_trace else None,
@@ -177,6 +195,8 @@ def predict_cmd(
         payload = result.model_dump(mode="json")
         payload["hardware"] = result.hardware.name
         payload["hardware_spec"] = result.hardware.model_dump(mode="json")
+        payload["mode"] = "graphs" if result.hardware.cuda_graphs else "eager"
+        payload["host_speed"] = host_speed or 1.0
         payload["profile_undetermined"] = loose
         print_json(payload)
     else:

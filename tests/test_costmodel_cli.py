@@ -45,8 +45,28 @@ def test_overrides_change_the_prediction():
     assert fast["hardware_spec"]["memory_bandwidth_bytes_per_s"] == 4.8e12
     slow = ("predict", "--model", "ouro-2.6b", "--launch-overhead", "50us", "--json")
     eager = json.loads(run(*slow).stdout)["schedules"]["ar"]
-    graphs = json.loads(run(*slow, "--cuda-graphs").stdout)["schedules"]["ar"]
+    graphs_run = json.loads(run(*slow, "--mode", "graphs").stdout)
+    graphs = graphs_run["schedules"]["ar"]
     assert graphs["breakdown"]["overhead_s"] < eager["breakdown"]["overhead_s"]
+    assert graphs_run["mode"] == "graphs"
+
+
+def test_host_speed_scales_the_host_terms_only():
+    slow = ("predict", "--model", "ouro-2.6b", "--launch-overhead", "50us",
+            "--hardware", "a6000", "--json")
+    base = json.loads(run(*slow).stdout)
+    fast = json.loads(run(*slow, "--host-speed", "4").stdout)
+    assert fast["host_speed"] == 4.0 and base["host_speed"] == 1.0
+    for term in ("host_overhead_s", "launch_overhead_s", "layer_overhead_s",
+                 "graph_launch_overhead_s"):
+        assert fast["hardware_spec"][term] == pytest.approx(base["hardware_spec"][term] / 4)
+    for key in ("memory_bandwidth_bytes_per_s", "bandwidth_efficiency", "flops_efficiency"):
+        assert fast["hardware_spec"][key] == base["hardware_spec"][key]
+    a, b = base["schedules"]["ar"]["breakdown"], fast["schedules"]["ar"]["breakdown"]
+    assert b["overhead_s"] < a["overhead_s"] and b["weights_s"] == a["weights_s"]
+    for bad in (("--host-speed", "0"), ("--host-speed", "-2"), ("--mode", "fast")):
+        out = run(*slow, *bad)
+        assert out.returncode == 2 and out.stderr.startswith("error:"), bad
 
 
 def test_context_that_does_not_fit_is_reported_not_priced():
