@@ -20,7 +20,7 @@ import argparse
 import statistics
 from pathlib import Path
 
-from decode_speed import PROMPTS, time_schedule
+from decode_speed import PROMPTS, prompts_for, time_schedule
 
 from costmodel import Workload, recommend
 from costmodel.plans import wave_width
@@ -75,9 +75,9 @@ def measure_case(model, configs: list[dict], new_tokens: int, repeats: int,
         for c in configs:
             options = {k: v for k, v in c.items() if k != "schedule" and v is not None}
             alpha = None if forced is None or c["schedule"] == "ar" else forced[c["draft_depth"]]
-            rate, _ = time_schedule(model, c["schedule"], new_tokens, alpha, prompts=1,
-                                    **options)
-            rates[label(c)].append(rate)
+            run = time_schedule(model, c["schedule"], prompts_for(model, 0, 1), new_tokens,
+                                alpha, **options)
+            rates[label(c)].append(run["tokens_per_s"])
     return {k: statistics.median(v) for k, v in rates.items()}
 
 
