@@ -122,3 +122,16 @@ def test_a_command_needing_a_missing_extra_says_which(tmp_path):
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "memory.csv").is_file() and not (tmp_path / "memory.png").exists()
     assert "looped-decoding[plots]" in out.stderr
+
+
+def test_every_bench_script_imports_and_parses_its_arguments():
+    # the benches import each other's helpers; a renamed helper must fail here, not on a GPU
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    for script in sorted(bench.glob("*.py")):
+        out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, (script.name, out.stderr[-1000:])
