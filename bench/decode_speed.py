@@ -42,7 +42,7 @@ from costmodel.plans import wave_width
 from costmodel.predict import resolve_draft_depth
 from costmodel.presets import get_hardware
 from costmodel.simulate import price_bytes
-from wfd.checkpoint import load_model
+from wfd.checkpoint import DTYPE_NAMES, load_model
 from wfd.generate import generate, make_cache, prefill
 from wfd.runtime import Runner, default_mode
 
@@ -51,7 +51,6 @@ PROMPTS = [
     "class Queue:\n    def __init__(self, maxsize=0):\n        ",
     "    for i, line in enumerate(lines):\n        if ",
 ]
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def prompts_for(model, context: int, count: int) -> list[list[int]]:

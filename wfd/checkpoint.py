@@ -26,6 +26,7 @@ from .layers import RMSNorm
 from .ouro import OuroModel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}  # torch dtype -> its name here
 SHIPPED_DIR = Path(__file__).parent / "models"
 # Tensors a release may carry that the model recomputes or ties.
 _OPTIONAL = {"freqs_cis"}

@@ -100,7 +100,7 @@ class ModelConfig(LoopedModelSpec):
                 "n_layers_in_coda": self.coda_layers, "mean_recurrence": self.depth,
                 "mean_backprop_depth": min(8, self.depth),
                 # this project's key (the release has none): the draft depth the model is
-                # measured at, when its card chose one other than ceil(R / 8)
+                # measured at, ceil(R / 8) unless its card chose another
                 "default_draft_depth": self.default_draft_depth,
                 "block_size": self.max_position_embeddings,
                 "rope_base": self.rope_base, "norm_eps": self.norm_eps, "qk_bias": self.qk_bias,

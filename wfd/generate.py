@@ -22,6 +22,7 @@ from costmodel.simulate import acceptance_draws
 from costmodel.trace import CallRecord, DepthRecord
 
 from .cache import KVCache
+from .checkpoint import DTYPE_NAMES
 from .layers import CallPlan
 from .runtime import Runner, make_cache
 from .sampling import Draft, GenerationError, Sampling, Verifier
@@ -184,8 +185,7 @@ def choose(model: nn.Module, hardware, acceptance: dict[int, float], prompt_leng
     from costmodel.recommend import recommend
     from costmodel.specs import Workload
 
-    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[
-        next(model.parameters()).dtype]
+    dtype = DTYPE_NAMES[next(model.parameters()).dtype]
     workload = Workload(context_length=prompt_length, new_tokens=max_new_tokens, dtype=dtype,
                         depth=depth, kv_sharing=kv_sharing)
     return recommend(model.config, hardware, acceptance, workload, top=1, quick=True)[0]

@@ -36,7 +36,6 @@ class CallGraphs:
                                "--mode static")
         self.capture, self.device = capture, device
         self.entries: dict[tuple, Captured] = {}
-        self.captures = 0
         self.replays = 0
         self.capture_s = 0.0  # capture and warm-up, excluded from the run's tokens/s
         self._pool = None
@@ -82,9 +81,12 @@ class CallGraphs:
             self._pool = graph.pool()
             torch.cuda.synchronize()
         self.entries[key] = entry = Captured(buffers, output, graph)
-        self.captures += 1
         self.capture_s += time.perf_counter() - start
         return entry
+
+    @property
+    def captures(self) -> int:
+        return len(self.entries)
 
     def stats(self) -> dict[str, float | int]:
         return {"shapes_captured": self.captures, "replays": self.replays,
