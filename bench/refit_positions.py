@@ -7,12 +7,12 @@ A profile keeps every call it measured (the fit's training calls and the held-ou
 comma-separated subset, the calls are split as `costmodel calibrate` splits them, with the subset
 in place of its training positions: the fitted models' calls at those positions and at the
 shortest and longest context train the fit of the calibration's coefficients (from the profile's
-measured peaks, kernel counts and blocked-product switch); every other call, and every call of
-the held-out size, is predicted. Prints a Markdown table of median and max
-|predicted / measured - 1| over the held-out calls and over the profile's whole runs. With
-``--fix NAME``, that coefficient is not fitted but held at the hardware spec's default (for
-``gemv_row_exponent`` 1, for ``attention_flops_efficiency`` the flops efficiency): what the
-coefficient adds.
+measured peaks, kernel counts and matrix-product curve), taking out those the calls do not
+determine as the calibration does; every other call, and every call of the held-out size, is
+predicted. Prints a Markdown table of median and max |predicted / measured - 1| over the
+held-out calls and over the profile's whole runs. With ``--fix NAME``, that coefficient is not
+fitted but held at the hardware spec's default (for ``attention_flops_efficiency`` the flops
+efficiency; for ``matmul_time_scale`` 1): what the coefficient adds.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import argparse
 import statistics
 from pathlib import Path
 
-from calibrate.fit import PARAMETERS, Observation, fit
+from calibrate.fit import PARAMETERS, Observation, fit, parameters_for
 from calibrate.validate import predict_point
 from costmodel.profile import ProfileError, ValidationPoint, load_profile
 from costmodel.specs import HardwareSpec
@@ -61,11 +61,8 @@ def main() -> None:
     calls = [p for p in profile.training + profile.validation if p.kind == "call"]
     start = profile.hardware.model_copy(update={
         name: HardwareSpec.model_fields[name].default for name in args.fix})
-    # every coefficient this version fits, unless the profile measured it: a profile made before
-    # a coefficient was added is refitted with it
-    measured = {name for name, value in profile.coefficients.items()
-                if value.unit.endswith("(measured)")}
-    free = [p for p in PARAMETERS if p[0] not in measured and p[0] not in args.fix]
+    # every coefficient this version fits on this kind of device
+    free = [p for p in parameters_for(profile.hardware) if p[0] not in args.fix]
     runs = [p for p in profile.validation if p.kind == "run"]
 
     def errors(hardware, points: list[ValidationPoint]) -> list[float]:

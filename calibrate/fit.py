@@ -1,15 +1,19 @@
 """Fit the cost model's coefficients to measured calls.
 
 The fitted quantity is the cost model itself: ``costmodel.cost.call_cost`` with a hardware spec
-whose coefficients are free (host overhead per call and per layer, launch overhead per kernel,
-achievable fractions of the measured peak bandwidth for weights and for KV and of the measured peak
-flops, and how often a blocked matrix product streams the weights; the row count where the library
-switches to blocked products is measured, not fitted, and so on a CPU are the threads' regime and
-the flops of thin products), how the passes of vector products grow with their rows, the fixed time
-of each blocked matrix product, and the fraction of peak flops attention reaches. Robust least
-squares (scipy.optimize.least_squares, soft-L1 loss) on log times, so every call weighs by its
-relative error; standard errors from the Jacobian at the optimum, none for a coefficient the
-training calls do not depend on (``undetermined``).
+whose few coefficients are free: host overhead per call and per layer and per kernel, the
+achievable fractions of the measured peak bandwidth (for KV apart on a GPU) and flops (attention
+apart), and on a CPU the scale between the measured matrix-product curve and the products' cost in
+the decoder. Everything else is measured (peaks, the curve, kernel counts). Robust least squares
+(scipy.optimize.least_squares, soft-L1 loss) on log times, so every call weighs by its relative
+error; standard errors from the Jacobian at the optimum.
+
+Only what the calls determine is kept. After each fit, of the weak coefficients (in a direction
+the calls do not constrain, with a standard error above the value, or an overhead fitted at
+zero) the one whose absence the calls miss least (the lowest cost refitted without it) is taken
+out: an overhead term is dropped (0: the simpler structure), a fraction is held at its prior,
+and the rest are fitted again, until every fitted coefficient is determined.
+``FitResult.dropped`` says what was taken out and why.
 """
 
 from __future__ import annotations
@@ -23,30 +27,28 @@ from costmodel.cost import call_cost
 from costmodel.specs import HardwareSpec, LoopedModelSpec
 from costmodel.trace import CallRecord
 
-# name, HardwareSpec field, lower bound, upper bound, initial value, unit
 F_SCALE = 0.05
+# HardwareSpec field, lower bound, upper bound, start (and prior), unit, kind: an "overhead" that
+# the calls do not determine is dropped (0); a "fraction" or "scale" is held at its prior.
 PARAMETERS = [
-    ("host_overhead_s", 0.0, 5e-3, 2e-5, "s"),
-    ("launch_overhead_s", 0.0, 5e-4, 5e-6, "s"),
-    ("layer_overhead_s", 0.0, 5e-3, 1e-5, "s per layer"),
-    ("bandwidth_efficiency", 0.01, 1.0, 0.5, "fraction of peak"),
-    ("layer_stream_latency_s", 0.0, 5e-3, 5e-5, "s per layer streamed from memory"),
-    ("kv_bandwidth_efficiency", 0.01, 1.0, 0.5, "fraction of peak"),
-    ("flops_efficiency", 0.01, 1.0, 0.5, "fraction of peak"),
-    ("attention_flops_efficiency", 0.005, 1.0, 0.2, "fraction of peak"),
-    ("gemv_row_passes", 0.0, 1.0, 0.8, "weight passes per extra row of vector products"),
-    ("gemv_row_exponent", 0.3, 1.0, 0.8, "exponent of the extra rows' passes"),
-    ("blocked_gemm_weight_passes", 1.0, 8.0, 1.5, "weight passes of a blocked product"),
-    ("blocked_gemm_latency_s", 0.0, 1e-3, 5e-6, "s per blocked matrix product"),
-    ("roofline_exponent", 1.0, 16.0, 3.0, "p of the p-norm of memory and compute time"),
+    ("host_overhead_s", 0.0, 5e-3, 2e-5, "s", "overhead"),
+    ("layer_overhead_s", 0.0, 5e-3, 1e-5, "s per layer", "overhead"),
+    ("launch_overhead_s", 0.0, 5e-4, 5e-6, "s", "overhead"),
+    ("bandwidth_efficiency", 0.01, 1.0, 0.8, "fraction of peak", "fraction"),
+    ("kv_bandwidth_efficiency", 0.01, 1.0, 0.8, "fraction of peak", "fraction"),
+    ("flops_efficiency", 0.01, 1.0, 0.7, "fraction of peak", "fraction"),
+    ("attention_flops_efficiency", 0.005, 1.0, 0.2, "fraction of peak", "fraction"),
+    ("matmul_time_scale", 0.2, 5.0, 1.0, "x the measured curve", "scale"),
 ]
+# A CPU's products are priced by the measured curve (its flops and weight bandwidth are in it);
+# the rest of a call's traffic, KV included, shares one efficiency.
+CPU_PARAMETERS = [p for p in PARAMETERS
+                  if p[0] not in ("kv_bandwidth_efficiency", "flops_efficiency")]
+GPU_PARAMETERS = [p for p in PARAMETERS if p[0] != "matmul_time_scale"]
 
 
-def fitted_parameters(coefficients: dict) -> list[tuple]:
-    """The rows of PARAMETERS a profile fitted: those among its coefficients that were not
-    measured (a CPU's projections' flops efficiency is measured; a GPU's is fitted)."""
-    return [p for p in PARAMETERS if p[0] in coefficients
-            and not coefficients[p[0]].unit.endswith("(measured)")]
+def parameters_for(hw: HardwareSpec) -> list[tuple]:
+    return CPU_PARAMETERS if hw.matmul is not None else GPU_PARAMETERS
 
 
 @dataclass
@@ -59,8 +61,9 @@ class Observation:
 @dataclass
 class FitResult:
     hardware: HardwareSpec
-    values: dict[str, float]
-    stderr: dict[str, float | None]  # None: not determined by the training calls
+    values: dict[str, float]  # the fitted coefficients
+    stderr: dict[str, float]
+    dropped: dict[str, str]  # coefficients taken out: why, and the value held
     residuals: np.ndarray  # relative errors on the training points
     cost: float
 
@@ -97,12 +100,12 @@ def undetermined(hw: HardwareSpec, obs: Sequence[Observation], dtype: str,
     is singular along some directions (singular values under ``tolerance``: a change of 100%
     that way moves no time by 1%); a coefficient that lies mostly in them is not determined. On a
     GPU where the host's launches hide the device's work (an eager decoder), flops are: no call
-    depends on them. So are bandwidth and the weight passes when one call alone is device-bound.
-    The standard errors from the Jacobian's pseudo-inverse read near zero for both."""
+    depends on them. The standard errors from the Jacobian's pseudo-inverse read near zero
+    there."""
     # a coefficient the spec leaves unset (attention's efficiency: the projections') at its start
     hw = hw.model_copy(update={p[0]: p[3] for p in parameters if getattr(hw, p[0]) is None})
     columns = []
-    for name, lower, upper, start, _ in parameters:
+    for name, lower, upper, start, *_ in parameters:
         value = getattr(hw, name)
         scale = max(abs(value), abs(start))
         low, high = max(lower, value - step * scale), min(upper, value + step * scale)
@@ -118,11 +121,9 @@ def undetermined(hw: HardwareSpec, obs: Sequence[Observation], dtype: str,
     return {p[0] for p, w in zip(parameters, share, strict=True) if w > 0.5}
 
 
-def fit(base: HardwareSpec, obs: Sequence[Observation], dtype: str,
-        parameters: Sequence[tuple] = PARAMETERS) -> FitResult:
-    """Fit the free coefficients of ``base`` (whose peaks and blocked-product row count are the
-    measured ones) to ``obs``: those of ``parameters`` (rows of PARAMETERS); the others keep
-    their values in ``base``."""
+def _solve(base: HardwareSpec, obs: Sequence[Observation], dtype: str,
+           parameters: Sequence[tuple]) -> tuple[np.ndarray, np.ndarray, float]:
+    """(values, standard errors, cost) of a least-squares fit of ``parameters``."""
     from scipy.optimize import least_squares
 
     measured = np.array([o.seconds for o in obs])
@@ -139,15 +140,68 @@ def fit(base: HardwareSpec, obs: Sequence[Observation], dtype: str,
     dof = max(len(measured) - len(start), 1)
     sigma2 = float(np.sum(res.fun**2) / dof)
     try:
-        cov = np.linalg.pinv(res.jac.T @ res.jac) * sigma2
-        stderr = np.sqrt(np.clip(np.diag(cov), 0, None))
+        stderr = np.sqrt(np.clip(np.diag(np.linalg.pinv(res.jac.T @ res.jac) * sigma2), 0, None))
     except np.linalg.LinAlgError:
-        stderr = np.full(len(start), np.nan)
-    hw = _with(base, parameters, res.x)
-    rel = predict_calls(hw, obs, dtype) / measured - 1
+        stderr = np.full(len(start), np.inf)
+    return res.x, stderr, float(res.cost)
+
+
+def _weak(hw: HardwareSpec, obs: Sequence[Observation], dtype: str,
+          parameters: Sequence[tuple], values: np.ndarray, stderr: np.ndarray
+          ) -> dict[str, str]:
+    """The fitted coefficients the calls do not determine, each with why: in a direction the
+    calls do not constrain, an overhead fitted at zero, or a standard error above its value."""
     loose = undetermined(hw, obs, dtype, parameters)
-    return FitResult(hardware=hw,
-                     values={p[0]: float(v) for p, v in zip(parameters, res.x, strict=True)},
-                     stderr={p[0]: None if p[0] in loose else float(v)
-                             for p, v in zip(parameters, stderr, strict=True)},
-                     residuals=rel, cost=float(res.cost))
+    weak = {}
+    for p, value, error in zip(parameters, values, stderr, strict=True):
+        if p[0] in loose:
+            weak[p[0]] = "not determined by the calls"
+        elif p[5] == "overhead" and value <= 1e-9:
+            weak[p[0]] = "fitted at zero"
+        elif not value or error > abs(value):
+            weak[p[0]] = f"its standard error was {error / abs(value) if value else np.inf:.0%}" \
+                         " of its value"
+    return weak
+
+
+def _held_value(row: tuple) -> float:
+    return 0.0 if row[5] == "overhead" else row[3]
+
+
+def fit(base: HardwareSpec, obs: Sequence[Observation], dtype: str,
+        parameters: Sequence[tuple] | None = None) -> FitResult:
+    """Fit the free coefficients of ``base`` (whose peaks, curve and kernel counts are the
+    measured ones) to ``obs``: those of ``parameters`` (rows of PARAMETERS; default: the CPU's
+    or the GPU's set); the others keep their values in ``base``. Coefficients the calls do not
+    determine are taken out one at a time (module docstring)."""
+    free = list(parameters if parameters is not None else parameters_for(base))
+    dropped: dict[str, str] = {}
+    hw = fitted_hw = base
+    values, stderr, cost = np.array([]), np.array([]), float("nan")
+    if free:
+        values, stderr, cost = _solve(hw, obs, dtype, free)
+        fitted_hw = _with(hw, free, values)
+    while free:
+        weak = _weak(fitted_hw, obs, dtype, free, values, stderr)
+        if not weak:
+            break
+        # of the weak ones, take out the one whose absence the calls miss least: the simpler
+        # structure that fits best (two collinear overheads: the one the other replaces)
+        trials = []
+        for row in (p for p in free if p[0] in weak):
+            rest = [p for p in free if p is not row]
+            trial_hw = hw.model_copy(update={row[0]: _held_value(row)})
+            trial = _solve(trial_hw, obs, dtype, rest) if rest else (
+                np.array([]), np.array([]), float("nan"))
+            trials.append((trial[2] if rest else 0.0, row, trial_hw, rest, trial))
+        _, row, hw, free, (values, stderr, cost) = min(trials, key=lambda t: t[0])
+        fitted_hw = _with(hw, free, values)
+        held = _held_value(row)
+        dropped[row[0]] = (f"{weak[row[0]]}: dropped (0)" if row[5] == "overhead"
+                           else f"{weak[row[0]]}: held at its prior {held:g}")
+    measured = np.array([o.seconds for o in obs])
+    rel = predict_calls(fitted_hw, obs, dtype) / measured - 1
+    return FitResult(hardware=fitted_hw,
+                     values={p[0]: float(v) for p, v in zip(free, values, strict=True)},
+                     stderr={p[0]: float(v) for p, v in zip(free, stderr, strict=True)},
+                     dropped=dropped, residuals=rel, cost=cost)

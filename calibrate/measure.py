@@ -1,26 +1,28 @@
-"""Time the decoder's parts on this machine: the machine's peaks (memory and cache bandwidth,
-matrix-product flops, the row count where matrix products switch to a blocked kernel); single P,
-B and C calls over a grid of positions per
-call, context lengths and distinct KV slots, for a list of models; and whole AR, DtV and WFD runs
-with their call traces.
+"""Time the decoder's parts on this machine: the machine's peaks (memory bandwidth, and on a
+CPU the working set below which copies run from a cache, matrix-product flops, and the time of
+one matrix product against its rows and size); single P, B and C calls over a grid of positions
+per call, context lengths and distinct KV slots, for a list of models; and whole AR, DtV and WFD
+runs with their call traces.
 
 Timing discipline: warm-up calls, repeated calls, the median; CUDA events after a synchronize on
 a GPU (wfd.runtime.Timer). Calls are timed at a given context by marking that many positions of
 every slot valid (their contents do not change the time) and writing the call's positions again
-on every repeat. On a shared machine another tenant's load comes and goes in spells: the
-blocked-product switch is measured between canaries (``Quiet``) and again when one ran slow.
+on every repeat. On a shared machine another tenant's load comes and goes in spells: every
+measurement on a CPU is bracketed by a canary product and taken again when one ran slow
+(``Quiet``), and the calibration reports how much of it ran under load.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from costmodel.specs import MatmulCurve
 from costmodel.trace import CallRecord
 
 
@@ -67,23 +69,38 @@ FULL = Grid(positions=[1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32], contexts=[64, 512, 
 
 @dataclass
 class Peaks:
-    """What the fitted efficiencies are fractions of, and the library's blocked-product switch."""
+    """What the fitted efficiencies are fractions of, and what a CPU's products cost."""
 
     bandwidth_bytes_per_s: float  # a copy much larger than the cache
     flops_per_s: float  # a square matrix product (1024 on a CPU, 8192 on a GPU)
-    cache_bytes: float  # the last-level cache
-    cache_bandwidth_bytes_per_s: float  # a copy that fits in it
-    blocked_gemm_rows: int  # the fewest rows a matrix product runs as a blocked kernel
-    # CPU threads (None / 1.0 / None on a GPU, or with one thread): the fewest rows a blocked
-    # product runs on every thread, the flops of one thread over all of them, and what each added
-    # row of a thin product costs, as a fraction of ``flops_per_s``
-    threaded_gemm_rows: int | None = None
-    unthreaded_flops_fraction: float = 1.0
-    thin_flops_efficiency: float | None = None
+    reported_cache_bytes: float  # the last-level cache the system reports
+    # CPU: the largest working set copied at least CACHE_SPEEDUP times faster than memory (0:
+    # none is), the bandwidth there, each working set's copy bandwidth, the products' curve
+    # (timed beyond four times that cache)
+    cache_bytes: float = 0.0
+    cache_bandwidth_bytes_per_s: float | None = None
+    bandwidth_by_working_set: list[tuple[float, float]] = field(default_factory=list)
+    matmul: MatmulCurve | None = None
+    checks: list[str] = field(default_factory=list)  # what was checked, and what it decided
+
+
+# A working set copied less than this much faster than memory is not a cache to the model.
+CACHE_SPEEDUP = 1.5
+CURVE_ROWS = [1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32]
+CURVE_ROWS_QUICK = [1, 2, 3, 4, 8, 16, 32]  # the quick grid's positions
+CURVE_SIZES_BYTES = [float(2**k) for k in range(14, 27, 2)]  # 16 KiB .. 64 MiB
+# the working sets the products are timed in (a call's: its part's weights), then one beyond
+# the cache: at least this, and four times the measured cache
+CURVE_WORKING_SETS_BYTES = [float(2**k) for k in range(20, 25, 2)]  # 1, 4, 16 MiB
+STREAMED_WORKING_SET_BYTES = 128 * 2**20
+# outputs over inputs of the wide and tall matrices timed besides the square ones (streamed):
+# a layer's projections span about 1/3 to 3 (MLP down and up, fused qkv, fused gate and up)
+CURVE_ASPECTS = [0.25, 4.0]
 
 
 def cache_size_bytes(device: str) -> float:
-    """The last-level cache: L2 of a GPU, the highest-level CPU cache sysfs lists."""
+    """The last-level cache the system reports: L2 of a GPU, the highest-level CPU cache sysfs
+    lists (a VM's is the host's, not its share: the calibration measures the knee instead)."""
     import torch
 
     if device.startswith("cuda"):
@@ -98,11 +115,11 @@ def cache_size_bytes(device: str) -> float:
         digits = text.rstrip("KMG")
         if digits.isdigit():
             best = max(best, float(digits) * scale)
-    return best or 8 * 2**20
+    return best
 
 
-def _best_time(fn, device: torch.device, repeats: int) -> float:
-    """The fastest of ``repeats`` timed calls, after one that warms up."""
+def _times(fn, device: torch.device, repeats: int) -> list[float]:
+    """``repeats`` timed calls, after one that warms up."""
     fn()
     times = []
     for _ in range(repeats):
@@ -113,15 +130,26 @@ def _best_time(fn, device: torch.device, repeats: int) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return times
+
+
+def _best_time(fn, device: torch.device, repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls (peaks: what the machine can do)."""
+    return min(_times(fn, device, repeats))
+
+
+def _median_time(fn, device: torch.device, repeats: int) -> float:
+    """The median of ``repeats`` timed calls (as a call of the grid is timed)."""
+    return statistics.median(_times(fn, device, repeats))
 
 
 class Quiet:
     """Measurements taken while the machine is quiet. On a shared VM other tenants' load comes
-    in spells that slow blocked matrix products most, so the canary is such a product, timed
-    before and after each measurement; when either ran more than ``tolerance`` slower than the
-    fastest canary so far, the measurement is taken again after a pause (at most ``retries``
-    times, keeping the fastest), within ``budget_s`` of extra time over the calibration."""
+    in spells that slow matrix products most, so the canary is such a product, timed before and
+    after each measurement; when either ran more than ``tolerance`` slower than the fastest
+    canary so far, the measurement is taken again after a pause (at most ``retries`` times,
+    keeping the fastest), within ``budget_s`` of extra time over the calibration. It counts the
+    measurements, those taken again, and those whose kept attempt still ran under load."""
 
     def __init__(self, device: str, tolerance: float = 1.2, retries: int = 4,
                  pause_s: float = 1.0, budget_s: float = float("inf")):
@@ -132,7 +160,10 @@ class Quiet:
         self._weights = [torch.randn(2112, 768, device=self.device) for _ in range(8)]
         self._x = torch.randn(6, 768, device=self.device)
         self.best_s = float("inf")
+        self.measurements = 0
         self.retried = 0  # measurements taken again
+        self.loaded = 0  # measurements whose kept attempt ran with a slow canary
+        self.kept_load: list[float] = []  # the slower canary around each kept attempt
 
     def canary(self) -> float:
         """The canary's time over the fastest seen so far (1.0: quiet)."""
@@ -145,7 +176,8 @@ class Quiet:
 
     def measure(self, seconds, fn, *args):
         """fn(*args) measured while quiet; ``seconds(result)`` orders attempts."""
-        best = None
+        best, best_load = None, 1.0
+        self.measurements += 1
         for attempt in range(self.retries + 1):
             t0 = time.perf_counter()
             before = self.canary()
@@ -154,15 +186,30 @@ class Quiet:
             if attempt:
                 self.spent_s += time.perf_counter() - t0
             if best is None or seconds(result) < seconds(best):
-                best = result
+                best, best_load = result, max(before, after)
             if max(before, after) <= self.tolerance:
                 break
             if attempt == self.retries or self.spent_s + self.pause_s >= self.budget_s:
                 break
-            self.retried += 1
+            if attempt == 0:
+                self.retried += 1
             time.sleep(self.pause_s)
             self.spent_s += self.pause_s
+        if best_load > self.tolerance:
+            self.loaded += 1
+        self.kept_load.append(best_load)
         return best
+
+    def report(self) -> dict[str, float]:
+        """How busy the machine was: the fractions of measurements taken again and still under
+        load when kept, and the median and 90th percentile of the kept attempts' canaries (over
+        the fastest canary seen)."""
+        n = max(self.measurements, 1)
+        loads = sorted(self.kept_load) or [1.0]
+        return {"measurements": self.measurements, "retaken_fraction": self.retried / n,
+                "loaded_fraction": self.loaded / n, "canary_tolerance": self.tolerance,
+                "canary_median": statistics.median(loads),
+                "canary_p90": loads[min(len(loads) - 1, int(0.9 * len(loads)))]}
 
 
 def copy_bandwidth(device: str, dtype: str, nbytes: float, inner: int = 1) -> float:
@@ -172,7 +219,7 @@ def copy_bandwidth(device: str, dtype: str, nbytes: float, inner: int = 1) -> fl
     from wfd.checkpoint import DTYPES
 
     dev, dt = torch.device(device), DTYPES[dtype]
-    src = torch.ones(int(nbytes) // dt.itemsize, dtype=dt, device=dev)
+    src = torch.ones(max(int(nbytes) // dt.itemsize, 1), dtype=dt, device=dev)
     dst = torch.empty_like(src)
 
     def copies() -> None:
@@ -182,106 +229,134 @@ def copy_bandwidth(device: str, dtype: str, nbytes: float, inner: int = 1) -> fl
 
 
 def memory_bandwidth(device: str, dtype: str = "fp32") -> float:
-    """The device memory's copy bandwidth: a copy well beyond the last-level cache."""
-    return copy_bandwidth(device, dtype, max(256 * 2**20, 8 * cache_size_bytes(device)))
+    """The device memory's copy bandwidth: a copy well beyond the last-level cache (at least
+    256 MiB, at most 1 GiB: a VM's reported cache can be the whole host's)."""
+    reported = cache_size_bytes(device)
+    return copy_bandwidth(device, dtype, min(max(256 * 2**20, 8 * reported), 2**30))
 
 
-def measure_peaks(device: str, dtype: str) -> Peaks:
-    """Best-of-repeats timings of copies, a large product and products over 1..8 rows."""
+def cache_knee(bandwidths: list[tuple[float, float]], memory_bytes_per_s: float
+               ) -> tuple[float, float | None]:
+    """(the largest working set copied at least CACHE_SPEEDUP times faster than memory, every
+    smaller one too; the slowest of their bandwidths), from (working set, bandwidth) pairs in
+    increasing size. (0, None): none is (no cache to the model)."""
+    knee, slowest = 0.0, None
+    for working_set, bandwidth in bandwidths:
+        if bandwidth < CACHE_SPEEDUP * memory_bytes_per_s:
+            break
+        knee, slowest = working_set, bandwidth if slowest is None else min(slowest, bandwidth)
+    return knee, slowest
+
+
+def measure_peaks(device: str, dtype: str, quiet: Quiet | None = None,
+                  curve_rows: list[int] = CURVE_ROWS) -> Peaks:
+    """Best-of-repeats timings of copies and a large product; on a CPU also copies of growing
+    working sets (where the cache ends) and the matrix-product curve."""
     import torch
 
     from wfd.checkpoint import DTYPES
 
     dev = torch.device(device)
     dt = DTYPES[dtype]
-
-    def best(fn, repeats: int = 5) -> float:
-        return _best_time(fn, dev, repeats)
-
-    cache = cache_size_bytes(device)
+    reported = cache_size_bytes(device)
     bandwidth = memory_bandwidth(device, dtype)
-    # source and copy fill half the cache
-    cache_bandwidth = copy_bandwidth(device, dtype, cache / 4, 20)
     # a GPU needs a large product to approach its peak: 1024 is launch-bound on an H200 (about
     # 100 TFLOP/s of its 790)
     side = 8192 if dev.type == "cuda" else 1024
     a = torch.randn(side, side, device=dev).to(dt)
-    flops = 2 * side**3 / best(lambda: a @ a)
-    # Rows 1..8 against weights well beyond the cache: a library that runs a few rows as vector
-    # products costs about n passes; the first n well below that is a blocked kernel.
-    side = int((max(4 * cache, 64 * 2**20) / dt.itemsize) ** 0.5)
-    weights = torch.randn(side, side, device=dev).to(dt)
-    # A spell of load slows blocked products most and can move the switch: time while quiet
-    # (a GPU is not shared: a slow canary there is launch jitter, not load, and is not retried).
-    quiet = Quiet(device, budget_s=20.0, retries=0 if dev.type == "cuda" else 4)
-
-    def rows_time(n: int) -> float:
-        x = torch.ones(n, side, device=dev, dtype=dt)
-        return quiet.measure(float, best, lambda: torch.nn.functional.linear(x, weights))
-
-    one = rows_time(1)
-    rows = next((n for n in range(2, 9) if rows_time(n) < 0.75 * n * one), 9)
-    peaks = Peaks(bandwidth_bytes_per_s=bandwidth, flops_per_s=flops, cache_bytes=cache,
-                  cache_bandwidth_bytes_per_s=cache_bandwidth, blocked_gemm_rows=rows)
-    if dev.type == "cpu":
-        _measure_threads(peaks, dt, quiet)
+    flops = 2 * side**3 / _best_time(lambda: a @ a, dev, 5)
+    peaks = Peaks(bandwidth_bytes_per_s=bandwidth, flops_per_s=flops,
+                  reported_cache_bytes=reported)
+    if dev.type != "cpu":
+        return peaks  # a GPU streams its weights once per call: the roofline prices them
+    quiet = quiet or Quiet(device, budget_s=20.0)
+    # working sets (source and copy together) from 512 KiB to 128 MiB
+    sets = [float(2**k) for k in range(19, 28)]
+    peaks.bandwidth_by_working_set = [
+        (ws, quiet.measure(lambda b: -b, copy_bandwidth, device, dtype, ws / 2,
+                           max(1, int(64 * 2**20 // ws)))) for ws in sets]
+    peaks.cache_bytes, peaks.cache_bandwidth_bytes_per_s = cache_knee(
+        peaks.bandwidth_by_working_set, bandwidth)
+    mib = 2**20
+    if peaks.cache_bytes:
+        peaks.checks.append(
+            f"cache: copies of up to {peaks.cache_bytes / mib:.1f} MiB run "
+            f"{peaks.cache_bandwidth_bytes_per_s / bandwidth:.1f}x faster than memory "
+            f"(the system reports {reported / mib:.0f} MiB): products stream from memory in "
+            f"working sets of {max(STREAMED_WORKING_SET_BYTES, 4 * peaks.cache_bytes) / mib:.0f}"
+            " MiB")
+    else:
+        fastest = max(b for _, b in peaks.bandwidth_by_working_set)
+        peaks.checks.append(
+            f"cache: no working set from 0.5 MiB copies {CACHE_SPEEDUP}x faster than memory "
+            f"(at best {fastest / bandwidth:.2f}x; the system reports {reported / mib:.0f} MiB):"
+            f" products stream from memory in working sets of "
+            f"{STREAMED_WORKING_SET_BYTES / mib:.0f} MiB")
+    peaks.matmul = matmul_curve(dt, dtype, peaks.cache_bytes, quiet, peaks.checks, curve_rows)
+    # the curve's thin products cannot run faster than the square product's peak: if they do,
+    # the peak was timed under load, and is timed again
+    best_rate = max(2 * (size / dt.itemsize) * rows / t
+                    for size, line in zip(peaks.matmul.matrix_bytes, peaks.matmul.seconds[-1],
+                                          strict=True)
+                    for rows, t in zip(peaks.matmul.rows, line, strict=True))
+    if best_rate > 1.25 * flops:
+        again = 2 * side**3 / quiet.measure(float, _best_time, lambda: a @ a, dev, 9)
+        peaks.checks.append(f"peak flops: thin products reached {best_rate / 1e9:.0f} GFLOP/s "
+                            f"against a peak of {flops / 1e9:.0f}; timed again: "
+                            f"{again / 1e9:.0f}")
+        peaks.flops_per_s = max(flops, again)
     return peaks
 
 
-def _measure_threads(peaks: Peaks, dt: torch.dtype, quiet: Quiet) -> None:
-    """Products from the blocked switch to 16 rows, and over 32 and 64, against weights that fit
-    in the cache, so that flops rather than memory set their time: on every thread and on one.
-    What 32 more rows cost (64 against 32) gives the flops of the decoder's thin products, on
-    every thread and on one; where every thread starts to run clearly faster than one
-    (``threaded_rows``) is where the library splits products over them."""
+def matmul_curve(dt: torch.dtype, dtype: str, cache_bytes: float, quiet: Quiet,
+                 checks: list[str], rows: list[int] = CURVE_ROWS) -> MatmulCurve:
+    """One product's time against its rows, its matrix's size (``CURVE_SIZES_BYTES``) and its
+    working set (``CURVE_WORKING_SETS_BYTES``, then one beyond the cache: streamed from memory),
+    in chains of square matrices, and streamed at the aspects ``CURVE_ASPECTS`` (a 5632 x 1024
+    product streams 1.3-1.5x slower than a 2400 x 2400 one on this project's VM:
+    ``bench/matmul_paths.py --cold``); the median of five chains, as the grid's calls are
+    timed. A time outside what physics allows (below a single row's, or above
+    one product per row) is taken again, and held within those bounds if it stays outside."""
     import torch
 
-    inner, side = 1024, 256
-    while inner * side * 2 * dt.itemsize <= peaks.cache_bytes / 4:
-        side *= 2
-    weights = torch.randn(side, inner, dtype=dt)
-    threads = torch.get_num_threads()
+    device = torch.device("cpu")
 
-    def rows_time(n: int, on: int) -> float:
-        x = torch.ones(n, inner, dtype=dt)
-        torch.set_num_threads(on)
-        try:
-            return quiet.measure(float, _best_time, lambda: [
-                torch.nn.functional.linear(x, weights) for _ in range(8)],
-                torch.device("cpu"), 5) / 8
-        finally:
-            torch.set_num_threads(threads)
+    def chain(size: float, working_set: float, aspect: float = 1.0) -> list[torch.Tensor]:
+        inner = max(int((size / dt.itemsize / aspect) ** 0.5), 8)
+        out = max(int(inner * aspect), 8)
+        # at most 1024 products a chain: beyond that the small ones' Python loop is the time
+        count = max(1, min(int(working_set // size), 1024))
+        return [torch.randn(out, inner).to(dt) for _ in range(count)]
 
-    def row_flops(on: int) -> float:
-        return 2 * inner * side * 32 / max(rows_time(64, on) - rows_time(32, on), 1e-9)
+    def line(weights: list[torch.Tensor]) -> list[float]:
+        side = weights[0].shape[1]
 
-    every = row_flops(threads)
-    peaks.thin_flops_efficiency = min(every / peaks.flops_per_s, 1.0)
-    if threads == 1:
-        return
-    rows = list(range(peaks.blocked_gemm_rows, 17))
-    speed = [rows_time(n, threads) / rows_time(n, 1) for n in rows]
-    switch = threaded_rows(rows, speed)
-    if switch is not None:
-        peaks.threaded_gemm_rows = switch
-        peaks.unthreaded_flops_fraction = min(row_flops(1) / every, 1.0)
+        def timed(n: int) -> float:
+            x = torch.ones(n, side, dtype=dt)
+            return quiet.measure(float, _median_time, lambda: [
+                torch.nn.functional.linear(x, w) for w in weights], device, 5) / len(weights)
 
+        times = [timed(n) for n in rows]
+        for j, n in enumerate(rows[1:], start=1):
+            low, high = 0.9 * times[0], 1.2 * n * times[0]
+            if not low <= times[j] <= high:
+                times[j] = timed(n)
+                if not low <= times[j] <= high:
+                    mib = weights[0].numel() * dt.itemsize / 2**20
+                    checks.append(f"matrix products: {mib:.2f} MiB over {n} rows stayed outside "
+                                  f"[{low * 1e6:.0f}, {high * 1e6:.0f}] us when timed again: "
+                                  "held at the bound")
+                    times[j] = min(max(times[j], low), high)
+        return times
 
-def threaded_rows(rows: list[int], speed: list[float], threshold: float = 0.85) -> int | None:
-    """Where a library starts to split products over its threads, from the time on every
-    thread over the time on one at each row count: the step that best splits them into a run
-    near 1 and a faster run after it (a single timing on a shared VM is off by 10-30%, a step
-    over a dozen is not). None when every thread is never clearly faster."""
-    best, best_cost = None, float("inf")
-    for i, n in enumerate(rows):
-        before, after = speed[:i], speed[i:]
-        level = statistics.median(after)
-        if level >= threshold:
-            continue
-        cost = sum((r - 1) ** 2 for r in before) + sum((r - level) ** 2 for r in after)
-        if cost < best_cost:
-            best, best_cost = n, cost
-    return best
+    sets = [*CURVE_WORKING_SETS_BYTES, max(STREAMED_WORKING_SET_BYTES, 4 * cache_bytes)]
+    seconds = [[line(chain(size, ws)) if size <= ws else [None] * len(rows)
+                for size in CURVE_SIZES_BYTES] for ws in sets]
+    aspect_seconds = [[line(chain(size, sets[-1], aspect)) for size in CURVE_SIZES_BYTES]
+                      for aspect in CURVE_ASPECTS]
+    return MatmulCurve(dtype=dtype, rows=rows, matrix_bytes=CURVE_SIZES_BYTES,
+                       working_sets_bytes=sets, seconds=seconds, aspects=CURVE_ASPECTS,
+                       aspect_seconds=aspect_seconds)
 
 
 def count_ops(model, kind: str) -> int:

@@ -18,16 +18,19 @@ import numpy as np
 
 from costmodel.plans import default_draft_depth
 from costmodel.presets import MODELS
-from costmodel.profile import CalibrationProfile, FittedValue
+from costmodel.profile import CalibrationProfile, FittedValue, HeldValue, LoadReport
 from costmodel.specs import HardwareSpec
 from costmodel.trace import current_commit
 
 from .fit import PARAMETERS, Observation, fit
 from .measure import (
+    CURVE_ROWS,
+    CURVE_ROWS_QUICK,
     FULL,
     QUICK,
     CallSample,
     Grid,
+    Quiet,
     call_grid,
     contexts_for,
     decoder_kernels,
@@ -37,9 +40,21 @@ from .measure import (
 )
 from .validate import ValidationPoint, run_point
 
-# 3: the most rows a CPU library (MKL, fp32) runs as vector products, whose passes grow less than
-# linearly with the rows; without it the fit extrapolates 2 rows' cost to 3 (+15-25% on Ouro)
 TRAIN_POSITIONS = (1, 2, 3, 4, 32)
+# A calibration whose typical measurement ran with the canary this much slower than its fastest
+# measured a busy machine, not this one: its profile is refused (--force writes it, flagged).
+BUSY_CANARY = 1.5
+
+
+def too_busy(load: LoadReport | None) -> str | None:
+    """Why a calibration's figures are meaningless, or None."""
+    if load is None or load.canary_median <= BUSY_CANARY:
+        return None
+    return (f"the machine was busy while it was measured: half the measurements ran with the "
+            f"canary product at least {load.canary_median:.2f}x slower than its fastest "
+            f"({load.loaded_fraction:.0%} over {load.canary_tolerance}x after taking "
+            f"{load.retaken_fraction:.0%} again); calibrate on a quiet machine, or pass "
+            f"--force to write the profile anyway (flagged)")
 
 
 def default_models(family: str, checkpoint: str | None) -> tuple[list[str], str]:
@@ -74,13 +89,20 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
     default_fit, default_holdout = default_models(family, checkpoint)
     roles = {f"fit{i}": name for i, name in enumerate(fit_models or default_fit)}
     roles["holdout"] = holdout_model or default_holdout
-    peaks = measure_peaks(device, dtype)
-    loaded = {}
+    loaded = {}  # the models first: a wrong checkpoint fails before a minute of measuring
     for role, name in roles.items():
         model = load_model(name, device=device, dtype=dtype)
         if model.config.family != family:
             raise CheckpointError(f"{name} is a {model.config.family} model, not {family}")
         loaded[role] = (name, model, spec_for(name, model))
+    cuda = device.startswith("cuda")
+    # a GPU is not shared: a slow canary there is launch jitter, not load, and is not retried
+    quiet = Quiet(device, retries=0 if cuda else 4, budget_s=60.0 if quick else 120.0)
+    machine_task = progress.add_task("measuring the machine: bandwidth, flops, matrix products",
+                                     total=None) if progress else None
+    peaks = measure_peaks(device, dtype, quiet, CURVE_ROWS_QUICK if quick else CURVE_ROWS)
+    if progress:
+        progress.remove_task(machine_task)
     # Kernels are the decoder's dispatched operations, counted; attention over several KV slots
     # is one of them (a wave is batched), so attention adds no kernels per slot.
     per_layer, extras = decoder_kernels([m for r, (_, m, _) in loaded.items() if r != "holdout"])
@@ -88,24 +110,10 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
                         memory_bandwidth_bytes_per_s=peaks.bandwidth_bytes_per_s,
                         peak_flops_per_s={dtype: peaks.flops_per_s},
                         memory_capacity_bytes=_memory_capacity(device),
-                        overhead_overlaps=device.startswith("cuda"),
-                        cuda_graphs=mode == "graphs", attention_split_by_slot=False,
-                        cache_bytes=peaks.cache_bytes,
-                        cache_bandwidth_bytes_per_s=peaks.cache_bandwidth_bytes_per_s,
-                        blocked_gemm_rows=peaks.blocked_gemm_rows,
-                        threaded_gemm_rows=peaks.threaded_gemm_rows,
-                        unthreaded_flops_fraction=peaks.unthreaded_flops_fraction,
-                        kernels_per_layer=per_layer, attention_kernels_per_slot=0,
-                        part_extra_kernels=extras)
-    # On a CPU the thin products' flops are measured: the fit cannot tell them from the weights'
-    # passes (both grow with the rows) and traded them for a tiny model's overheads. On a GPU the
-    # calls are too few rows to be compute-bound: the flops are fitted (and often not
-    # determined), and a product is a kernel like any other, its launch the per-kernel overhead.
-    held = {"blocked_gemm_latency_s"} if device.startswith("cuda") else set()
-    if peaks.thin_flops_efficiency is not None:
-        base = base.model_copy(update={"flops_efficiency": peaks.thin_flops_efficiency})
-        held.add("flops_efficiency")
-    free = [p for p in PARAMETERS if p[0] not in held]
+                        overhead_overlaps=cuda, cuda_graphs=mode == "graphs",
+                        attention_split_by_slot=False, kernels_per_layer=per_layer,
+                        attention_kernels_per_slot=0, part_extra_kernels=extras,
+                        matmul=peaks.matmul)
 
     plan = []
     for role in roles:
@@ -133,8 +141,8 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
         for schedule, kw in schedules:
             if progress:
                 progress.update(task, description=f"{held_name}: {schedule} run {kw}")
-            run = measure_runs(held_name, held, prompt, tokens, [(schedule, kw)],
-                               forced=0.85, mode=mode)[0]
+            run = quiet.measure(lambda runs: runs[0].wall_s, measure_runs, held_name, held,
+                                prompt, tokens, [(schedule, kw)], 0.85, mode)[0]
             out.append(run_point(held_name, held_spec, run, len(prompt), depth))
             if progress:
                 progress.advance(task)
@@ -154,8 +162,8 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
             if progress:
                 progress.update(task, description=f"{name}: {kind} n={n} context={context} "
                                                   f"slots={slots} (pass {pass_index + 1})")
-            passes[pass_index][i] = time_call(model, name, kind, n, context, slots, grid,
-                                              mode)
+            passes[pass_index][i] = quiet.measure(lambda c: c.median_s, time_call, model,
+                                                  name, kind, n, context, slots, grid, mode)
             if progress:
                 progress.advance(task)
     samples: list[tuple[str, CallSample]] = [
@@ -171,7 +179,7 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
                 and min(s.record.contexts) - 1 in (min(contexts), max(contexts)))
 
     train = [obs(r, s) for r, s in samples if in_training(r, s)]
-    result = fit(base, train, dtype, free)
+    result = fit(base, train, dtype)
 
     def call_point(role: str, s: CallSample) -> ValidationPoint:
         return ValidationPoint(
@@ -185,24 +193,22 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
     points += [min(each, key=lambda point: point.measured_s)
                for each in zip(*run_measurements, strict=True)]
 
-    fitted = {p[0]: FittedValue(value=result.values[p[0]], stderr=result.stderr[p[0]],
-                                unit=p[4]) for p in free}
+    units = {p[0]: p[4] for p in PARAMETERS}
+    fitted = {name: FittedValue(value=value, stderr=result.stderr[name], unit=units[name])
+              for name, value in result.values.items()}
     measured = {"peak_bandwidth": (peaks.bandwidth_bytes_per_s, "B/s"),
                 "peak_flops": (peaks.flops_per_s, "flop/s"),
-                "cache_bandwidth": (peaks.cache_bandwidth_bytes_per_s, "B/s"),
-                "cache_size": (peaks.cache_bytes, "B"),
-                "blocked_gemm_rows": (peaks.blocked_gemm_rows, "positions"),
-                **({"flops_efficiency": (peaks.thin_flops_efficiency, "fraction of peak")}
-                   if peaks.thin_flops_efficiency is not None else {}),
-                **({"threaded_gemm_rows": (peaks.threaded_gemm_rows, "positions"),
-                    "unthreaded_flops_fraction": (peaks.unthreaded_flops_fraction,
-                                                  "of peak flops on one thread")}
-                   if peaks.threaded_gemm_rows is not None else {}),
                 "kernels_per_layer": (per_layer, "operations"),
                 **{f"{part}_extra_kernels": (count, "operations")
                    for part, count in extras.items()}}
+    if peaks.matmul is not None:
+        measured["cache_knee"] = (peaks.cache_bytes, "B")
+        measured["reported_cache"] = (peaks.reported_cache_bytes, "B")
     for key, (value, unit) in measured.items():
         fitted[key] = FittedValue(value=value, stderr=0.0, unit=f"{unit} (measured)")
+    held_values = {name: HeldValue(value=float(getattr(result.hardware, name)),
+                                   prior="prior" in why, reason=why)
+                   for name, why in result.dropped.items()}
     rel = np.abs(result.residuals)
     profile = CalibrationProfile(
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -214,7 +220,8 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
               "repeats": [grid.repeats],
               "train_positions": list(TRAIN_POSITIONS),
               "train_models": [loaded[r][0] for r in roles if r != "holdout"]},
-        coefficients=fitted,
+        coefficients=fitted, held=held_values, checks=peaks.checks,
+        load=None if cuda else LoadReport(**quiet.report()),
         fit_stats={"train_points": len(train), "median_abs_rel_residual": float(np.median(rel)),
                    "max_abs_rel_residual": float(rel.max()), "cost": result.cost},
         training=[call_point(r, s) for r, s in samples if in_training(r, s)],

@@ -88,6 +88,8 @@ def _hardware(profile: Path | None, hardware: str, dtype: str | None):
     """(the profile or None, its fitted hardware or the preset, the dtype: given, the
     profile's, or bf16)."""
     prof = load_profile(profile) if profile is not None else None
+    if prof is not None:
+        _note_machine(prof, profile)
     dtype = dtype or (prof.dtype if prof is not None else "bf16")
     if dtype not in ("fp32", "bf16", "fp16"):
         raise UserError(f"unknown dtype {dtype!r}; use fp32, bf16 or fp16")
@@ -284,6 +286,8 @@ def study_cmd(
     if name not in studies.STUDIES:
         raise UserError(f"unknown study {name!r}; known: {', '.join(studies.STUDIES)}")
     prof = load_profile(profile) if profile is not None else None
+    if prof is not None:
+        _note_machine(prof, profile)
     hw = prof.hardware if prof is not None else None
     loose = _undetermined(prof) if prof is not None else []
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -322,6 +326,9 @@ def calibrate_cmd(
         help="the decoder's execution mode to measure: eager, or graphs (CUDA graphs, --device "
              "cuda only)")] = "eager",
     out: Annotated[Path | None, typer.Option(help="profile file to write")] = None,
+    force: Annotated[bool, typer.Option(
+        help="write the profile even when the machine was too busy to trust it (flagged)")
+    ] = False,
     as_json: JsonOption = False,
 ) -> None:
     """Measure the decoder on this machine, fit the cost model, validate on held-out points and
@@ -344,7 +351,7 @@ def calibrate_cmd(
         raise UserError(f"device {device!r} is not available (torch sees no CUDA device)")
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from calibrate.run import calibrate
+    from calibrate.run import calibrate, too_busy
     from calibrate.validate import report
     from wfd.checkpoint import CheckpointError
 
@@ -358,6 +365,11 @@ def calibrate_cmd(
                                 holdout_model=holdout_model, mode=mode, progress=progress)
     except CheckpointError as exc:
         raise UserError(str(exc)) from None
+    busy = too_busy(profile.load)
+    if busy and not force:
+        raise UserError(f"no profile written: {busy}")
+    if busy:
+        profile.load.forced = True
     save_profile(profile, out)
     rep = report(profile.validation, profile.hardware, profile.dtype)
     plot_path = out.with_suffix(".png")
@@ -374,38 +386,38 @@ def _plot(rep, path: Path, title: str) -> Path | None:
 
 
 def _undetermined(profile) -> list[str]:
-    """The fitted coefficients the profile's training calls do not determine (checked again
-    here: a profile made before fits marked them shows a standard error near zero)."""
-    from calibrate.fit import Observation, fitted_parameters, undetermined
-
-    loose = {name for name, v in profile.coefficients.items() if v.stderr is None}
-    if profile.training:
-        obs = [Observation(p.spec, p.record, p.measured_s) for p in profile.training]
-        loose |= undetermined(profile.hardware, obs, profile.dtype,
-                              fitted_parameters(profile.coefficients))
-    return sorted(loose)
+    """The coefficients the profile holds at priors (its calls did not determine them)."""
+    return sorted(name for name, held in profile.held.items() if held.prior)
 
 
 def _note_undetermined(loose: list[str]) -> None:
-    # e.g. an eager decoder on a GPU: the host hid the device, so bandwidth and flops are the
-    # fit's starting values, and the terms they price are not calibrated
+    # e.g. an eager decoder on a GPU: the host hid the device, so bandwidth and flops are
+    # priors, and the terms they price are not calibrated
     if loose:
-        typer.echo(f"note: the profile does not determine {', '.join(loose)} (its training calls "
-                   "do not pin them down): the terms they price are not calibrated", err=True)
+        typer.echo(f"note: the profile holds {', '.join(loose)} at priors (its calls do not "
+                   "determine them): the terms they price are not calibrated", err=True)
 
 
-def _coefficients(profile) -> dict:
-    """The profile's coefficients, with no standard error for those it does not determine."""
-    loose = _undetermined(profile)
-    return {name: v.model_copy(update={"stderr": None}) if name in loose else v
-            for name, v in profile.coefficients.items()}
+def _note_machine(profile, path: Path) -> None:
+    """A CPU profile carried to another machine predicts the machine it was measured on."""
+    from .profile import cpu_machine_name
+
+    here = cpu_machine_name()
+    if profile.device == "cpu" and profile.machine != here:
+        typer.echo(f"note: profile {path} was measured on {profile.machine!r}, not this machine "
+                   f"({here!r}): it predicts that one; calibrate here with `costmodel calibrate`",
+                   err=True)
 
 
 def _print_validation(profile, rep, path: Path, plot_path: Path | None, as_json: bool) -> None:
-    coefficients = _coefficients(profile)
+    coefficients = profile.coefficients
     if as_json:
         print_json({"profile": str(path), "plot": str(plot_path) if plot_path else None,
+                    "machine": profile.machine,
                     "coefficients": {k: v.model_dump() for k, v in coefficients.items()},
+                    "held": {k: v.model_dump() for k, v in profile.held.items()},
+                    "checks": profile.checks,
+                    "load": profile.load.model_dump() if profile.load else None,
                     "fit_stats": profile.fit_stats, **rep.model_dump()})
         return
     from rich.console import Console
@@ -418,9 +430,20 @@ def _print_validation(profile, rep, path: Path, plot_path: Path | None, as_json:
     for col in ("coefficient", "value", "std. error", "unit"):
         coef.add_column(col)
     for name, v in coefficients.items():
-        coef.add_row(name, f"{v.value:.4g}",
-                     "not determined" if v.stderr is None else f"{v.stderr:.2g}", v.unit)
+        coef.add_row(name, f"{v.value:.4g}", "measured" if v.unit.endswith("(measured)")
+                     else f"{v.stderr:.2g}", v.unit.removesuffix(" (measured)"))
+    for name, v in profile.held.items():
+        coef.add_row(name, f"{v.value:.4g}", "-", v.reason)
     console.print(coef)
+    for check in profile.checks:
+        console.print(f"checked: {check}")
+    if profile.load is not None:
+        load = profile.load
+        console.print(f"load: {load.measurements} measurements, {load.retaken_fraction:.0%} "
+                      f"taken again, {load.loaded_fraction:.0%} kept with the canary over "
+                      f"{load.canary_tolerance}x (median {load.canary_median:.2f}x, 90th "
+                      f"percentile {load.canary_p90:.2f}x)"
+                      + (": written with --force, too busy to trust" if load.forced else ""))
     table = Table(title="held-out validation", header_style="bold")
     for col in ("group", "points", "median |rel. error|", "max |rel. error|"):
         table.add_column(col)
@@ -455,6 +478,32 @@ def validate_cmd(
     rep = report(prof.validation, prof.hardware, prof.dtype)
     plot_path = plot_file or profile.with_suffix(".png")
     _print_validation(prof, rep, profile, _plot(rep, plot_path, prof.hardware.name), as_json)
+
+
+@app.command("upgrade-profile")
+def upgrade_profile_cmd(
+    profile: Annotated[Path, typer.Argument(help="calibration profile (JSON) of an older schema")],
+    out: Annotated[Path | None, typer.Option(help="where to write it (default: in place)")] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Write a profile in the current schema (every command reads older ones through the same
+    converter; this saves the conversion)."""
+    import json
+
+    try:
+        before = json.loads(profile.read_text()).get("schema_version")
+    except (OSError, ValueError, AttributeError):
+        before = None
+    prof = load_profile(profile)  # converts, or says why it cannot
+    target = out or profile
+    save_profile(prof, target)
+    if as_json:
+        print_json({"profile": str(target), "from_schema": before,
+                    "schema_version": prof.schema_version,
+                    "held": {k: v.model_dump() for k, v in prof.held.items()}})
+        return
+    typer.echo(f"{target}: schema {before} -> {prof.schema_version}"
+               + (f"; held at priors: {', '.join(_undetermined(prof))}" if prof.held else ""))
 
 
 main = run(app, (UnitError, UnknownPresetError, ProfileError, TraceError))

@@ -3,20 +3,23 @@
     t = t_host + layers * t_layer + n_kernels * t_launch
         + max(bytes / BW_eff, matmul flops / F_eff + attention flops / F_attention_eff)
 
-(or the p-norm of the two where ``HardwareSpec.roofline_exponent`` is set: a CPU does not fully
-overlap memory and compute near the ridge)
-on a device that runs its own kernels (a CPU). On a GPU, launches are asynchronous: the host's
-overhead overlaps the device's work and a call costs the larger of the two (``overhead_overlaps``);
-the breakdown then shows the exposed overhead, the part not hidden behind the device.
+on a device that runs its own kernels. On a GPU, launches are asynchronous: the host's overhead
+overlaps the device's work and a call costs the larger of the two (``overhead_overlaps``); the
+breakdown then shows the exposed overhead, the part not hidden behind the device.
 
-bytes = the part's weights (once per call, or more often for few rows on some CPU libraries: see
-``HardwareSpec.blocked_gemm_rows``; from the last-level cache when the part's weights fit in half
-of it, the rest of the loop streaming through the other half, and then once per row of a vector
-product) + the KV read (for each distinct slot, its context x KV bytes per token) + the KV
-written + activations. flops = 2 * matmul params * n + attention (4 * context * heads * head_dim
-per position per layer); a CPU library that runs products over few rows on one thread reaches
-only its share of the peak there (``HardwareSpec.threaded_gemm_rows``). The overhead adds a
-fixed latency per blocked matrix product (``HardwareSpec.blocked_gemm_latency_s``).
+bytes = the part's weights (once per call) + the KV read (for each distinct slot, its context x
+KV bytes per token) + the KV written + activations. flops = 2 * matmul params * n + attention
+(4 * context * heads * head_dim per position per layer).
+
+A CPU with a measured matrix-product curve (``HardwareSpec.matmul``) runs its kernels one after
+another: the matrix products cost what the curve says for their sizes and rows in a working set
+of the part's weights (from a cache, or streamed from memory), times ``matmul_time_scale``; the
+per-kernel overhead leaves them out (the curve includes their dispatch); the rest of the call
+(norms, attention, activations, KV) costs its roofline:
+
+    t = overheads + scale * sum(curve(product, n)) + max(other bytes / BW_eff, attention / F_att)
+
+The products' one-row time is reported as weights, what more rows add as compute.
 
 Every argument may be a numpy array (they broadcast), so one formula serves single predictions,
 the event simulator and sweeps of 10^5 points.
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .matmul import part_matmul_s
 from .specs import DTYPE_BYTES, HardwareSpec, LoopedModelSpec, PartSpec
 
 ArrayLike = float | np.ndarray
@@ -113,43 +117,46 @@ def call_cost(
     kernels = part.layers * (hw.kernels_per_layer
                              + hw.attention_kernels_per_slot * attention_launches)
     kernels = kernels + hw.part_extra_kernels.get(part.name, part.extra_kernels)
-    vector_rows = n_positions < hw.blocked_gemm_rows
-    overhead = (hw.host_overhead_s + part.layers * hw.layer_overhead_s
-                + kernels * hw.kernel_overhead_s
-                + np.where(vector_rows, 0.0, part.matrix_products * hw.blocked_gemm_latency_s))
+    overhead = hw.host_overhead_s + part.layers * hw.layer_overhead_s + kernels * (
+        hw.kernel_overhead_s)
 
-    extra_rows = np.maximum(n_positions - 1, 0)
-    cached = bool(hw.cache_bandwidth_bytes_per_s) and (
-        part.weight_params * width <= hw.cache_bytes / 2)
-    if cached:
-        # vector products read cached weights once per row: nothing nearer to reuse them from
-        gemv_passes = np.maximum(n_positions, 1)
-        weights_bw = hw.cache_bandwidth_bytes_per_s
-        stream_latency_s = 0.0
-    else:
-        gemv_passes = 1 + hw.gemv_row_passes * extra_rows ** hw.gemv_row_exponent
-        weights_bw = bw_peak
-        stream_latency_s = part.layers * hw.layer_stream_latency_s
-    passes = np.where(vector_rows, gemv_passes, hw.blocked_gemm_weight_passes)
-    one_thread = (np.zeros_like(vector_rows) if hw.threaded_gemm_rows is None
-                  else n_positions < hw.threaded_gemm_rows)
-    matmul_flops_peak = flops_peak * np.where(one_thread, hw.unthreaded_flops_fraction, 1.0)
-    weights_mem_s = (weight_bytes * passes + activation_bytes) / (
-        weights_bw * hw.bandwidth_efficiency) + stream_latency_s
-    kv_mem_s = (kv_read + kv_write) / (bw_peak * kv_eff)
-    memory_s = weights_mem_s + kv_mem_s
     attention_eff = hw.attention_flops_efficiency or hw.flops_efficiency
-    compute_s = (2 * part.matmul_params * n_positions / (matmul_flops_peak * hw.flops_efficiency)
-                 + attention_flops / (flops_peak * attention_eff))
-    memory_bound = memory_s >= compute_s
-    roofline_s = np.maximum(memory_s, compute_s)
-    if hw.roofline_exponent is not None:
-        p = hw.roofline_exponent
-        roofline_s = roofline_s * (1 + (np.minimum(memory_s, compute_s) / roofline_s) ** p) ** (
-            1 / p)
-    # the roofline term is attributed to memory or compute, whichever is larger
-    scale = roofline_s / np.maximum(memory_s, compute_s)
-    weights_mem_s, kv_mem_s, compute_s = weights_mem_s * scale, kv_mem_s * scale, compute_s * scale
+    attention_s = attention_flops / (flops_peak * attention_eff)
+    kv_mem_s = (kv_read + kv_write) / (bw_peak * kv_eff)
+    curve = hw.matmul if hw.matmul is not None and hw.matmul.dtype == dtype else None
+    if curve is None:
+        weights_mem_s = (weight_bytes + activation_bytes) / (bw_peak * hw.bandwidth_efficiency)
+        compute_s = (2 * part.matmul_params * n_positions / (flops_peak * hw.flops_efficiency)
+                     + attention_s)
+        memory_s = weights_mem_s + kv_mem_s
+        memory_bound = memory_s >= compute_s
+        roofline_s = np.maximum(memory_s, compute_s)
+        weights_s = np.where(memory_bound, weights_mem_s, 0.0)
+        kv_s = np.where(memory_bound, kv_mem_s, 0.0)
+        compute_s = np.where(memory_bound, 0.0, compute_s)
+    else:
+        matrices = [(shape, part.layers) for shape in part.layer_matrices] + [
+            (shape, 1) for shape in part.extra_matrices]
+        matrix_bytes = sum(out * inner * count for (out, inner), count in matrices) * width
+        working_set = part.weight_params * width
+        # a bandwidth other than the measured one moves the weights' share of products that
+        # stream from memory
+        streamed = working_set >= curve.working_sets_bytes[-1]
+        bw_ratio = hw.memory_bandwidth_bytes_per_s / bw_peak if streamed else 1.0
+        products_s = hw.matmul_time_scale * part_matmul_s(curve, matrices, width, n_positions,
+                                                          working_set)
+        one_row_s = np.minimum(hw.matmul_time_scale * part_matmul_s(curve, matrices, width, 1,
+                                                                    working_set), products_s)
+        # the curve's products include their own dispatch
+        overhead = np.maximum(overhead - part.matrix_products * hw.kernel_overhead_s,
+                              hw.host_overhead_s)
+        other_mem_s = (weight_bytes - matrix_bytes + activation_bytes) / (
+            bw_peak * hw.bandwidth_efficiency)
+        rest_memory_bound = other_mem_s + kv_mem_s >= attention_s
+        weights_s = one_row_s * bw_ratio + np.where(rest_memory_bound, other_mem_s, 0.0)
+        kv_s = np.where(rest_memory_bound, kv_mem_s, 0.0)
+        compute_s = products_s - one_row_s + np.where(rest_memory_bound, 0.0, attention_s)
+        roofline_s = weights_s + kv_s + compute_s
     if hw.overhead_overlaps:
         overhead = np.maximum(overhead - roofline_s, 0.0)
     total_bytes = weight_bytes + kv_read + kv_write + activation_bytes
@@ -161,9 +168,9 @@ def call_cost(
         activation_bytes=activation_bytes,
         flops=flops,
         kernels=kernels,
-        weights_s=np.where(memory_bound, weights_mem_s, 0.0),
-        kv_s=np.where(memory_bound, kv_mem_s, 0.0),
-        compute_s=np.where(memory_bound, 0.0, compute_s),
+        weights_s=weights_s,
+        kv_s=kv_s,
+        compute_s=compute_s,
         overhead_s=overhead,
         ideal_s=ideal,
     )

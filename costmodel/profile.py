@@ -1,12 +1,15 @@
 """Calibration profiles: a fitted hardware spec plus where and how it was measured.
 
 A profile is versioned JSON, written atomically. `costmodel predict --profile FILE` and
-`costmodel study NAME --profile FILE` use its hardware spec.
+`costmodel study NAME --profile FILE` use its hardware spec. Profiles of an older schema load
+through ``upgrade`` (in memory; `costmodel upgrade-profile` writes the result).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import platform
 from pathlib import Path
 from typing import Literal
 
@@ -16,8 +19,10 @@ from .specs import HardwareSpec, LoopedModelSpec
 from .trace import CallRecord, atomic_write_text
 
 # 2: measured kernel counts, cache, blocked products, p-norm; 3: CPU threads' regime, measured
-# thin-product flops, per-product latencies, cached vector products read once per row
-PROFILE_SCHEMA_VERSION = 3
+# thin-product flops, per-product latencies, cached vector products read once per row; 4: a
+# smaller hardware spec (a CPU's products a measured curve), coefficients the calls do not
+# determine taken out, the load the calibration ran under
+PROFILE_SCHEMA_VERSION = 4
 
 
 class ProfileError(ValueError):
@@ -27,9 +32,32 @@ class ProfileError(ValueError):
 class FittedValue(BaseModel):
     model_config = ConfigDict(extra="forbid")
     value: float
-    stderr: float | None = Field(description="one standard error of the fit; None: not "
-                                             "determined (no training call depends on it)")
+    stderr: float = Field(description="one standard error of the fit (0 for a measured value)")
     unit: str
+
+
+class HeldValue(BaseModel):
+    """A coefficient the fit took out: dropped (an overhead term, 0) or held at a prior (a
+    fraction: the term it prices is not calibrated)."""
+
+    model_config = ConfigDict(extra="forbid")
+    value: float
+    prior: bool
+    reason: str
+
+
+class LoadReport(BaseModel):
+    """How busy the machine was while it was measured (the canary product around every
+    measurement, over the fastest canary seen)."""
+
+    model_config = ConfigDict(extra="forbid")
+    measurements: int
+    retaken_fraction: float
+    loaded_fraction: float  # kept measurements whose canary still ran over the tolerance
+    canary_tolerance: float
+    canary_median: float
+    canary_p90: float
+    forced: bool = False  # written with --force although the machine was too busy
 
 
 class ValidationPoint(BaseModel):
@@ -68,6 +96,10 @@ class CalibrationProfile(BaseModel):
     models: list[str]
     grid: dict[str, list[float | int | str]]
     coefficients: dict[str, FittedValue]
+    held: dict[str, HeldValue] = Field(default_factory=dict)
+    # what the calibration checked of its measurements, and what it decided
+    checks: list[str] = Field(default_factory=list)
+    load: LoadReport | None = None
     fit_stats: dict[str, float]
     # the calls the fit used, so that a profile can be refitted without measuring again
     training: list[ValidationPoint] = Field(default_factory=list)
@@ -78,6 +110,73 @@ def save_profile(profile: CalibrationProfile, path: str | Path) -> None:
     atomic_write_text(path, profile.model_dump_json(indent=2) + "\n")
 
 
+def cpu_machine_name() -> str:
+    """This CPU as profiles name it: its model name and the CPUs this process may use."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{model}, {cpus} CPUs"
+
+
+# Schema 3 hardware fields schema 4 does not have: a CPU's matrix-product formula (now a measured
+# curve), the p-norm, the stream latency, the cache (now measured as a knee, for the curve)
+_SCHEMA3_ONLY = ("roofline_exponent", "blocked_gemm_rows", "gemv_row_passes",
+                 "blocked_gemm_weight_passes", "gemv_row_exponent", "blocked_gemm_latency_s",
+                 "threaded_gemm_rows", "unthreaded_flops_fraction", "layer_stream_latency_s",
+                 "cache_bytes", "cache_bandwidth_bytes_per_s")
+_SCHEMA3_MEASURED_ONLY = ("cache_bandwidth", "cache_size", "blocked_gemm_rows",
+                          "threaded_gemm_rows", "unthreaded_flops_fraction")
+
+
+def upgrade(raw: dict, path: str | Path) -> dict:
+    """A profile of an older schema as the current one reads it, or a ProfileError that says
+    why it cannot be. Schema 3 GPU profiles convert and price every point as they did (their
+    GPU calls never depended on the CPU-only terms); a schema 3 CPU profile's matrix products
+    were a fitted formula that a measured curve replaces: it must be calibrated again."""
+    version = raw.get("schema_version")
+    if version != 3:
+        raise ProfileError(f"profile {path} has schema version {version!r}; this version reads "
+                           f"{PROFILE_SCHEMA_VERSION} and converts 3 (recalibrate with "
+                           "`costmodel calibrate`)")
+    hardware = raw.get("hardware")
+    if not isinstance(hardware, dict) or not isinstance(raw.get("coefficients", {}), dict):
+        raise ProfileError(f"profile {path} is corrupt (schema 3, without its hardware)")
+    hardware = dict(hardware)
+    if not hardware.get("overhead_overlaps", False):
+        raise ProfileError(f"profile {path} is a schema 3 CPU profile: its matrix products were "
+                           "a fitted formula that schema 4 measures instead; recalibrate with "
+                           "`costmodel calibrate`")
+    for name in _SCHEMA3_ONLY:
+        hardware.pop(name, None)
+    coefficients, held = {}, {}
+    for name, c in (raw.get("coefficients") or {}).items():
+        if name in _SCHEMA3_ONLY or (name in _SCHEMA3_MEASURED_ONLY
+                                     and str(c.get("unit", "")).endswith("(measured)")):
+            continue
+        stderr, value = c.get("stderr"), c.get("value", 0.0)
+        measured = str(c.get("unit", "")).endswith("(measured)")
+        # schema 3 read a direction the calls do not constrain as an exact standard error
+        if not measured and (stderr is None or abs(stderr) <= 1e-4 * abs(value)):
+            held[name] = {"value": value, "prior": True,
+                          "reason": "not determined by the calls (schema 3 fit): held at "
+                                    f"{value:.4g}"}
+            continue
+        if not measured and abs(stderr) > abs(value):
+            held[name] = {"value": value, "prior": True,
+                          "reason": f"its standard error was {abs(stderr / value):.0%} of its "
+                                    f"value (schema 3 fit): held at {value:.4g}"}
+            continue
+        coefficients[name] = {**c, "stderr": stderr or 0.0}
+    return {**raw, "schema_version": PROFILE_SCHEMA_VERSION, "hardware": hardware,
+            "coefficients": coefficients, "held": held}
+
+
 def load_profile(path: str | Path) -> CalibrationProfile:
     try:
         raw = json.loads(Path(path).read_text())
@@ -85,10 +184,10 @@ def load_profile(path: str | Path) -> CalibrationProfile:
         raise ProfileError(f"cannot read profile {path}: {exc.strerror}") from None
     except json.JSONDecodeError:
         raise ProfileError(f"profile {path} is not valid JSON") from None
-    version = raw.get("schema_version") if isinstance(raw, dict) else None
-    if version != PROFILE_SCHEMA_VERSION:
-        raise ProfileError(f"profile {path} has schema version {version!r}; this version reads "
-                           f"{PROFILE_SCHEMA_VERSION} (recalibrate with `costmodel calibrate`)")
+    if not isinstance(raw, dict):
+        raise ProfileError(f"profile {path} is not a profile (not a JSON object)")
+    if raw.get("schema_version") != PROFILE_SCHEMA_VERSION:
+        raw = upgrade(raw, path)
     try:
         return CalibrationProfile.model_validate(raw)
     except ValidationError as exc:

@@ -22,54 +22,81 @@ class Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class MatmulCurve(Spec):
+    """How long one matrix product takes on this machine, measured against its rows, its size
+    and the working set it runs in, instead of a formula for it: a CPU library runs a few rows
+    as vector products, splits products over its threads from some row count on, packs blocks,
+    and reads weights from whichever cache holds them, each with its own cost.
+
+    ``seconds[k][i][j]``: one product of a ``matrix_bytes[i]`` matrix over ``rows[j]`` rows,
+    timed in a chain of such products whose weights total ``working_sets_bytes[k]`` (None where
+    the matrix is larger than the working set). The last working set is beyond every cache: the
+    weights stream from memory. A call's products run in its part's working set (its weights).
+    Those matrices are square; ``aspect_seconds[a][i][j]`` times matrices ``aspects[a]`` times
+    as many outputs as inputs, streamed, and a product of another shape takes its aspect's
+    time over the square one's (a library runs wide and tall products at different speeds).
+    """
+
+    dtype: str
+    rows: list[Annotated[int, Field(ge=1)]]
+    matrix_bytes: list[Annotated[float, Field(gt=0)]]
+    working_sets_bytes: list[Annotated[float, Field(gt=0)]]
+    seconds: list[list[list[Annotated[float, Field(gt=0)] | None]]]
+    aspects: list[Annotated[float, Field(gt=0)]] = Field(default_factory=list)
+    aspect_seconds: list[list[list[Annotated[float, Field(gt=0)]]]] = Field(
+        default_factory=list)
+
+    @model_validator(mode="after")
+    def _check(self) -> MatmulCurve:
+        for axis in (self.rows, self.matrix_bytes, self.working_sets_bytes):
+            if sorted(axis) != axis or len(axis) < 2:
+                raise ValueError("a matrix-product curve needs two or more increasing rows, "
+                                 "sizes and working sets")
+        if len(self.seconds) != len(self.working_sets_bytes) or any(
+                len(table) != len(self.matrix_bytes) or any(len(line) != len(self.rows)
+                                                            for line in table)
+                for table in self.seconds):
+            raise ValueError("a matrix-product curve's table must be working sets x sizes x rows")
+        if any(t is None for line in self.seconds[-1] for t in line):
+            raise ValueError("a matrix-product curve's last working set must time every size")
+        if len(self.aspect_seconds) != len(self.aspects) or 1.0 in self.aspects or any(
+                len(table) != len(self.matrix_bytes) or any(len(line) != len(self.rows)
+                                                            for line in table)
+                for table in self.aspect_seconds):
+            raise ValueError("a matrix-product curve's aspect tables must be aspects (other "
+                             "than 1) x sizes x rows")
+        return self
+
+
 class HardwareSpec(Spec):
-    """A device plus the software stack that drives it (launch and host overheads)."""
+    """A device plus the software stack that drives it: a roofline (bandwidth, flops, capacity),
+    the host's overheads, and optional sub-models a calibration fills (the decoder's kernel
+    counts, a CPU's measured matrix-product curve)."""
 
     name: str
+    source: str | None = None  # where the figures come from
     memory_bandwidth_bytes_per_s: Annotated[float, Field(gt=0)]
     peak_flops_per_s: dict[str, Annotated[float, Field(gt=0)]]
     memory_capacity_bytes: Annotated[float, Field(gt=0)]
-    # Per kernel launched eagerly (the gap a Python-driven framework leaves between kernels).
-    launch_overhead_s: Annotated[float, Field(ge=0)] = 5e-6
-    # Per kernel replayed from a CUDA graph.
-    graph_launch_overhead_s: Annotated[float, Field(ge=0)] = 1e-6
-    # Per call of a part (P, B or C): Python and framework dispatch outside the kernels.
-    host_overhead_s: Annotated[float, Field(ge=0)] = 20e-6
-    # Per transformer layer in a call, beyond its kernels' launch overhead: a layer's operations
-    # cost the host more than those outside layers. 0: every operation costs the same.
-    layer_overhead_s: Annotated[float, Field(ge=0)] = 0.0
     bandwidth_efficiency: Annotated[float, Field(gt=0, le=1)] = 0.8
     # Achievable fraction for KV-cache traffic; None means the same as for weights.
     kv_bandwidth_efficiency: Annotated[float, Field(gt=0, le=1)] | None = None
     flops_efficiency: Annotated[float, Field(gt=0, le=1)] = 0.7
-    # How memory and compute time combine: the larger (None, the roofline), or the p-norm
-    # (m^p + c^p)^(1/p), for a CPU that cannot fully overlap them near the ridge.
-    roofline_exponent: Annotated[float, Field(ge=1)] | None = None
+    # Attention's fraction of peak flops (small per-head products). None: flops_efficiency.
+    attention_flops_efficiency: Annotated[float, Field(gt=0, le=1)] | None = None
+    # Per call of a part (P, B or C): Python and framework dispatch outside the kernels.
+    host_overhead_s: Annotated[float, Field(ge=0)] = 20e-6
+    # Per transformer layer in a call, beyond its kernels' launch overhead. 0: every operation
+    # costs the same.
+    layer_overhead_s: Annotated[float, Field(ge=0)] = 0.0
+    # Per kernel launched eagerly (the gap a Python-driven framework leaves between kernels).
+    launch_overhead_s: Annotated[float, Field(ge=0)] = 5e-6
+    # Per kernel replayed from a CUDA graph, when ``cuda_graphs``.
+    graph_launch_overhead_s: Annotated[float, Field(ge=0)] = 1e-6
     cuda_graphs: bool = False
     # Whether host overheads overlap the device's work (a GPU runs kernels while the host
     # enqueues more: a call costs the larger) or add to it (a CPU runs the kernels itself).
     overhead_overlaps: bool = False
-    # CPU matrix products: below ``blocked_gemm_rows`` rows each row is a vector product that
-    # streams the weights again (1 + gemv_row_passes * (n - 1) ** gemv_row_exponent passes);
-    # from there a blocked kernel streams them ``blocked_gemm_weight_passes`` times at a fixed
-    # ``blocked_gemm_latency_s`` each. A GPU streams the weights once, whatever the rows.
-    blocked_gemm_rows: Annotated[int, Field(ge=1)] = 1
-    gemv_row_passes: Annotated[float, Field(ge=0, le=1)] = 1.0
-    blocked_gemm_weight_passes: Annotated[float, Field(ge=1)] = 1.0
-    gemv_row_exponent: Annotated[float, Field(gt=0, le=1)] = 1.0
-    blocked_gemm_latency_s: Annotated[float, Field(ge=0)] = 0.0
-    # CPU threads: products under ``threaded_gemm_rows`` rows run on one thread, at
-    # ``unthreaded_flops_fraction`` of the all-thread peak. None: every product uses every thread.
-    threaded_gemm_rows: Annotated[int, Field(ge=1)] | None = None
-    unthreaded_flops_fraction: Annotated[float, Field(gt=0, le=1)] = 1.0
-    # Attention's fraction of peak flops (small per-head products). None: flops_efficiency.
-    attention_flops_efficiency: Annotated[float, Field(gt=0, le=1)] | None = None
-    # Fixed time per layer whose weights stream from memory (each stream's ramp-up).
-    layer_stream_latency_s: Annotated[float, Field(ge=0)] = 0.0
-    # The last-level cache: a part whose weights fit in half of it streams them from the cache
-    # at this bandwidth (every call of the loop reuses them). 0: not modelled.
-    cache_bytes: Annotated[float, Field(ge=0)] = 0.0
-    cache_bandwidth_bytes_per_s: Annotated[float, Field(gt=0)] | None = None
     # Kernels per transformer layer, and for attention per distinct KV slot read when split.
     kernels_per_layer: Annotated[int, Field(ge=0)] = 14
     attention_kernels_per_slot: Annotated[int, Field(ge=0)] = 2
@@ -77,6 +104,12 @@ class HardwareSpec(Spec):
     # Kernels a call of each part launches outside its layers, by part name (calibration counts
     # the decoder's); missing parts use the model spec's estimate.
     part_extra_kernels: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+    # A CPU's matrix products, measured (None: each streams its weights once at the achievable
+    # bandwidth and runs its flops at the achievable peak, as on a GPU).
+    matmul: MatmulCurve | None = None
+    # The measured curve's times over the decoder's own (fitted: what the products cost in a
+    # call, among the other kernels, against the same products timed alone).
+    matmul_time_scale: Annotated[float, Field(gt=0)] = 1.0
 
     @property
     def kernel_overhead_s(self) -> float:
@@ -112,14 +145,19 @@ class PartSpec(Spec):
     # Embedding tables: a call gathers one row per position, it does not stream the table.
     lookup_params: int
     extra_kernels: int
-    # Matrix products a call runs: per layer (Huginn fuses q, k, v into one matrix and gate and
-    # up into another: 4; Ouro keeps them apart: 7), plus the adapter, head and exit gate.
-    products_per_layer: int = 0
-    extra_products: int = 0
+    # The (out, in) shape of each matrix product a call runs, per layer (Huginn fuses q, k, v
+    # into one matrix and gate and up into another: 4; Ouro keeps them apart: 7) and outside the
+    # layers (the adapter, the head, the exit gate).
+    layer_matrices: tuple[tuple[int, int], ...] = ()
+    extra_matrices: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def products_per_layer(self) -> int:
+        return len(self.layer_matrices)
 
     @property
     def matrix_products(self) -> int:
-        return self.layers * self.products_per_layer + self.extra_products
+        return self.layers * len(self.layer_matrices) + len(self.extra_matrices)
 
     @property
     def weight_params(self) -> int:
@@ -140,6 +178,7 @@ class LoopedModelSpec(Spec):
     """
 
     name: str
+    source: str | None = None  # where the architecture comes from
     family: Literal["huginn", "ouro"]
     hidden_size: Annotated[int, Field(gt=0)]
     num_heads: Annotated[int, Field(gt=0)]
@@ -190,40 +229,50 @@ class LoopedModelSpec(Spec):
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
+    def layer_matrices(self) -> tuple[tuple[int, int], ...]:
+        """The (out, in) shape of each matrix product of a layer, in the family's layout."""
+        h, i = self.hidden_size, self.mlp_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.family == "huginn":  # fused qkv, fused gate and up
+            return ((q + 2 * kv, h), (h, q), (2 * i, h), (h, i))
+        return ((q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i))
+
     def part(self, name: PartName) -> PartSpec:
         h = self.hidden_size
         head = self.embedding_params  # streamed by every coda call, tied or not
+        per_layer = self.layer_matrices()
         if self.family == "huginn":
             if name == "prelude":
                 return PartSpec(name=name, layers=self.prelude_layers,
                                 layer_params=self.layer_params, extra_matrix_params=0,
                                 extra_norm_params=0, lookup_params=self.embedding_params,
-                                extra_kernels=2, products_per_layer=4)
+                                extra_kernels=2, layer_matrices=per_layer)
             if name == "block":
                 # adapter: Linear(2h -> h) on concat(state, embedding); state init + concat
                 return PartSpec(name=name, layers=self.core_layers,
                                 layer_params=self.layer_params, extra_matrix_params=2 * h * h,
                                 extra_norm_params=0, lookup_params=0, extra_kernels=3,
-                                products_per_layer=4, extra_products=1)
+                                layer_matrices=per_layer, extra_matrices=((h, 2 * h),))
             # ln_f before and after the coda layers (one weight), then the (tied) head
             return PartSpec(name=name, layers=self.coda_layers, layer_params=self.layer_params,
                             extra_matrix_params=head, extra_norm_params=h,
-                            lookup_params=0, extra_kernels=3, products_per_layer=4,
-                            extra_products=1)
+                            lookup_params=0, extra_kernels=3, layer_matrices=per_layer,
+                            extra_matrices=((self.vocab_size, h),))
         if name == "prelude":
             return PartSpec(name=name, layers=0, layer_params=self.layer_params,
                             extra_matrix_params=0, extra_norm_params=0,
                             lookup_params=self.embedding_params, extra_kernels=1,
-                            products_per_layer=7)
+                            layer_matrices=per_layer)
         if name == "block":
             return PartSpec(name=name, layers=self.core_layers, layer_params=self.layer_params,
                             extra_matrix_params=0, extra_norm_params=h, lookup_params=0,
-                            extra_kernels=1, products_per_layer=7)
+                            extra_kernels=1, layer_matrices=per_layer)
         gate = (h + 1) if self.exit_gate else 0
         return PartSpec(name=name, layers=self.coda_layers, layer_params=self.layer_params,
                         extra_matrix_params=head + gate, extra_norm_params=0, lookup_params=0,
-                        extra_kernels=2 if self.exit_gate else 1, products_per_layer=7,
-                        extra_products=2 if self.exit_gate else 1)
+                        extra_kernels=2 if self.exit_gate else 1, layer_matrices=per_layer,
+                        extra_matrices=((self.vocab_size, h), (1, h)) if self.exit_gate
+                        else ((self.vocab_size, h),))
 
     @property
     def parts(self) -> dict[str, PartSpec]:

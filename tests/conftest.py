@@ -51,3 +51,27 @@ def model_for(family: str, easy: bool):
 @pytest.fixture(params=["huginn", "ouro"])
 def family(request):
     return request.param
+
+
+def synthetic_curve(seconds, dtype: str = "fp32"):
+    """A matrix-product curve tabulated from ``seconds(matrix_bytes, rows, working_set_bytes)``
+    on a grid like the calibration's (every size in the streamed set; in a smaller set, the
+    sizes it holds)."""
+    from costmodel.specs import MatmulCurve
+
+    rows = [1, 2, 3, 4, 8, 16, 32]
+    sizes = [float(2**k) for k in range(14, 27, 2)]
+    sets = [float(2**20), float(2**24), float(2**27)]
+    table = [[[seconds(size, n, ws) for n in rows] if size <= ws or ws == sets[-1]
+              else [None] * len(rows) for size in sizes] for ws in sets]
+    return MatmulCurve(dtype=dtype, rows=rows, matrix_bytes=sizes, working_sets_bytes=sets,
+                       seconds=table)
+
+
+def cpu_like_product_s(size: float, rows: int, working_set: float) -> float:
+    """A CPU-like product: 2 us to dispatch, one vector product per row below 4 rows and two
+    passes of blocked kernels from there, weights at 20 GB/s from memory or 200 GB/s from a
+    16 MiB cache, and 100 GFLOP/s of compute."""
+    bandwidth = 200e9 if working_set <= 2**24 else 20e9
+    passes = rows if rows < 4 else 2
+    return 2e-6 + size / bandwidth * passes + 2 * (size / 4) * rows / 100e9

@@ -90,24 +90,115 @@ def test_overlapped_overhead_is_hidden_behind_long_calls_only():
                                         float(serial.time_s - serial.overhead_s))
 
 
-def test_rows_below_the_blocked_kernel_stream_the_weights_once_each():
+def test_a_gpu_streams_the_weights_once_whatever_the_rows():
     m = get_model("huginn-mid")
-    hw = get_hardware("a6000").model_copy(update={
-        "overhead_overlaps": False, "blocked_gemm_rows": 4, "blocked_gemm_weight_passes": 2.0})
-
-    def weights_s(n):
-        return float(call_cost(m, hw, m.part("block"), "fp32", n, 1, n, 1).weights_s)
-
-    one = weights_s(1)
-    assert weights_s(3) > 2.9 * one  # three vector products: three passes (plus activations)
-    assert weights_s(4) < 2.1 * one and weights_s(8) < 2.1 * one  # blocked: two passes
     on_gpu = get_hardware("a6000").model_copy(update={"overhead_overlaps": False})
     assert float(call_cost(m, on_gpu, m.part("block"), "fp32", 3, 1, 3, 1).weights_s) < 1.01 * (
         float(call_cost(m, on_gpu, m.part("block"), "fp32", 1, 1, 1, 1).weights_s))
-    # with an exponent below 1 each extra row costs less than the one before: 1 + (n - 1) ** 0.5
-    concave = hw.model_copy(update={"gemv_row_exponent": 0.5})
-    passes_3 = float(call_cost(m, concave, m.part("block"), "fp32", 3, 1, 3, 1).weights_s) / one
-    assert 1 + 2**0.5 - 0.01 < passes_3 < 1 + 2**0.5 + 0.05
+
+
+def _cpu(**update):
+    from conftest import cpu_like_product_s, synthetic_curve
+
+    return get_hardware("a6000").model_copy(update={
+        "overhead_overlaps": False, "peak_flops_per_s": {"fp32": 100e9},
+        "matmul": synthetic_curve(cpu_like_product_s), **update})
+
+
+def test_the_curve_reads_its_measured_points_and_interpolates_between_them():
+    from conftest import cpu_like_product_s
+
+    from costmodel.matmul import product_time_s
+
+    curve = _cpu().matmul
+    streamed = curve.working_sets_bytes[-1]
+    for size in (2**16, 2**22):
+        for n in (1, 3, 8, 32):
+            assert product_time_s(curve, size, n, streamed) == pytest.approx(
+                cpu_like_product_s(size, n, streamed))
+    # rows: linear between measured ones, and each row past the last costs the last step's
+    size = 2**22
+    t8, t16 = (product_time_s(curve, size, n, None) for n in (8, 16))
+    assert product_time_s(curve, size, 12, None) == pytest.approx((t8 + t16) / 2)
+    t32 = product_time_s(curve, size, 32, None)
+    assert product_time_s(curve, size, 64, None) == pytest.approx(t32 + 32 * (t32 - t16) / 16)
+    rows = np.array([1, 2, 12, 64])
+    assert product_time_s(curve, size, rows, None) == pytest.approx(
+        [product_time_s(curve, size, int(n), None) for n in rows])
+    # sizes: log-log between measured ones, at least proportional past the largest, no faster
+    # than the smallest below it
+    between = product_time_s(curve, 2**21, 1, None)
+    assert product_time_s(curve, 2**20, 1, None) < between < product_time_s(curve, 2**22, 1, None)
+    assert product_time_s(curve, 2**28, 1, None) >= 4 * product_time_s(curve, 2**26, 1, None)
+    assert product_time_s(curve, 2**10, 1, None) == pytest.approx(
+        product_time_s(curve, 2**14, 1, None), rel=0.05)
+
+
+def test_a_wide_or_tall_matrix_takes_its_aspects_time_over_the_square_ones():
+    from costmodel.matmul import product_time_s
+
+    square = _cpu().matmul
+    streamed = square.seconds[-1]
+    curve = square.model_copy(update={
+        "aspects": [0.25, 4.0], "aspect_seconds": [
+            [[0.8 * t for t in line] for line in streamed],
+            [[1.5 * t for t in line] for line in streamed]]})
+    size = 2**22
+    for n in (1, 8):
+        base = product_time_s(curve, size, n, None)
+        assert base == product_time_s(square, size, n, None, aspect=4.0)  # no tables: square
+        assert product_time_s(curve, size, n, None, aspect=4.0) == pytest.approx(1.5 * base)
+        assert product_time_s(curve, size, n, None, aspect=2.0) == pytest.approx(
+            1.5**0.5 * base)  # halfway in log aspect
+        assert product_time_s(curve, size, n, None, aspect=16.0) == pytest.approx(1.5 * base)
+        assert product_time_s(curve, size, n, None, aspect=0.25) == pytest.approx(0.8 * base)
+        # a cached working set takes the same factor
+        assert product_time_s(curve, size, n, 2**23, aspect=4.0) == pytest.approx(
+            1.5 * product_time_s(curve, size, n, 2**23))
+
+
+def test_a_call_in_a_cached_working_set_runs_its_products_from_the_cache():
+    from conftest import cpu_like_product_s
+
+    from costmodel.matmul import product_time_s
+
+    curve = _cpu().matmul
+    size = 2**20
+    cached, streamed = (product_time_s(curve, size, 1, ws) for ws in (2**23, None))
+    assert cached == pytest.approx(cpu_like_product_s(size, 1, 2**23))  # both sets cached
+    assert streamed == pytest.approx(cpu_like_product_s(size, 1, 2**27))
+    # between the measured sets: in between, and never faster in a larger one
+    sets = [2**20, 2**23, 2**24, 2**25, 2**26, 2**27, 2**29]
+    times = [product_time_s(curve, size, 1, ws) for ws in sets]
+    assert times == sorted(times)
+    tiny, mid = get_model("huginn-tiny"), get_model("huginn-mid")  # 4 MB and 100 MB blocks
+    hw = _cpu()
+    per_byte = [float(call_cost(m, hw, m.part("block"), "fp32", 1, 1, 1, 1).weights_s)
+                / (m.part("block").weight_params * 4) for m in (tiny, mid)]
+    assert per_byte[1] > 2 * per_byte[0]  # the tiny one's small products: their dispatch too
+
+
+def test_a_cpu_call_prices_its_products_by_the_curve():
+    m = get_model("ouro-mid")
+    part = m.part("block")
+    hw = _cpu(host_overhead_s=0.0, launch_overhead_s=0.0)
+    for n in (1, 3, 4, 32):  # few rows: a pass per row; blocked from 4 rows; then compute
+        c = call_cost(m, hw, part, "fp32", n, 1, n, 1)
+        twice = call_cost(m, hw.model_copy(update={"matmul_time_scale": 2.0}), part, "fp32", n,
+                          1, n, 1)
+        products = float(twice.time_s - c.time_s)  # the scale doubles the products alone
+        assert products > 0.9 * float(c.time_s)  # the rest: activations, KV, attention
+        if n > 1:
+            assert float(c.compute_s) > 0  # what rows add beyond one row's weights
+    one, three, four = (float(call_cost(m, hw, part, "fp32", n, 1, n, 1).time_s)
+                        for n in (1, 3, 4))
+    assert three > 2.5 * one and four < 0.8 * three
+    # the products' dispatch is in the curve: the per-kernel overhead counts the other kernels
+    launches = hw.model_copy(update={"launch_overhead_s": 1e-6})
+    extra = float(call_cost(m, launches, part, "fp32", 1, 1, 1, 1).overhead_s)
+    kernels = float(call_cost(m, launches, part, "fp32", 1, 1, 1, 1).kernels)
+    assert extra == pytest.approx((kernels - part.matrix_products) * 1e-6)
+    assert part.matrix_products == part.layers * 7 and m.part("coda").matrix_products == 2
 
 
 def test_attention_has_its_own_flops_efficiency():
@@ -122,70 +213,6 @@ def test_attention_has_its_own_flops_efficiency():
     slow = hw.model_copy(update={"attention_flops_efficiency": hw.flops_efficiency / 4})
     attention = compute_s(hw, 4096) - compute_s(hw, 1)
     assert compute_s(slow, 4096) - compute_s(slow, 1) == pytest.approx(4 * attention, rel=1e-6)
-
-
-def test_a_model_that_fits_in_the_cache_streams_its_weights_from_it():
-    hw = get_hardware("a6000").model_copy(update={
-        "overhead_overlaps": False, "cache_bytes": 16e6, "cache_bandwidth_bytes_per_s": 8 * 768e9})
-    tiny, mid = get_model("huginn-tiny"), get_model("huginn-mid")
-    plain = hw.model_copy(update={"cache_bytes": 0.0})
-    for model, speedup in ((tiny, 8.0), (mid, 1.0)):
-        cached = call_cost(model, hw, model.part("block"), "fp32", 1, 1, 1, 1)
-        memory = call_cost(model, plain, model.part("block"), "fp32", 1, 1, 1, 1)
-        assert float(memory.weights_s) / float(cached.weights_s) == pytest.approx(speedup)
-
-
-def test_vector_products_read_cached_weights_once_per_row():
-    # nothing nearer than the cache holds them between rows: n rows, n passes, whatever the
-    # fitted passes of weights streamed from memory
-    hw = get_hardware("a6000").model_copy(update={
-        "overhead_overlaps": False, "cache_bytes": 16e6, "cache_bandwidth_bytes_per_s": 6e12,
-        "blocked_gemm_rows": 4, "gemv_row_passes": 0.3, "gemv_row_exponent": 0.5})
-    tiny = get_model("huginn-tiny")
-
-    def weights_s(n):
-        return float(call_cost(tiny, hw, tiny.part("block"), "fp32", n, 1, n, 1).weights_s)
-
-    assert weights_s(3) == pytest.approx(3 * weights_s(1))  # weights and activations, per row
-    mid = get_model("huginn-mid")  # streamed from memory: the fitted passes
-    one, three = (float(call_cost(mid, hw, mid.part("block"), "fp32", n, 1, n, 1).weights_s)
-                  for n in (1, 3))
-    assert three < 1.5 * one
-
-
-def test_products_below_the_threaded_rows_run_on_one_thread():
-    m = get_model("ouro-mid")
-    hw = get_hardware("a6000").model_copy(update={
-        "overhead_overlaps": False, "memory_bandwidth_bytes_per_s": 1e15, "blocked_gemm_rows": 4,
-        "threaded_gemm_rows": 5, "unthreaded_flops_fraction": 0.5,
-        "attention_flops_efficiency": 1.0})
-
-    def compute_per_row_s(hardware, n):  # compute-bound: the memory is nearly free
-        c = call_cost(m, hardware, m.part("block"), "bf16", n, 1, n, 1)
-        assert float(c.compute_s) > 0
-        return float(c.compute_s) / n
-
-    threaded = compute_per_row_s(hw, 5)
-    assert compute_per_row_s(hw, 4) == pytest.approx(2 * threaded, rel=0.01)
-    assert compute_per_row_s(hw, 16) == pytest.approx(threaded, rel=0.01)
-    every = hw.model_copy(update={"threaded_gemm_rows": None})  # None: all products threaded
-    assert compute_per_row_s(every, 4) == pytest.approx(threaded, rel=0.01)
-
-
-def test_blocked_products_add_a_fixed_latency_each():
-    hw = get_hardware("a6000").model_copy(update={
-        "overhead_overlaps": False, "blocked_gemm_rows": 4})
-    slow = hw.model_copy(update={"blocked_gemm_latency_s": 20e-6})
-    for name, per_layer, extra in (("huginn-mid", 4, 1), ("ouro-mid", 7, 0)):
-        m = get_model(name)
-        part = m.part("block")
-        assert part.matrix_products == part.layers * per_layer + extra
-        for n, products in ((3, 0), (4, part.matrix_products), (32, part.matrix_products)):
-            base, more = (float(call_cost(m, h, part, "fp32", n, 1, n, 1).overhead_s)
-                          for h in (hw, slow))
-            assert more - base == pytest.approx(products * 20e-6)
-    ouro = get_model("ouro-mid")
-    assert ouro.part("coda").matrix_products == 1 + ouro.exit_gate  # the head and the exit gate
 
 
 def test_each_layer_adds_its_host_overhead():

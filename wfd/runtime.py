@@ -3,7 +3,6 @@ recorded in the call trace (costmodel.trace.CallRecord), against one KV cache.""
 
 from __future__ import annotations
 
-import platform
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -64,16 +63,13 @@ PROFILES_DIR = Path(__file__).resolve().parents[1] / "data" / "profiles"
 
 
 def machine_name(device: str) -> str:
-    """The CPU's or GPU's model name, as profiles record it."""
+    """The GPU's model name, or the CPU's with the CPUs this process may use, as profiles
+    record it."""
+    from costmodel.profile import cpu_machine_name
+
     if device.startswith("cuda"):
         return torch.cuda.get_device_name()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_machine_name()
 
 
 def machine_profile(family: str, device: str):
