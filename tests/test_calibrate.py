@@ -406,3 +406,29 @@ def test_a_run_counts_each_call_at_the_median_of_its_shape():
     assert point.wall_per_token_s == pytest.approx((calls_s + 0.004 - 0.040) / 4)
     # the spike counts at the median (0.020 s); the 4 ms outside the calls stays
     assert point.measured_s == pytest.approx((8 * 0.020 + 4 * 0.005 + 0.004) / 4)
+
+
+def test_calibrate_refuses_a_busy_machines_profile_unless_forced(monkeypatch, tmp_path, capsys):
+    import calibrate.run
+    from costmodel import cli
+
+    quiet_profile = load_profile(Path(__file__).parents[1] / "data" / "profiles"
+                                 / "cpu-ouro-fp32-quick.json")
+    busy = quiet_profile.model_copy(update={"load": LoadReport(
+        measurements=100, retaken_fraction=0.4, loaded_fraction=0.9, canary_tolerance=1.2,
+        canary_median=2.2, canary_p90=3.0)})
+    monkeypatch.setattr(calibrate.run, "calibrate", lambda *args, **kw: busy.model_copy())
+    out = tmp_path / "p.json"
+
+    def calibrate_cmd(*extra: str) -> int:
+        monkeypatch.setattr(sys, "argv", ["costmodel", "calibrate", "--model", "ouro", "--out",
+                                          str(out), "--json", *extra])
+        with pytest.raises(SystemExit) as exit_:
+            cli.main()
+        return exit_.value.code
+
+    assert calibrate_cmd() == 2 and not out.exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "busy" in err[0] and "--force" in err[0]
+    assert calibrate_cmd("--force") == 0
+    assert load_profile(out).load.forced  # written, flagged
