@@ -1,6 +1,6 @@
 """Huginn (tomg-group-umd/huginn-0125): prelude, recurrent core, coda.
 
-Read top to bottom (../shared/reference/huginn.md section 2):
+Read top to bottom (the architecture as the public release implements it; docs/models.md):
 
     e   = prelude(wte[tokens] * sqrt(h))                  P: embedding + prelude sandwich blocks
     s_0 = sqrt(h) * TruncNormal(0, sigma * init_scale)    a function of (seed, position)

@@ -1,7 +1,7 @@
 """Ouro (ByteDance/Ouro-1.4B, -2.6B): the whole layer stack looped, shared final norm after every
 pass, untied head, exit gate.
 
-Read top to bottom (../shared/reference/ouro.md section 2):
+Read top to bottom (the architecture as the public release implements it; docs/models.md):
 
     h_0 = embed_tokens[tokens]                            P: embedding, no scaling
     h_t = norm(layers(h_{t-1}))                           B: every layer, then the final norm
