@@ -193,8 +193,10 @@ def fit(base: HardwareSpec, obs: Sequence[Observation], dtype: str,
             trial_hw = hw.model_copy(update={row[0]: _held_value(row)})
             trial = _solve(trial_hw, obs, dtype, rest) if rest else (
                 np.array([]), np.array([]), float("nan"))
-            trials.append((trial[2] if rest else 0.0, row, trial_hw, rest, trial))
-        _, row, hw, free, (values, stderr, cost) = min(trials, key=lambda t: t[0])
+            trials.append((row, trial_hw, rest, trial))
+        # (with nothing left to fit, the removal costs nothing more)
+        row, hw, free, (values, stderr, cost) = min(trials,
+                                                    key=lambda t: t[3][2] if t[2] else 0.0)
         fitted_hw = _with(hw, free, values)
         held = _held_value(row)
         dropped[row[0]] = (f"{weak[row[0]]}: dropped (0)" if row[5] == "overhead"

@@ -277,22 +277,18 @@ def measure_peaks(device: str, dtype: str, quiet: Quiet | None = None,
                            max(1, int(64 * 2**20 // ws)))) for ws in sets]
     peaks.cache_bytes, peaks.cache_bandwidth_bytes_per_s = cache_knee(
         peaks.bandwidth_by_working_set, bandwidth)
+    peaks.matmul = matmul_curve(dt, dtype, peaks.cache_bytes, quiet, peaks.checks, curve_rows)
     mib = 2**20
     if peaks.cache_bytes:
-        peaks.checks.append(
-            f"cache: copies of up to {peaks.cache_bytes / mib:.1f} MiB run "
-            f"{peaks.cache_bandwidth_bytes_per_s / bandwidth:.1f}x faster than memory "
-            f"(the system reports {reported / mib:.0f} MiB): products stream from memory in "
-            f"working sets of {max(STREAMED_WORKING_SET_BYTES, 4 * peaks.cache_bytes) / mib:.0f}"
-            " MiB")
+        cache = (f"copies of up to {peaks.cache_bytes / mib:.1f} MiB run "
+                 f"{peaks.cache_bandwidth_bytes_per_s / bandwidth:.1f}x faster than memory")
     else:
         fastest = max(b for _, b in peaks.bandwidth_by_working_set)
-        peaks.checks.append(
-            f"cache: no working set from 0.5 MiB copies {CACHE_SPEEDUP}x faster than memory "
-            f"(at best {fastest / bandwidth:.2f}x; the system reports {reported / mib:.0f} MiB):"
-            f" products stream from memory in working sets of "
-            f"{STREAMED_WORKING_SET_BYTES / mib:.0f} MiB")
-    peaks.matmul = matmul_curve(dt, dtype, peaks.cache_bytes, quiet, peaks.checks, curve_rows)
+        cache = (f"no working set from 0.5 MiB copies {CACHE_SPEEDUP}x faster than memory (at "
+                 f"best {fastest / bandwidth:.2f}x)")
+    peaks.checks.insert(0, f"cache: {cache} (the system reports {reported / mib:.0f} MiB): "
+                           "products stream from memory in working sets of "
+                           f"{peaks.matmul.working_sets_bytes[-1] / mib:.0f} MiB")
     # the curve's thin products cannot run faster than the square product's peak: if they do,
     # the peak was timed under load, and is timed again
     best_rate = max(2 * (size / dt.itemsize) * rows / t

@@ -156,23 +156,21 @@ def upgrade(raw: dict, path: str | Path) -> dict:
         hardware.pop(name, None)
     coefficients, held = {}, {}
     for name, c in (raw.get("coefficients") or {}).items():
-        if name in _SCHEMA3_ONLY or (name in _SCHEMA3_MEASURED_ONLY
-                                     and str(c.get("unit", "")).endswith("(measured)")):
+        measured = str(c.get("unit", "")).endswith("(measured)")
+        if name in _SCHEMA3_ONLY or (measured and name in _SCHEMA3_MEASURED_ONLY):
             continue
         stderr, value = c.get("stderr"), c.get("value", 0.0)
-        measured = str(c.get("unit", "")).endswith("(measured)")
+        why = None
         # schema 3 read a direction the calls do not constrain as an exact standard error
         if not measured and (stderr is None or abs(stderr) <= 1e-4 * abs(value)):
+            why = "not determined by the calls"
+        elif not measured and abs(stderr) > abs(value):
+            why = f"its standard error was {abs(stderr / value):.0%} of its value"
+        if why:
             held[name] = {"value": value, "prior": True,
-                          "reason": "not determined by the calls (schema 3 fit): held at "
-                                    f"{value:.4g}"}
-            continue
-        if not measured and abs(stderr) > abs(value):
-            held[name] = {"value": value, "prior": True,
-                          "reason": f"its standard error was {abs(stderr / value):.0%} of its "
-                                    f"value (schema 3 fit): held at {value:.4g}"}
-            continue
-        coefficients[name] = {**c, "stderr": stderr or 0.0}
+                          "reason": f"{why} (schema 3 fit): held at {value:.4g}"}
+        else:
+            coefficients[name] = {**c, "stderr": stderr or 0.0}
     return {**raw, "schema_version": PROFILE_SCHEMA_VERSION, "hardware": hardware,
             "coefficients": coefficients, "held": held}
 
