@@ -55,8 +55,10 @@ for family in ${FAMILIES:-huginn ouro}; do
   fi
   for mode in $MODES; do
     name="gpu-$family-$DTYPE$([ "$mode" = graphs ] && echo -graphs || true)"
+    # --force: an unattended run keeps its profile, flagged if the machine was busy (a GPU's
+    # never is; a CPU rehearsal beside other work can be), rather than lose the run
     "$PY" -m costmodel calibrate --model "$family" --device "$DEVICE" --dtype "$DTYPE" \
-      --mode "$mode" $QUICK_FLAG --fit-models "$fit" --holdout-model "$holdout" \
+      --mode "$mode" $QUICK_FLAG --fit-models "$fit" --holdout-model "$holdout" --force \
       --out "$OUT/$name.json" --json > "$OUT/$name.validation.json"
     "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[1], 'median', round(r['median_rel_error'],3), 'max', round(r['max_rel_error'],3))" "$OUT/$name.validation.json"
     echo "$family $mode calibrated in $((SECONDS - started)) s"
