@@ -7,6 +7,7 @@
 #   DEVICE=cpu DTYPE=fp32 QUICK=1 SIZES=tiny bash calibrate/gpu.sh   # the same script, tiny, CPU
 #   FAMILIES=ouro bash calibrate/gpu.sh    # one family (each family's run can have its own timeout)
 #   MODES="graphs" BENCH=0 bash calibrate/gpu.sh   # calibrate in graphs mode only, no benchmark
+#   MACHINE_FROM=PROFILE bash calibrate/gpu.sh  # reuse a profile's machine measurements
 #   REF_HUGINN=DIR REF_OURO=DIR bash calibrate/gpu.sh  # with the reference implementations'
 #                                                      # generate as the benchmark's baseline
 #
@@ -59,7 +60,10 @@ for family in ${FAMILIES:-huginn ouro}; do
     # never is; a CPU rehearsal beside other work can be), rather than lose the run
     "$PY" -m costmodel calibrate --model "$family" --device "$DEVICE" --dtype "$DTYPE" \
       --mode "$mode" $QUICK_FLAG --fit-models "$fit" --holdout-model "$holdout" --force \
+      ${MACHINE_FROM:+--machine-from "$MACHINE_FROM"} \
       --out "$OUT/$name.json" --json > "$OUT/$name.validation.json"
+    # the machine is measured once per run: later calibrations reuse the first one's peaks
+    MACHINE_FROM=${MACHINE_FROM:-$OUT/$name.json}
     "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[1], 'median', round(r['median_rel_error'],3), 'max', round(r['max_rel_error'],3))" "$OUT/$name.validation.json"
     echo "$family $mode calibrated in $((SECONDS - started)) s"
   done

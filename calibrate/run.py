@@ -18,7 +18,14 @@ import numpy as np
 
 from costmodel.plans import default_draft_depth
 from costmodel.presets import MODELS
-from costmodel.profile import CalibrationProfile, FittedValue, HeldValue, LoadReport
+from costmodel.profile import (
+    CalibrationProfile,
+    FittedValue,
+    HeldValue,
+    LoadReport,
+    ProfileError,
+    load_profile,
+)
 from costmodel.specs import HardwareSpec
 from costmodel.trace import current_commit
 
@@ -30,6 +37,7 @@ from .measure import (
     QUICK,
     CallSample,
     Grid,
+    Peaks,
     Quiet,
     call_grid,
     contexts_for,
@@ -74,10 +82,46 @@ def spec_for(name: str, model) -> object:
     return model.config.to_spec(name)
 
 
+def reused_peaks(path: Path, device: str, dtype: str, force: bool = False) -> Peaks:
+    """The machine measurements (peaks, cache, a CPU's product curve) of an earlier profile,
+    instead of measuring again: a second family on the same machine needs none of its own. A
+    profile of another machine, device kind, dtype or thread count is refused unless ``force``
+    (then said in the profile's checks)."""
+    import torch
+
+    from wfd.checkpoint import CheckpointError
+    from wfd.runtime import machine_name
+
+    try:
+        prof = load_profile(path)
+    except ProfileError as exc:
+        raise CheckpointError(f"--machine-from: {exc}") from None
+    threads = None if device.startswith("cuda") else torch.get_num_threads()
+    differ = [f"{what} {theirs} (here {ours})" for what, theirs, ours in (
+        ("machine", prof.machine, machine_name(device)),
+        ("device", prof.device.split(":")[0], device.split(":")[0]),
+        ("dtype", prof.dtype, dtype), ("threads", prof.threads, threads)) if theirs != ours]
+    if differ and not force:
+        raise CheckpointError(f"--machine-from {path} was measured with another setting: "
+                              f"{', '.join(differ)}; drop --machine-from or pass --force")
+    measured = prof.coefficients
+
+    def value(name: str) -> float:
+        return measured[name].value if name in measured else 0.0
+
+    checks = [c for c in prof.checks if c.startswith(("cache:", "matrix products", "peak flops"))]
+    reused = f"machine: the measurements of {path.name} ({prof.created[:16]}) reused" + (
+        f", taken with {', '.join(differ)}" if differ else "")
+    return Peaks(bandwidth_bytes_per_s=value("peak_bandwidth"), flops_per_s=value("peak_flops"),
+                 reported_cache_bytes=value("reported_cache"), cache_bytes=value("cache_knee"),
+                 matmul=prof.hardware.matmul, checks=[reused, *checks])
+
+
 def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu",
               dtype: str = "fp32", quick: bool = False, threads: int | None = None,
               fit_models: list[str] | None = None, holdout_model: str | None = None,
-              mode: str = "eager", progress=None) -> CalibrationProfile:
+              mode: str = "eager", progress=None, machine_from: Path | None = None,
+              force: bool = False) -> CalibrationProfile:
     import torch
 
     from wfd.checkpoint import CheckpointError, load_model
@@ -98,11 +142,14 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
     cuda = device.startswith("cuda")
     # a GPU is not shared: a slow canary there is launch jitter, not load, and is not retried
     quiet = Quiet(device, retries=0 if cuda else 4, budget_s=60.0 if quick else 120.0)
-    machine_task = progress.add_task("measuring the machine: bandwidth, flops, matrix products",
-                                     total=None) if progress else None
-    peaks = measure_peaks(device, dtype, quiet, CURVE_ROWS_QUICK if quick else CURVE_ROWS)
-    if progress:
-        progress.remove_task(machine_task)
+    if machine_from is not None:
+        peaks = reused_peaks(machine_from, device, dtype, force)
+    else:
+        machine_task = progress.add_task("measuring the machine: bandwidth, flops, matrix "
+                                         "products", total=None) if progress else None
+        peaks = measure_peaks(device, dtype, quiet, CURVE_ROWS_QUICK if quick else CURVE_ROWS)
+        if progress:
+            progress.remove_task(machine_task)
     # Kernels are the decoder's dispatched operations, counted; attention over several KV slots
     # is one of them (a wave is batched), so attention adds no kernels per slot.
     per_layer, extras = decoder_kernels([m for r, (_, m, _) in loaded.items() if r != "holdout"])

@@ -327,8 +327,11 @@ def calibrate_cmd(
              "cuda only)")] = "eager",
     out: Annotated[Path | None, typer.Option(help="profile file to write")] = None,
     force: Annotated[bool, typer.Option(
-        help="write the profile even when the machine was too busy to trust it (flagged)")
-    ] = False,
+        help="write the profile even when the machine was too busy to trust it (flagged), or "
+             "with --machine-from another machine's measurements")] = False,
+    machine_from: Annotated[Path | None, typer.Option(
+        help="reuse the machine measurements (peaks, cache, product curve) of an earlier "
+             "profile of this machine instead of measuring them again")] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Measure the decoder on this machine, fit the cost model, validate on held-out points and
@@ -362,7 +365,8 @@ def calibrate_cmd(
             profile = calibrate(model, checkpoint=str(checkpoint) if checkpoint else None,
                                 device=device, dtype=dtype, quick=quick, threads=threads,
                                 fit_models=fit_models.split(",") if fit_models else None,
-                                holdout_model=holdout_model, mode=mode, progress=progress)
+                                holdout_model=holdout_model, mode=mode, progress=progress,
+                                machine_from=machine_from, force=force)
     except CheckpointError as exc:
         raise UserError(str(exc)) from None
     busy = too_busy(profile.load)

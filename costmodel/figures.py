@@ -27,3 +27,13 @@ def save_figure(path: str | Path, draw: Callable[[object], None],
 
 
 NO_PLOTS = "note: no figure written (matplotlib is missing: pip install 'looped-decoding[plots]')"
+
+
+def batch_speedup_axes(ax, title: str, ylabel: str, legend_size: int = 8) -> None:
+    """Finish a speedup-against-batch plot: the 1x line, log2 batches, labels and legend."""
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequences per batch")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=legend_size)

@@ -114,9 +114,31 @@ def product_time_s(curve: MatmulCurve, matrix_bytes: float, n_rows,
     return out.reshape(n.shape) if n.shape else float(out[0])
 
 
+_PARTS: dict[int, tuple[MatmulCurve, dict]] = {}
+
+
 def part_matmul_s(curve: MatmulCurve, matrices: list[tuple[tuple[int, int], int]], width: int,
                   n_rows, working_set_bytes: float | None):
-    """Seconds of a call's matrix products: ``matrices`` is ((out, in), how many) pairs."""
+    """Seconds of a call's matrix products: ``matrices`` is ((out, in), how many) pairs. A
+    scalar row count is remembered per curve (a fit prices the same calls hundreds of times;
+    their products' times do not depend on the coefficients it moves)."""
+    if np.ndim(n_rows) or np.ndim(working_set_bytes):
+        return _part_matmul_s(curve, matrices, width, n_rows, working_set_bytes)
+    hit = _PARTS.get(id(curve))
+    if hit is None or hit[0] is not curve:
+        if len(_PARTS) > 64:
+            _PARTS.clear()
+        hit = _PARTS[id(curve)] = (curve, {})
+    key = (tuple(matrices), width, float(n_rows),
+           None if working_set_bytes is None else float(working_set_bytes))
+    memo = hit[1]
+    if key not in memo:
+        memo[key] = _part_matmul_s(curve, matrices, width, n_rows, working_set_bytes)
+    return memo[key]
+
+
+def _part_matmul_s(curve: MatmulCurve, matrices: list[tuple[tuple[int, int], int]], width: int,
+                   n_rows, working_set_bytes: float | None):
     total = 0.0
     for (out, inner), count in matrices:
         if out and inner and count:

@@ -199,13 +199,13 @@ class WFDPlan(Plan):
         in_flight: list[list[int]] = []  # [position, depth], oldest first
         waiting: int | None = self.prompt_length  # the position whose token waits to enter
         while True:
+            self.rounds += 1  # a tick: its prelude call (if a token enters), B, its coda call
             if waiting is not None and (cap is None or len(in_flight) < cap):
                 yield Call("prelude", (waiting,), (0,))
                 in_flight.append([waiting, 0])
                 waiting = None
             for entry in in_flight:
                 entry[1] += 1
-            self.rounds += 1
             yield Call("block", tuple(p for p, _ in in_flight), tuple(r for _, r in in_flight))
             (newest, newest_depth), (oldest, oldest_depth) = in_flight[-1], in_flight[0]
             readout = [(p, r) for p, r in dict.fromkeys(((newest, newest_depth),
@@ -260,16 +260,22 @@ class Executor:
 
     def run(self, steps: Steps) -> None:
         """Execute events (``plan.steps()``, or a part of a plan) until ``done`` or their end."""
+        while (call := self.advance(steps)) is not None:
+            self.call(call)
+
+    def advance(self, steps: Steps) -> Call | None:
+        """Handle the events up to the next call and return it, unrun (a batch runs the calls of
+        many sequences together); None once ``done`` or the events end."""
         reply: bool | None = None
         while not self.done:
             try:
                 event = steps.send(reply)
             except StopIteration:
-                return
+                return None
             reply = None
             if isinstance(event, Call):
-                self.call(event)
-            elif isinstance(event, Draft):
+                return event
+            if isinstance(event, Draft):
                 self.draft(event.position)
             elif isinstance(event, Verify):
                 reply = self.verify(event.position)
@@ -277,6 +283,7 @@ class Executor:
                 self.bonus(event.position)
             else:
                 self.rollback(event.length)
+        return None
 
 
 def _check_draft_depth(draft_depth: int, depth: int) -> None:

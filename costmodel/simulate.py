@@ -183,15 +183,17 @@ def price_bytes(model: LoopedModelSpec, hw: HardwareSpec, records: list[CallReco
 def _shapes_by_part(records: list[CallRecord]) -> dict[str, list[tuple[int, int, int, int]]]:
     shapes: dict[str, list[tuple[int, int, int, int]]] = {}
     for r in records:
-        shapes.setdefault(r.kind, []).append(call_shape(r.slots, r.contexts))
+        shapes.setdefault(r.kind, []).append(call_shape(r.slots, r.contexts, r.sequences))
     return shapes
 
 
-def call_shape(slots: Sequence[int], contexts: Sequence[int]) -> tuple[int, int, int, int]:
-    """The four numbers a call is priced by: its positions, the distinct slots it reads, the sum
-    of the positions' contexts, and the sum of the slots' lengths."""
-    lengths = slot_lengths(slots, contexts)
-    return len(contexts), len(lengths), sum(contexts), sum(lengths.values())
+def call_shape(slots: Sequence[int], contexts: Sequence[int],
+               sequences: Sequence[int] | None = None) -> tuple[int, int, int, int]:
+    """The four numbers a call is priced by: its positions, the distinct slots it reads (the
+    kernels: sequences share them), the sum of the positions' contexts, and the sum of the
+    lengths of the distinct (sequence, slot) pairs read (the KV bytes)."""
+    lengths = slot_lengths(slots, contexts, sequences)
+    return len(contexts), len(set(slots)), sum(contexts), sum(lengths.values())
 
 
 def price_shapes(model: LoopedModelSpec, hw: HardwareSpec,
@@ -217,3 +219,78 @@ def _part_costs(model: LoopedModelSpec, hw: HardwareSpec,
         yield kind, call_cost(model, hw, model.part(kind), dtype, n_positions=batch_size * n,
                               n_slots=slots, context_sum_positions=batch_size * ctx_positions,
                               context_sum_slots=batch_size * ctx_slots), len(rows)
+
+
+@dataclass
+class BatchSimulation:
+    """A simulated batch: its merged calls in order (records naming each position's sequence,
+    priced), which of them belong to prefills, and what decoding took without them."""
+
+    calls: list[CallRecord]
+    prefill: list[bool]  # per call: a prefill's (left out of the decode's latency)
+    decode_tokens: int  # committed after each sequence's first token (the prefill's)
+    latency_s: float
+    breakdown_s: dict[str, float]
+
+    @property
+    def records(self) -> list[CallRecord]:
+        """The decode's calls."""
+        return [r for r, p in zip(self.calls, self.prefill, strict=True) if not p]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.decode_tokens / self.latency_s
+
+    @property
+    def block_calls(self) -> int:
+        return sum(r.kind == "block" for r in self.records)
+
+
+def simulate_batch(
+    model: LoopedModelSpec,
+    hw: HardwareSpec,
+    schedule: AR | DtV | WFD,
+    sequences: Sequence[tuple[int, int, Sequence[bool] | None]],
+    *,
+    batch_size: int,
+    depth: int | None = None,
+    kv_sharing: int = 0,
+    dtype: str = "bf16",
+) -> BatchSimulation:
+    """Simulate decoding ``sequences`` (context length, new tokens, draft outcomes by decoded
+    position; None for AR) ``batch_size`` at a time, merged call by call as the decoder merges
+    them (``costmodel.batching``), and price each merged call. Unlike ``predict --batch``, which
+    prices B copies of one sequence's steady state, this counts what a finite batch does: the
+    waves filling, sequences finishing at different calls, newcomers' prefills and rounds."""
+    from .batching import PREFILL, merged_call, run_batch
+
+    depth = depth or model.default_depth
+    calls: list[CallRecord] = []
+    prefill: list[bool] = []
+
+    def start(job: tuple[int, int, Sequence[bool] | None], region: int):
+        context, new, accept = job
+        if new < 2:
+            raise ValueError("simulate at least 2 new tokens per sequence (the prefill "
+                             "commits the first)")
+        plan = make_plan(schedule.kind, context, depth, coda_attends=model.coda_layers > 0,
+                         draft_depth=getattr(schedule, "draft_depth", None),
+                         block_length=getattr(schedule, "block_length", 1),
+                         width_cap=getattr(schedule, "width_cap", None))
+        padded = list(accept or []) + [False] * 64  # drafts past the end are never committed
+        return _Simulator(plan, kv_sharing, padded, new, records=False), plan
+
+    def run_call(lanes) -> None:
+        kind, positions, depths, regions = merged_call(lanes)
+        calls.append(CallRecord.model_construct(
+            kind=kind, positions=positions, depths=depths, contexts=[p + 1 for p in positions],
+            slots=call_slots(kind, depths, kv_sharing), sequences=regions, wall_s=0.0))
+        prefill.append(lanes[0].round == PREFILL)
+
+    run_batch(list(sequences), min(batch_size, len(sequences)), start, run_call, lambda _: None)
+    price_records(model, hw, [r for r, p in zip(calls, prefill, strict=True) if p], dtype=dtype)
+    decode = [r for r, p in zip(calls, prefill, strict=True) if not p]
+    breakdown = price_records(model, hw, decode, dtype=dtype)
+    return BatchSimulation(calls=calls, prefill=prefill,
+                           decode_tokens=sum(new - 1 for _, new, _ in sequences),
+                           latency_s=sum(r.wall_s for r in decode), breakdown_s=breakdown)

@@ -4,7 +4,9 @@ Both are JSON Lines: a header line, then one record per line.
 
 - Call trace: one ``CallRecord`` per call of P, B or C: the positions, the depth each position
   has after the call (B), or is read out at (C), the context each position attends over, the KV
-  slot each position reads and writes, and the wall time (measured or predicted).
+  slot each position reads and writes, and the wall time (measured or predicted). A batched
+  call also names the sequence (its KV region) of each position; a slot is then read once per
+  sequence that uses it.
 - Depth trace: one ``DepthRecord`` per generated position p: the greedy readout y(p, r) and its
   top-1 probability at every depth r = 1..R. It tells whether draft depth d would be accepted at
   p, for every d, so the simulator can replay any schedule without the model.
@@ -53,21 +55,25 @@ class CallRecord(BaseModel):
     depths: list[int]
     contexts: list[int]
     slots: list[int]
+    sequences: list[int] | None = None  # a batched call: each position's sequence
     wall_s: float = 0.0
 
     @property
     def slots_read(self) -> list[int]:
         return sorted(set(self.slots))
 
-    def slot_contexts(self) -> dict[int, int]:
-        return slot_lengths(self.slots, self.contexts)
+    def slot_contexts(self) -> dict[int | tuple[int, int], int]:
+        return slot_lengths(self.slots, self.contexts, self.sequences)
 
 
-def slot_lengths(slots: Sequence[int], contexts: Sequence[int]) -> dict[int, int]:
-    """Length of each distinct slot a call reads: the longest context among its readers."""
-    lengths: dict[int, int] = {}
-    for slot, ctx in zip(slots, contexts, strict=True):
-        lengths[slot] = max(lengths.get(slot, 0), ctx)
+def slot_lengths(slots: Sequence[int], contexts: Sequence[int],
+                 sequences: Sequence[int] | None = None) -> dict[int | tuple[int, int], int]:
+    """Length of each distinct slot a call reads (each (sequence, slot) of a batched call): the
+    longest context among its readers."""
+    keys = slots if sequences is None else list(zip(sequences, slots, strict=True))
+    lengths: dict[int | tuple[int, int], int] = {}
+    for key, ctx in zip(keys, contexts, strict=True):
+        lengths[key] = max(lengths.get(key, 0), ctx)
     return lengths
 
 

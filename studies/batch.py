@@ -6,6 +6,7 @@ real card)."""
 from __future__ import annotations
 
 from costmodel import Workload, predict
+from costmodel.figures import batch_speedup_axes
 from costmodel.presets import get_hardware
 from costmodel.specs import HardwareSpec
 
@@ -46,11 +47,7 @@ def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult
             ax.plot([r["batch"] for r in mine], [1 + r["wfd_kv_share"] for r in mine],
                     linestyle="--", color=f"C{i}", linewidth=0.8,
                     label=f"{model}: 1 + KV share of WFD time")
-        ax.axhline(1.0, color="grey", linewidth=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("sequences per batch")
-        ax.set_ylabel("speedup over AR at the same batch (x)")
-        ax.set_title(f"{getattr(hw, 'name', hw)}, context {CONTEXT}")
-        ax.legend(fontsize=7)
+        batch_speedup_axes(ax, f"{getattr(hw, 'name', hw)}, context {CONTEXT}",
+                           "speedup over AR at the same batch (x)", legend_size=7)
 
     return StudyResult("batch", "Speedup vs batch size", rows, draw)

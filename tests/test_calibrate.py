@@ -287,9 +287,12 @@ def test_calibrate_with_a_checkpoint_of_the_wrong_family(tmp_path):
 
 def test_gpu_script_runs_on_cpu_at_tiny_size(tmp_path):
     # one family (the other's calibration runs the same lines), with a short benchmark
+    # the machine's measurements come from a shipped profile (their own test measures them;
+    # on another machine the script's --force takes them, flagged)
+    machine = Path(__file__).parents[1] / "data" / "profiles" / "cpu-ouro-fp32-quick.json"
     env = {"DEVICE": "cpu", "DTYPE": "fp32", "QUICK": "1", "SIZES": "tiny", "OUT": str(tmp_path),
            "PYTHON": sys.executable, "FAMILIES": "ouro", "BENCH_CONTEXT": "16",
-           "BENCH_TOKENS": "8", "BENCH_REPEATS": "1"}
+           "BENCH_TOKENS": "8", "BENCH_REPEATS": "1", "MACHINE_FROM": str(machine)}
     import os
 
     out = subprocess.run(["bash", "calibrate/gpu.sh"], capture_output=True, text=True,
@@ -308,6 +311,20 @@ def test_gpu_script_runs_on_cpu_at_tiny_size(tmp_path):
         assert report["per_token"]["points"] >= 3 and report["per_call"]["points"] > 20
         assert profile.threads >= 1  # the CPU threads the decoder ran on
         assert (tmp_path / f"gpu-{family}-fp32.png").stat().st_size > 0
+        assert profile.checks[0].startswith("machine: the measurements of cpu-ouro-fp32-quick")
+        assert profile.hardware.matmul == load_profile(machine).hardware.matmul
+
+
+def test_machine_measurements_are_reused_only_from_the_same_setting():
+    from calibrate.run import reused_peaks
+    from wfd.checkpoint import CheckpointError
+
+    path = Path(__file__).parents[1] / "data" / "profiles" / "cpu-ouro-fp32-quick.json"
+    with pytest.raises(CheckpointError, match="another setting: .*dtype fp32 \\(here bf16\\)"):
+        reused_peaks(path, "cpu", "bf16")
+    peaks = reused_peaks(path, "cpu", "bf16", force=True)
+    assert "taken with" in peaks.checks[0] and peaks.matmul == load_profile(path).hardware.matmul
+    assert peaks.bandwidth_bytes_per_s == load_profile(path).coefficients["peak_bandwidth"].value
 
 
 def test_decoder_operations_are_counted_per_layer_and_per_part():

@@ -1,7 +1,7 @@
 """A decoder for looped (recurrent-depth) language models: Huginn and Ouro architectures, a
 recurrence-specific KV cache, and the AR, DtV and WaveFront schedules."""
 
-__all__ = ["load_model", "generate"]
+__all__ = ["decode_batch", "generate", "load_model"]
 
 
 def __getattr__(name: str):  # torch loads on first use, not on `import wfd`
@@ -13,4 +13,8 @@ def __getattr__(name: str):  # torch loads on first use, not on `import wfd`
         from .generate import generate
 
         return generate
+    if name == "decode_batch":
+        from .batch import decode_batch
+
+        return decode_batch
     raise AttributeError(name)

@@ -1,5 +1,5 @@
 """The KV cache of a looped LM: one slot per (depth, layer), position-indexed, static, with
-rollback.
+rollback, for one sequence or a batch of them (one region per sequence).
 
 Allocated once per run for its longest sequence (prompt + new tokens + the schedule's lookahead).
 Every attention layer owns K, V of shape [slots, kv_heads, max_len, head_dim]; a position's key
@@ -11,6 +11,11 @@ one indexed store per layer and call, and read as views. Which slot a call uses:
   sharing over s slots, (r - 1) mod s (s = 1: one slot per layer; past positions then contribute
   whatever they wrote last into that slot, as in Huginn's compress-s cache);
 - coda layers (Huginn): one slot per readout depth, so draft readouts never touch the verify path.
+
+A batch of B sequences gives each sequence a region of its own: the slots of sequence b are rows
+b * slots ... b * slots + slots - 1 of the same tensors (``flat`` slot indices), so one call can
+write and read the slots of many sequences, and a finished sequence's region is handed to the next
+prompt (``release``).
 
 The layers of a part see the same writes, so a part keeps one list of per-slot lengths (the valid
 prefix of each slot), checked and advanced once per call by ``claim``: a write must extend or
@@ -50,12 +55,13 @@ class PartKV:
     """The layers of one part (prelude, core or coda) and their shared per-slot lengths."""
 
     def __init__(self, layers: int, slots: int, overwrite: bool, shape_tail: tuple[int, ...],
-                 dtype: torch.dtype, device: torch.device | str):
-        self.lengths = [0] * slots
+                 dtype: torch.dtype, device: torch.device | str, sequences: int = 1):
+        self.slots = slots  # per sequence; sequence b owns flat slots b * slots ... + slots - 1
+        self.lengths = [0] * (slots * sequences)
         # without sharing a position is written once: a schedule that writes it again forgot to
         # roll back; with sharing, later depths overwrite the slot by design
         self.overwrite = overwrite
-        shape = (slots, *shape_tail)
+        shape = (slots * sequences, *shape_tail)
         self.layers = [LayerKV(torch.zeros(shape, dtype=dtype, device=device),
                                torch.zeros(shape, dtype=dtype, device=device), self.lengths)
                        for _ in range(layers)]
@@ -77,8 +83,11 @@ class PartKV:
             new[slot] = max(new[slot], pos + 1)
         lengths[:] = new  # in place: every layer holds this list
 
-    def truncate(self, length: int) -> None:
-        self.lengths[:] = [min(n, length) for n in self.lengths]
+    def truncate(self, length: int, sequence: int | None = None) -> None:
+        """Keep the first ``length`` positions of every slot (of one sequence's slots)."""
+        first, last = (0, len(self.lengths)) if sequence is None else (
+            sequence * self.slots, (sequence + 1) * self.slots)
+        self.lengths[first:last] = [min(n, length) for n in self.lengths[first:last]]
 
     def fill(self, length: int) -> None:
         """Mark every slot valid up to ``length`` and allow rewrites (timing the same call
@@ -88,24 +97,30 @@ class PartKV:
 
 
 class KVCache:
-    """All layers' KV for one sequence, and the slot each depth maps to."""
+    """All layers' KV for one sequence (or ``sequences`` of them), and the slot each depth maps
+    to."""
 
     def __init__(self, *, prelude_layers: int, core_layers: int, coda_layers: int, depth: int,
                  kv_sharing: int, readout_depths: list[int], kv_heads: int, head_dim: int,
-                 max_len: int, dtype: torch.dtype, device: torch.device | str):
+                 max_len: int, dtype: torch.dtype, device: torch.device | str,
+                 sequences: int = 1):
         if kv_sharing < 0:
             raise ValueError("kv_sharing must be 0 (one slot per depth) or a slot count >= 1")
+        if sequences < 1:
+            raise ValueError(f"a cache holds at least one sequence, got {sequences}")
         self.depth = depth
         self.kv_sharing = kv_sharing
         self.max_len = max_len
+        self.sequences = sequences
         core_slots = depth if kv_sharing == 0 else min(kv_sharing, depth)
         self.coda_slot_of = {r: i for i, r in enumerate(sorted(set(readout_depths)))}
         tail = (kv_heads, max_len, head_dim)
         self.parts = {
-            "prelude": PartKV(prelude_layers, 1, False, tail, dtype, device),
-            "block": PartKV(core_layers, core_slots, kv_sharing > 0, tail, dtype, device),
+            "prelude": PartKV(prelude_layers, 1, False, tail, dtype, device, sequences),
+            "block": PartKV(core_layers, core_slots, kv_sharing > 0, tail, dtype, device,
+                            sequences),
             "coda": PartKV(coda_layers, max(len(self.coda_slot_of), 1), False, tail, dtype,
-                           device),
+                           device, sequences),
         }
         self.prelude = self.parts["prelude"].layers
         self.core = self.parts["block"].layers
@@ -123,13 +138,20 @@ class KVCache:
                              f"reads out at {sorted(self.coda_slot_of)}")
         return self.coda_slot_of[readout_depth]
 
-    def slots(self, kind: str, depths: list[int]) -> list[int]:
-        """The slot each position of a call of ``kind`` (prelude, block, coda) writes and reads."""
+    def slots(self, kind: str, depths: list[int], sequences: list[int] | None = None
+              ) -> list[int]:
+        """The slot each position of a call of ``kind`` (prelude, block, coda) writes and reads:
+        flat indices into its sequence's region when ``sequences`` (one per position) is given."""
         if kind == "prelude":
-            return [0] * len(depths)
-        if kind == "block":
-            return [self.core_slot(r) for r in depths]
-        return [self.coda_slot(r) for r in depths]
+            slots = [0] * len(depths)
+        elif kind == "block":
+            slots = [self.core_slot(r) for r in depths]
+        else:
+            slots = [self.coda_slot(r) for r in depths]
+        if sequences is None:
+            return slots
+        per_sequence = self.parts[kind].slots
+        return [b * per_sequence + s for b, s in zip(sequences, slots, strict=True)]
 
     def claim(self, kind: str, slots: list[int], positions: list[int]) -> None:
         self.parts[kind].claim(slots, positions, self.max_len)
@@ -137,10 +159,14 @@ class KVCache:
     def layers(self) -> list[LayerKV]:
         return [*self.prelude, *self.core, *self.coda]
 
-    def truncate(self, length: int) -> None:
-        """Roll back every slot to the first ``length`` positions."""
+    def truncate(self, length: int, sequence: int | None = None) -> None:
+        """Roll back every slot (of one sequence's region) to the first ``length`` positions."""
         for part in self.parts.values():
-            part.truncate(length)
+            part.truncate(length, sequence)
+
+    def release(self, sequence: int) -> None:
+        """Empty a finished sequence's region for the next prompt."""
+        self.truncate(0, sequence)
 
     def fill(self, length: int) -> None:
         for part in self.parts.values():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -70,11 +71,34 @@ def generate(
     trace: Annotated[Path | None, typer.Option(help="write the call trace (JSON Lines)")] = None,
     depth_trace: Annotated[Path | None, typer.Option(
         help="write the depth trace (JSON Lines): y(p, r) for every depth")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    prompts_file: Annotated[Path | None, typer.Option(
+        help="decode many prompts, B at a time: a JSON Lines file of {\"prompt\": ...} or "
+             "{\"prompt_ids\": [...]}, each with an optional max_new_tokens")] = None,
+    batch_size: Annotated[int, typer.Option(
+        help="--prompts-file: sequences decoded together (continuous batching)")] = 8,
+    out: Annotated[Path | None, typer.Option(
+        help="--prompts-file: write one JSON object per prompt here, in the file's order "
+             "(default: standard output)")] = None,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="print one JSON object (with --prompts-file: the run's totals)")] = False,
 ) -> None:
-    """Generate from a prompt; print the text (or token ids) and the decoding statistics."""
-    if (prompt is None) == (prompt_ids is None):
-        raise UserError("give exactly one of --prompt and --prompt-ids")
+    """Generate from a prompt (or a prompts file, in batches); print the text (or token ids)
+    and the decoding statistics."""
+    if prompts_file is not None:
+        if prompt is not None or prompt_ids is not None:
+            raise UserError("give --prompts-file or a prompt (--prompt, --prompt-ids), not both")
+        if schedule == "auto" or depth_trace is not None:
+            raise UserError("a prompts file decodes with --schedule ar, dtv or wfd, without "
+                            "--depth-trace")
+        if batch_size < 1:
+            raise UserError(f"batch size must be at least 1, got {batch_size}")
+        if as_json and out is None:
+            raise UserError("--json prints the run's totals: give --out for the per-prompt "
+                            "results")
+    elif (prompt is None) == (prompt_ids is None):
+        raise UserError("give exactly one of --prompt and --prompt-ids (or --prompts-file)")
+    elif out is not None or batch_size != 8:
+        raise UserError("--out and --batch-size go with --prompts-file")
     if schedule not in ("ar", "dtv", "wfd", "auto"):
         raise UserError(f"unknown schedule {schedule!r}; use ar, dtv, wfd or auto")
     if width is not None and draft_depth is not None:
@@ -112,6 +136,18 @@ def generate(
         net = load_model(model, device=device, dtype=dtype, init_scale=init_scale, seed=seed)
         folder = Path(model) if Path(model).is_dir() else SHIPPED_DIR / model
         tok = tokenizer_for(folder if folder.is_dir() else None, net.config.vocab_size)
+        stops = frozenset(_parse_ids(stop_ids, "--stop-ids")) if stop_ids else frozenset()
+        run_depth = depth or net.config.depth
+        if schedule in ("dtv", "wfd"):
+            draft_depth = resolve_draft_depth(net.config, run_depth, width, draft_depth)
+        if prompts_file is not None:
+            return _generate_file(
+                net, tok, prompts_file, out, model=model, device=device, dtype=dtype,
+                trace=trace, as_json=as_json, schedule=schedule, batch_size=batch_size,
+                max_new_tokens=max_new_tokens, depth=run_depth, draft_depth=draft_depth,
+                block_length=block_length, width_cap=width_cap, kv_sharing=kv_sharing,
+                sampling=Sampling(temperature, top_p, seed), stop_tokens=stops,
+                force_acceptance=force_acceptance, seed=seed, mode=mode)
         if prompt is not None:
             if tok is None:
                 raise UserError(f"{model} has no tokenizer.json; give --prompt-ids")
@@ -122,10 +158,6 @@ def generate(
         if bad:
             raise UserError(f"token id {bad[0]} outside the vocabulary of "
                             f"{net.config.vocab_size}")
-        stops = frozenset(_parse_ids(stop_ids, "--stop-ids")) if stop_ids else frozenset()
-        run_depth = depth or net.config.depth
-        if schedule in ("dtv", "wfd"):
-            draft_depth = resolve_draft_depth(net.config, run_depth, width, draft_depth)
         hardware = None
         if schedule == "auto":
             chosen, calibrated = (profile, load_profile(profile)) if profile else \
@@ -181,6 +213,75 @@ def generate(
                    + (f", acceptance {acceptance:.2f}" if acceptance is not None else "")
                    + (", FORCED acceptance: not a real decode"
                       if result.stats.get("forced_acceptance") else ""), err=True)
+
+
+def _generate_file(net, tok, prompts_file: Path, out: Path | None, *, model: str, device: str,
+                   dtype: str, trace: Path | None, as_json: bool, **kw) -> None:
+    """The batched path of ``generate``: every prompt of a JSON Lines file, B at a time, each
+    result written as it finishes; bad lines are reported by number and skipped."""
+    import sys
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from costmodel.trace import TraceHeader, current_commit, write_jsonl
+
+    from .batch import decode_batch
+    from .prompts import OrderedWriter, read_prompts
+
+    try:
+        lines = read_prompts(prompts_file, tok, net.config.vocab_size, kw["max_new_tokens"])
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    bad = [line for line in lines if line.request is None]
+    for line in bad:
+        typer.echo(f"skipped: {line.error}", err=True)
+    requests = [line.request for line in lines if line.request is not None]
+    if not requests:
+        raise UserError(f"no usable prompt in {prompts_file}")
+    stream = out.open("w") if out is not None else sys.stdout
+    writer = OrderedWriter(lines, stream, tok)
+    tokens = 0
+    progress = Progress(TextColumn("prompts"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[rate]}"), console=Console(stderr=True),
+                        transient=True)
+    task = progress.add_task("decode", total=len(requests), rate="")
+    started = time.perf_counter()
+
+    def finished(result) -> None:
+        nonlocal tokens
+        writer.add(result)
+        tokens += len(result.tokens)
+        rate = tokens / max(time.perf_counter() - started, 1e-9)
+        progress.update(task, advance=1, rate=f"{rate:.1f} tokens/s")
+
+    try:
+        with progress:
+            run = decode_batch(net, requests, record=trace is not None, on_result=finished,
+                               **{k: v for k, v in kw.items() if k != "max_new_tokens"})
+    finally:
+        writer.close()
+        if out is not None:
+            stream.close()
+    if trace is not None:
+        write_jsonl(trace, TraceHeader(trace="calls", source="measured", model=model,
+                                       device=device, dtype=dtype, commit=current_commit(),
+                                       depth=run.stats["depth"], schedule=kw["schedule"],
+                                       extra={"batch_size": run.stats["batch_size"]}),
+                    run.records)
+    totals = {"prompts": len(lines), "served": len(run.results), "skipped": len(bad),
+              "new_tokens": run.tokens, "wall_s": run.wall_s,
+              "tokens_per_s": run.tokens / run.wall_s, "prefill_s": run.prefill_s,
+              "decode_tokens_per_s": run.decode_tokens_per_s, **run.stats}
+    if as_json:
+        print_json(totals)
+    else:
+        typer.echo(f"[{kw['schedule']} x{run.stats['batch_size']}] {len(run.results)} prompts, "
+                   f"{run.tokens} tokens in {run.wall_s:.2f} s "
+                   f"({totals['tokens_per_s']:.1f} tokens/s), {run.stats['block_calls']} block "
+                   f"calls" + (f", {len(bad)} bad lines skipped" if bad else ""), err=True)
+    if bad:
+        raise typer.Exit(1)
 
 
 main = run(app)

@@ -78,8 +78,10 @@ class Decoder(Executor):
     def __init__(self, runner: Runner, prompt: Sequence[int], *, max_new_tokens: int,
                  sampling: Sampling, verifier: Verifier,
                  stop_tokens: frozenset[int] = frozenset(), keep_depths: bool = False,
-                 on_rollback: Callable[[KVCache, list[int]], None] | None = None):
+                 on_rollback: Callable[[KVCache, list[int]], None] | None = None,
+                 sequence: int | None = None):
         self.runner, self.prompt = runner, list(prompt)
+        self.sequence = sequence  # its region of a batched cache (wfd.batch); None: the cache
         self.max_new_tokens, self.stop_tokens = max_new_tokens, stop_tokens
         self.sampling, self.verifier = sampling, verifier
         self.on_rollback = on_rollback
@@ -105,23 +107,41 @@ class Decoder(Executor):
             self.tokens and self.tokens[-1] in self.stop_tokens)
 
     def call(self, call: Call) -> None:
-        positions, depths = list(call.positions), list(call.depths)
+        self.take(call, self.runner.run(call.kind, list(call.positions), list(call.depths),
+                                        self.inputs(call)))
+
+    def _rows(self, positions: tuple[int, ...]) -> slice | torch.Tensor:
         first = positions[0]
-        rows = slice(first, first + len(positions)) if positions == list(
-            range(first, first + len(positions))) else torch.tensor(positions)
+        if positions == tuple(range(first, first + len(positions))):
+            return slice(first, first + len(positions))  # every schedule's calls: a view
+        return torch.tensor(positions)
+
+    def inputs(self, call: Call) -> list[torch.Tensor]:
+        """What a call of this sequence feeds its part: the tokens (prelude), the states and
+        injections (block) or the states (coda) of its positions."""
         if call.kind == "prelude":
-            e, state = self.runner.prelude([self.token_at[p] for p in positions], positions)
-            self.injections[rows], self.states[rows] = e, state
+            return [torch.tensor([self.token_at[p] for p in call.positions],
+                                 device=self.states.device)]
+        rows = self._rows(call.positions)
+        if call.kind == "block":
+            return [self.states[rows], self.injections[rows]]
+        return [self.states[rows]]
+
+    def take(self, call: Call, out: torch.Tensor) -> None:
+        """Keep a call's output: injections and initial states, new states, or readouts."""
+        positions, depths = list(call.positions), list(call.depths)
+        rows = self._rows(call.positions)
+        if call.kind == "prelude":
+            self.injections[rows] = out
+            self.states[rows] = self.runner.model.initial_state(positions, out)
         elif call.kind == "block":
-            self.states[rows] = self.runner.block(self.states[rows], self.injections[rows],
-                                                  positions, depths)
+            self.states[rows] = out
         else:
-            logits = self.runner.coda(self.states[rows], positions, depths)
-            self.readouts = dict(zip(positions, logits, strict=True))
+            self.readouts = dict(zip(positions, out, strict=True))
             if self.probe is not None:
-                self.probe[depths[0]] = logits.argmax(-1)
+                self.probe[depths[0]] = out.argmax(-1)
             if self.keep_depths:
-                for p, r, row in zip(positions, depths, logits, strict=True):
+                for p, r, row in zip(positions, depths, out, strict=True):
                     if p >= len(self.prompt) - 1:
                         self.depth_logits.setdefault(p, {})[r] = row
 
@@ -152,7 +172,7 @@ class Decoder(Executor):
             self.depth_records.append(depth_record(position, token, self.last_depths))
 
     def rollback(self, length: int) -> None:
-        self.runner.cache.truncate(length)
+        self.runner.cache.truncate(length, self.sequence)
         if self.on_rollback is not None:
             self.on_rollback(self.runner.cache, self.tokens)
 

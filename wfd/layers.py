@@ -53,26 +53,41 @@ def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 
 @functools.lru_cache(maxsize=4096)
-def slot_layout(slots: tuple[int, ...]) -> tuple[str, tuple[int, int, int] | None, bool]:
-    """How a call's positions read their slots: ("one", None, False) when they share one slot
-    (AR, prefill, DtV's verification); ("range", (first, last, step), descending) when distinct
-    slots form an arithmetic progression (a full wave: depths d apart), read as a strided view of
-    the cache; ("gather", None, False) otherwise (one gathered row per position)."""
-    if len(set(slots)) == 1:
-        return "one", None, False
-    if len(set(slots)) == len(slots):
-        steps = {b - a for a, b in zip(slots, slots[1:], strict=False)}
-        if len(steps) == 1:
-            step = steps.pop()
-            return "range", (min(slots), max(slots), abs(step)), step < 0
-    return "gather", None, False
+def slot_layout(slots: tuple[int, ...]) -> tuple[str, tuple[int, int, int] | None, bool, int]:
+    """How a call's positions read their slots, as (access, slot range, descending, queries per
+    group). Positions form groups: runs of equal slots, each run one group of queries over one key
+    set (AR and the prefill: one group; DtV's verification: one group per sequence; a WFD wave: one
+    position per group). When the groups' slots are distinct and the runs equally long, the key
+    sets are read as ("one", None, False, q) for a single group, ("range", (first, last, step),
+    descending, q) when the slots form an arithmetic progression (a strided view of the cache),
+    or ("gather", None, False, q) otherwise (one gathered key set per group); any other mix reads
+    one gathered key set per position ("gather", None, False, 1)."""
+    runs: list[list[int]] = []
+    for slot in slots:
+        if runs and runs[-1][0] == slot:
+            runs[-1][1] += 1
+        else:
+            runs.append([slot, 1])
+    heads = [slot for slot, _ in runs]
+    sizes = {size for _, size in runs}
+    if len(set(heads)) != len(heads) or len(sizes) != 1:
+        return "gather", None, False, 1
+    per_group = sizes.pop()
+    if len(heads) == 1:
+        return "one", None, False, per_group
+    steps = {b - a for a, b in zip(heads, heads[1:], strict=False)}
+    if len(steps) == 1:
+        step = steps.pop()
+        return "range", (min(heads), max(heads), abs(step)), step < 0, per_group
+    return "gather", None, False, per_group
 
 
 @dataclass
 class CallPlan:
     """What every attention layer of one call shares, computed once per call from tensors only
     (so a captured call recomputes it on replay): the positions, the KV slot each writes and
-    reads, RoPE angles and the causal mask over ``span`` keys per slot.
+    reads (flat indices into a batch's regions: wfd.cache), RoPE angles and the causal mask over
+    ``span`` keys per slot.
 
     ``span`` is the number of key positions attention reads per slot: the call's max position + 1
     (eager), or the cache's static length (static shapes: the same for every call of a run, with
@@ -87,6 +102,7 @@ class CallPlan:
     layout: str = "none"  # "none" (no cache), "one", "range", "gather": see slot_layout
     slot_range: tuple[int, int, int] | None = None
     descending: bool = False  # a range read in descending slot order: queries flipped to match
+    per_group: int = 1  # consecutive positions sharing one key set (see slot_layout)
 
     @classmethod
     def make(cls, positions: torch.Tensor, slots: tuple[int, ...] | None,
@@ -95,13 +111,13 @@ class CallPlan:
         angles = rope_angles(positions, head_dim, base)
         if slots is None:
             keys = positions
-            layout, slot_range, descending = "none", None, False
+            layout, slot_range, descending, per_group = "none", None, False, 1
         else:
             keys = torch.arange(span, device=positions.device)
-            layout, slot_range, descending = slot_layout(slots)
+            layout, slot_range, descending, per_group = slot_layout(slots)
         return cls(positions=positions, slots=slots, slot_index=slot_index, cos=angles.cos(),
                    sin=angles.sin(), mask=keys[None, :] <= positions[:, None], layout=layout,
-                   slot_range=slot_range, descending=descending)
+                   slot_range=slot_range, descending=descending, per_group=per_group)
 
     @classmethod
     def uncached(cls, positions: list[int], config, device: torch.device) -> CallPlan:
@@ -112,7 +128,8 @@ class CallPlan:
 
 
 def read_slots(kv: LayerKV, plan: CallPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values each position attends over: [1 or n, kv_heads, span, head_dim]."""
+    """Keys and values each group of positions attends over: [groups, kv_heads, span,
+    head_dim]."""
     span = plan.mask.shape[-1]
     if plan.layout == "one":
         s = plan.slots[0]
@@ -121,7 +138,8 @@ def read_slots(kv: LayerKV, plan: CallPlan) -> tuple[torch.Tensor, torch.Tensor]
         first, last, step = plan.slot_range
         return (kv.keys[first:last + 1:step, :, :span],
                 kv.values[first:last + 1:step, :, :span])
-    return kv.keys[plan.slot_index, :, :span], kv.values[plan.slot_index, :, :span]
+    groups = plan.slot_index[::plan.per_group]
+    return kv.keys[groups, :, :span], kv.values[groups, :, :span]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CallPlan,
@@ -129,26 +147,27 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CallPlan,
     """Causal attention of n positions (q: [..., n, heads, head_dim], k, v: [..., n, kv_heads,
     head_dim], after RoPE): one scaled-dot-product kernel per layer and call.
 
-    With a cache (one sequence), each position writes its k, v into its slot and attends over that
-    slot's positions 0..p, whatever the mix of slots (one slot: a view of the cache; a wave: a
-    strided view; other mixes: gathered, one row per position). Without a cache, the n positions
-    attend over each other only (a full forward; leading batch dimensions allowed, for training).
+    With a cache, each position writes its k, v into its slot and attends over that slot's
+    positions 0..p, whatever the mix of slots and sequences: the positions form groups with one
+    key set each (slot_layout), a view of the cache where the slots allow, gathered otherwise.
+    Without a cache, the n positions attend over each other only (a full forward; leading batch
+    dimensions allowed, for training).
     """
+    gqa = q.shape[-2] != k.shape[-2]
     if kv is None:
-        keys, values = k.movedim(-3, -2), v.movedim(-3, -2)  # [..., kv_heads, n, hd]
-        shared = True
-    else:
-        kv.write(plan.slot_index, plan.positions, k, v)
-        keys, values = read_slots(kv, plan)
-        shared = plan.layout == "one"
-        if shared:
-            keys, values = keys[0], values[0]
-    gqa = q.shape[-2] != keys.shape[-3]
-    if shared:  # all positions attend over one key set
-        out = F.scaled_dot_product_attention(q.movedim(-3, -2), keys, values,
-                                             attn_mask=plan.mask, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q.movedim(-3, -2), k.movedim(-3, -2),
+                                             v.movedim(-3, -2), attn_mask=plan.mask,
+                                             enable_gqa=gqa)
         return out.movedim(-2, -3)  # [..., n, heads, hd]
-    q, mask = (q.flip(0), plan.mask.flip(0)) if plan.descending else (q, plan.mask)
-    out = F.scaled_dot_product_attention(q[:, :, None], keys, values,
-                                         attn_mask=mask[:, None, None, :], enable_gqa=gqa)[:, :, 0]
-    return out.flip(0) if plan.descending else out
+    kv.write(plan.slot_index, plan.positions, k, v)
+    keys, values = read_slots(kv, plan)
+    per_group = plan.per_group
+    # [groups, heads, per_group, hd] queries, [groups, 1, per_group, span] masks
+    q = q.unflatten(0, (-1, per_group)).transpose(1, 2)
+    mask = plan.mask.unflatten(0, (-1, per_group))[:, None]
+    if plan.descending:
+        q, mask = q.flip(0), mask.flip(0)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+    if plan.descending:
+        out = out.flip(0)
+    return out.transpose(1, 2).flatten(0, 1)  # [n, heads, hd]

@@ -3,6 +3,7 @@ recorded in the call trace (costmodel.trace.CallRecord), against one KV cache.""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -39,9 +40,12 @@ class Timer:
 
 
 def make_cache(model: nn.Module, *, prompt_len: int, max_new_tokens: int, depth: int,
-               kv_sharing: int, readout_depths: Sequence[int], lookahead: int = 0) -> KVCache:
+               kv_sharing: int, readout_depths: Sequence[int], lookahead: int = 0,
+               sequences: int = 1) -> KVCache:
     """A static cache for a prompt, its new tokens and the positions a schedule writes ahead of
-    the committed ones: exactly the sequence the cost model's memory model counts."""
+    the committed ones (a region of that length per sequence of a batch): exactly the sequences
+    the cost model's memory model counts. A cache that does not fit beside the weights in the
+    device's free memory is refused with the numbers."""
     cfg = model.config
     if depth < 1:
         raise GenerationError(f"depth must be at least 1, got {depth}")
@@ -52,11 +56,39 @@ def make_cache(model: nn.Module, *, prompt_len: int, max_new_tokens: int, depth:
         raise GenerationError(f"a prompt of {prompt_len} tokens plus {max_new_tokens} new ones "
                               f"exceeds the model's context of {cfg.max_position_embeddings}")
     param = next(model.parameters())
+    slots = (cfg.prelude_layers + cfg.core_layers * (depth if kv_sharing == 0 else
+                                                     min(kv_sharing, depth))
+             + cfg.coda_layers * max(len(set(readout_depths)), 1))
+    per_position = 2 * slots * cfg.num_kv_heads * cfg.head_dim * param.element_size()
+    check_fits(sequences * (total + lookahead) * per_position, param.device,
+               f"{sequences} sequence{'s' * (sequences > 1)} of {total + lookahead} positions")
     return KVCache(prelude_layers=cfg.prelude_layers, core_layers=cfg.core_layers,
                    coda_layers=cfg.coda_layers, depth=depth, kv_sharing=kv_sharing,
                    readout_depths=list(readout_depths), kv_heads=cfg.num_kv_heads,
                    head_dim=cfg.head_dim, max_len=total + lookahead, dtype=param.dtype,
-                   device=param.device)
+                   device=param.device, sequences=sequences)
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory a new allocation can take: the GPU's free memory, or the host's available RAM."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def check_fits(kv_bytes: int, device: torch.device, what: str) -> None:
+    """Refuse, before allocating, a KV cache larger than the device's free memory (the weights
+    are already loaded there)."""
+    free = free_memory_bytes(device)
+    if kv_bytes > free:
+        raise GenerationError(f"the KV cache of {what} needs {kv_bytes / 1e9:.2f} GB and the "
+                              f"{device.type} has {free / 1e9:.2f} GB free: fewer sequences "
+                              f"or shorter ones")
 
 
 PROFILES_DIR = Path(__file__).resolve().parents[1] / "data" / "profiles"
@@ -132,16 +164,21 @@ class Runner:
             "coda": lambda plan, state: model.coda(state, plan, cache),
         }
 
-    def _log(self, kind: str, positions: list[int], depths: list[int], wall_s: float) -> None:
+    def _log(self, kind: str, positions: list[int], depths: list[int],
+             sequences: list[int] | None, wall_s: float) -> None:
         if self.record:
             self.records.append(CallRecord(
                 kind=kind, positions=list(positions), depths=list(depths),
                 contexts=[p + 1 for p in positions],
-                slots=call_slots(kind, depths, self.cache.kv_sharing), wall_s=wall_s))
+                slots=call_slots(kind, depths, self.cache.kv_sharing),
+                sequences=None if sequences is None else list(sequences), wall_s=wall_s))
 
-    def _call(self, kind: str, positions: list[int], depths: list[int],
-              inputs: list[torch.Tensor]) -> torch.Tensor:
-        slots = self.cache.slots(kind, depths)
+    def run(self, kind: str, positions: list[int], depths: list[int],
+            inputs: list[torch.Tensor], sequences: list[int] | None = None) -> torch.Tensor:
+        """One call of a part over ``positions`` (of the given ``sequences`` of a batched cache,
+        one per position): the prelude's injections, the block's new states, the coda's fp32
+        logits."""
+        slots = self.cache.slots(kind, depths, sequences)
         self.cache.claim(kind, slots, positions)
         part = self._parts[kind]
         if self.graphs is None:
@@ -162,26 +199,26 @@ class Runner:
             out, wall = self.graphs.run((kind, static_slots), captured,
                                         [torch.tensor(positions), torch.tensor(slots), *inputs],
                                         self.timer.measure)
-        self._log(kind, positions, depths, wall)
+        self._log(kind, positions, depths, sequences, wall)
         return out
 
     @torch.inference_mode()
     def prelude(self, tokens: list[int], positions: list[int]
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(e, s_0) of each position: the injection and the initial state."""
-        e = self._call("prelude", positions, [0] * len(positions),
-                       [torch.tensor(tokens, device=self.device)])
+        e = self.run("prelude", positions, [0] * len(positions),
+                     [torch.tensor(tokens, device=self.device)])
         return e, self.model.initial_state(positions, e)
 
     @torch.inference_mode()
     def block(self, state: torch.Tensor, e: torch.Tensor, positions: list[int],
               depths: list[int]) -> torch.Tensor:
-        return self._call("block", positions, depths, [state, e])
+        return self.run("block", positions, depths, [state, e])
 
     @torch.inference_mode()
     def coda(self, state: torch.Tensor, positions: list[int],
              readout_depths: list[int]) -> torch.Tensor:
-        return self._call("coda", positions, readout_depths, [state])
+        return self.run("coda", positions, readout_depths, [state])
 
     @property
     def capture_s(self) -> float:

@@ -1,0 +1,261 @@
+"""Batched decoding against the cost model: tokens/s of AR, DtV (best k) and WFD at batch sizes
+B, measured with `wfd.batch.decode_batch` and predicted by `costmodel predict --batch B` with this
+machine's calibration profile.
+
+    python bench/batch_decode.py [--model huginn-small:random] [--profile FILE]
+        [--batches 1 2 4 8 16] [--block-lengths 2 4 8] [--context 32] [--new-tokens 32]
+        [--acceptance 0.9] [--repeats 3] [--threads 2] [--device cpu] [--mode MODE]
+        [--out FILE.json] [--figure FILE.png] [--measured FILE.json]
+
+Each batch decodes B synthetic prompts of --context tokens, --new-tokens each, admitted together;
+a random-weight model times the schedule with forced acceptance (each sequence its own seeded
+outcomes). Throughput is the decode's: tokens after each sequence's first, over the time outside
+the prefills, as the cost model's per-token latency counts it. Runs are interleaved (each repeat
+runs every configuration once) and medians reported. The prediction uses the acceptance the
+forced outcomes actually gave (a few dozen draws per sequence wander from --acceptance), DtV's
+best k among --block-lengths on both sides, and WFD at the model's default draft depth. The
+KV cache each batch allocates is checked against the prediction's.
+
+Prints Markdown tables: the measured speedups over AR at each batch; the predicted ones
+(`costmodel predict --batch B`: B copies of one sequence's steady state) and the simulated ones
+(this finite batch replayed call by call with the same outcomes by
+`costmodel.simulate.simulate_batch`, each call priced by the profile), with their relative
+errors; the crossover batch where WFD stops beating DtV on each side; and, per configuration,
+the median of measured over priced time of the decode's block calls (how far the per-call prices
+are off). --measured FILE re-prices a previous --out file's measurements (another profile)
+without measuring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+from costmodel.figures import batch_speedup_axes, save_figure
+from costmodel.profile import load_profile
+from costmodel.simulate import acceptance_draws, price_records, simulate_batch
+from costmodel.specs import AR, WFD, DtV, Workload
+from wfd.batch import Request, decode_batch
+from wfd.checkpoint import load_model
+from wfd.runtime import PROFILES_DIR
+
+predict = sys.modules["costmodel.predict"].predict  # the module, not the package's re-export
+
+
+def requests_for(vocab: int, batch: int, context: int, new_tokens: int) -> list[Request]:
+    return [Request(i, [(97 * j + 13 * i + 7) % vocab for j in range(context)], new_tokens)
+            for i in range(batch)]
+
+
+def measure(model, schedule: str, batch: int, args, hw=None, **kw) -> dict:
+    """One batched run: its decode tokens/s, KV allocated, realized acceptance and, with ``hw``,
+    the median over its decode block calls of measured over priced time."""
+    run = decode_batch(model, requests_for(model.config.vocab_size, batch, args.context,
+                                           args.new_tokens),
+                       schedule=schedule, batch_size=batch, mode=args.mode, record=hw is not None,
+                       force_acceptance=args.acceptance if schedule != "ar" else None, **kw)
+    accepted = [r.acceptance for r in run.results if r.acceptance is not None]
+    blocks = [r for r in run.records if r.kind == "block" and min(r.positions) >= args.context]
+    priced = [r.model_copy() for r in blocks]
+    if hw is not None:
+        price_records(model.config, hw, priced, dtype=args.dtype)
+    return {"tokens_per_s": run.decode_tokens_per_s, "kv_bytes": run.stats["kv_bytes_allocated"],
+            "acceptance": statistics.mean(accepted) if accepted else None,
+            "block_call_ratio": statistics.median(m.wall_s / p.wall_s for m, p in
+                                                  zip(blocks, priced, strict=True))
+            if hw is not None else None}
+
+
+def predicted(spec, hw, batch: int, args, acceptance: float | None, **kw):
+    """The cost model's schedules for this batch (acceptance: the run's own)."""
+    wl = Workload(context_length=args.context, new_tokens=args.new_tokens, batch_size=batch,
+                  acceptance=acceptance if acceptance is not None else args.acceptance,
+                  dtype=args.dtype)
+    return predict(spec, hw, wl, **kw).schedules
+
+
+def simulated(spec, hw, batch: int, args, schedule: str, **kw) -> float:
+    """Decode tokens/s of the same batch simulated call by call: the same sequences, forced
+    outcomes and merged calls as the measured run, each call priced by the profile."""
+    kind = {"ar": AR, "dtv": DtV, "wfd": WFD}[schedule](**kw)
+    sequences = [(args.context, args.new_tokens, None if schedule == "ar" else
+                  acceptance_draws(args.acceptance, args.new_tokens + 1, i))
+                 for i in range(batch)]
+    return simulate_batch(spec, hw, kind, sequences, batch_size=batch,
+                          dtype=args.dtype).tokens_per_s
+
+
+def crossover(rows: list[dict], side: str) -> int | None:
+    """The smallest batch at which WFD's speedup falls below DtV's."""
+    return next((r["batch"] for r in rows if r[f"{side}_wfd"] < r[f"{side}_dtv"]), None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="huginn-small:random")
+    ap.add_argument("--profile", default=None,
+                    help="calibration profile (default: data/profiles/cpu-FAMILY-fp32.json)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--block-lengths", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--context", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--acceptance", type=float, default=0.9)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--mode", default=None)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--figure", default=None)
+    ap.add_argument("--measured", default=None,
+                    help="a previous --out file: predict its measurements again (another "
+                         "profile), without measuring")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    spec, family = model.config, model.config.family
+    if args.measured:
+        with open(args.measured) as f:
+            saved = json.load(f)
+        for key in ("context", "new_tokens", "acceptance"):
+            setattr(args, key, saved[key])
+        args.batches = sorted({r["batch"] for r in saved["runs"]})
+    profile = load_profile(args.profile or PROFILES_DIR / f"cpu-{family}-{args.dtype}.json")
+    hw = profile.hardware
+    d = spec.default_draft_depth
+    configs = {"ar": ("ar", {})}
+    configs.update({f"dtv k={k}": ("dtv", {"block_length": k, "draft_depth": d})
+                    for k in args.block_lengths})
+    configs["wfd"] = ("wfd", {"draft_depth": d})
+
+    if args.measured:  # price saved measurements with another profile
+        runs = {(r["batch"], r["label"]): r["runs"] for r in saved["runs"]}
+    else:
+        measure(model, "ar", 1, argparse.Namespace(**{**vars(args), "new_tokens": 4}))
+        runs: dict[tuple[int, str], list[dict]] = {}
+        for _ in range(args.repeats):
+            for batch in args.batches:
+                for label, (schedule, kw) in configs.items():
+                    runs.setdefault((batch, label), []).append(
+                        measure(model, schedule, batch, args, hw, **kw))
+                    print(f"B={batch} {label}: {runs[batch, label][-1]['tokens_per_s']:.2f} "
+                          "tokens/s", file=sys.stderr, flush=True)
+
+    rows = []
+    for batch in args.batches:
+        rate = {label: statistics.median(r["tokens_per_s"] for r in runs[batch, label])
+                for label in configs}
+        spread = {label: (min(r["tokens_per_s"] for r in runs[batch, label]),
+                          max(r["tokens_per_s"] for r in runs[batch, label])) for label in configs}
+        dtv_labels = [label for label in configs if label.startswith("dtv")]
+        best = max(dtv_labels, key=rate.__getitem__)
+        wfd_acc = runs[batch, "wfd"][0]["acceptance"]
+        dtv_pred = {}
+        for label in dtv_labels:
+            k = configs[label][1]["block_length"]
+            acc = runs[batch, label][0]["acceptance"]
+            s = predicted(spec, hw, batch, args, acc, block_length=k)
+            dtv_pred[label] = s["dtv"].tokens_per_s
+            if runs[batch, label][0]["kv_bytes"] != s["dtv"].kv_bytes:
+                raise SystemExit(f"B={batch} {label}: KV allocated "
+                                 f"{runs[batch, label][0]['kv_bytes']} != predicted "
+                                 f"{s['dtv'].kv_bytes}")
+        s = predicted(spec, hw, batch, args, wfd_acc)
+        for schedule, label in (("ar", "ar"), ("wfd", "wfd")):
+            if runs[batch, label][0]["kv_bytes"] != s[schedule].kv_bytes:
+                raise SystemExit(f"B={batch} {label}: KV allocated "
+                                 f"{runs[batch, label][0]['kv_bytes']} != predicted "
+                                 f"{s[schedule].kv_bytes}")
+        pred_best = max(dtv_labels, key=dtv_pred.__getitem__)
+        ar_pred = s["ar"].tokens_per_s
+        sim = {label: simulated(spec, hw, batch, args, configs[label][0], **configs[label][1])
+               for label in configs}
+        sim_best = max(dtv_labels, key=sim.__getitem__)
+        rows.append({
+            "batch": batch, "ar_tokens_per_s": rate["ar"], "ar_spread": spread["ar"],
+            "ar_predicted_tokens_per_s": ar_pred,
+            "dtv_best": best, "dtv_predicted_best": pred_best,
+            "measured_dtv": rate[best] / rate["ar"], "predicted_dtv": dtv_pred[pred_best] / ar_pred,
+            "measured_wfd": rate["wfd"] / rate["ar"],
+            "predicted_wfd": s["wfd"].tokens_per_s / ar_pred,
+            "simulated_dtv": sim[sim_best] / sim["ar"], "simulated_dtv_best": sim_best,
+            "simulated_wfd": sim["wfd"] / sim["ar"], "simulated_ar_tokens_per_s": sim["ar"],
+            "wfd_acceptance": wfd_acc, "dtv_acceptance": runs[batch, best][0]["acceptance"],
+            "wfd_width": s["wfd"].width, "kv_bytes_checked": True,
+            "block_call_ratio": {label: statistics.median(
+                r["block_call_ratio"] for r in runs[batch, label])
+                for label in configs if runs[batch, label][0].get("block_call_ratio")},
+            "rates": rate, "spreads": spread})
+
+    ar1 = rows[0]["ar_tokens_per_s"]
+    print(f"\n{args.model} ({args.dtype}, {args.threads} threads), context {args.context}, "
+          f"{args.new_tokens} new tokens per sequence, forced acceptance {args.acceptance}, "
+          f"medians of {args.repeats}; profile {profile.machine} {profile.created[:10]}\n")
+    print("Speedups over AR at the same batch: measured; predicted by `costmodel predict --batch "
+          "B` (steady state); simulated (this finite batch call by call, priced by the profile)."
+          "\n")
+    print("| batch | AR tokens/s (range) | AR vs batch 1 | AR predicted / simulated | "
+          "DtV measured (k) | predicted (k) | simulated (k) | WFD measured | predicted | "
+          "simulated |\n|---|---|---|---|---|---|---|---|---|---|")
+
+    def err(value: float, measured: float) -> str:
+        return f"{value:.2f}x ({value / measured - 1:+.0%})"
+
+    for r in rows:
+        lo, hi = r["ar_spread"]
+        print(f"| {r['batch']} | {r['ar_tokens_per_s']:.1f} ({lo:.1f}-{hi:.1f}) | "
+              f"{r['ar_tokens_per_s'] / ar1:.2f}x | {r['ar_predicted_tokens_per_s']:.1f} / "
+              f"{r['simulated_ar_tokens_per_s']:.1f} | "
+              f"{r['measured_dtv']:.2f}x ({r['dtv_best'][6:]}) | "
+              f"{err(r['predicted_dtv'], r['measured_dtv'])} ({r['dtv_predicted_best'][6:]}) | "
+              f"{err(r['simulated_dtv'], r['measured_dtv'])} ({r['simulated_dtv_best'][6:]}) | "
+              f"{r['measured_wfd']:.2f}x | {err(r['predicted_wfd'], r['measured_wfd'])} | "
+              f"{err(r['simulated_wfd'], r['measured_wfd'])} |")
+    if rows[0]["block_call_ratio"]:
+        labels = list(rows[0]["block_call_ratio"])
+        print("\nDecode block calls, measured over priced (median over each run's calls): how "
+              "far the per-call prices are off at each batch\n")
+        print("| batch | " + " | ".join(labels) + " |\n|---|" + "---|" * len(labels))
+        for r in rows:
+            print(f"| {r['batch']} | " + " | ".join(
+                f"{r['block_call_ratio'][label]:.2f}" for label in labels) + " |")
+    measured_x, predicted_x = crossover(rows, "measured"), crossover(rows, "predicted")
+    simulated_x = crossover(rows, "simulated")
+    print(f"\ncrossover (smallest batch where WFD < DtV): measured {measured_x}, predicted "
+          f"{predicted_x}, simulated {simulated_x}; the KV cache allocated at every batch "
+          "equals the prediction's")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"model": args.model, "dtype": args.dtype, "context": args.context,
+                       "new_tokens": args.new_tokens, "acceptance": args.acceptance,
+                       "profile": str(args.profile), "rows": rows,
+                       "runs": [{"batch": b, "label": label, "runs": r}
+                                for (b, label), r in runs.items()],
+                       "crossover": {"measured": measured_x, "predicted": predicted_x,
+                                     "simulated": simulated_x}},
+                      f, indent=1)
+
+    if args.figure:
+        def draw(fig) -> None:
+            ax = fig.subplots()
+            batches = [r["batch"] for r in rows]
+            for i, name in enumerate(("dtv", "wfd")):
+                ax.plot(batches, [r[f"measured_{name}"] for r in rows], marker="o",
+                        color=f"C{i}", label=f"{name.upper()} measured")
+                ax.plot(batches, [r[f"predicted_{name}"] for r in rows], linestyle="--",
+                        marker="x", color=f"C{i}", label=f"{name.upper()} predicted")
+                ax.plot(batches, [r[f"simulated_{name}"] for r in rows], linestyle=":",
+                        marker="+", color=f"C{i}", label=f"{name.upper()} simulated")
+            batch_speedup_axes(ax, f"{args.model} {args.dtype} on {profile.machine}",
+                               "decode speedup over AR at the same batch (x)")
+
+        save_figure(args.figure, draw, (7.5, 4.5))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""Batched decoding (wfd.batch): every sequence's tokens are its own batch-1 AR run's, the batch
+stays in step and full, its KV cache is the cost model's, and `wfd generate --prompts-file`."""
+
+import functools
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import model_for
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from costmodel.presets import get_hardware
+from costmodel.simulate import acceptance_draws, call_shape, simulate, simulate_batch
+from costmodel.specs import AR, WFD, DtV
+from wfd import runtime
+from wfd.batch import Request, decode_batch
+from wfd.generate import GenerationError, Sampling, generate
+from wfd.layers import slot_layout
+
+SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+@functools.cache
+def ar_tokens(family: str, easy: bool, prompt: tuple[int, ...], new: int,
+              stop: frozenset[int]) -> list[int]:
+    model = model_for(family, easy)
+    return generate(model, list(prompt), max_new_tokens=new, stop_tokens=stop,
+                    record=False).tokens
+
+
+batches = st.lists(st.tuples(st.lists(st.integers(0, 63), min_size=1, max_size=12),
+                             st.integers(1, 12)), min_size=1, max_size=6)
+
+
+@SETTINGS
+@given(st.sampled_from(["huginn", "ouro"]), st.booleans(), st.sampled_from(["ar", "dtv", "wfd"]),
+       batches, st.integers(1, 4), st.integers(1, 6), st.booleans(),
+       st.sampled_from(["eager", "static"]))
+def test_each_sequence_equals_its_own_ar_run(family, easy, schedule, prompts, batch_size, k,
+                                             stop, mode):
+    """Ragged prompts, different budgets and stop tokens (sequences end at different calls),
+    more prompts than the batch holds (continuous batching): fp32 greedy tokens are exact."""
+    model = model_for(family, easy)
+    stops = frozenset({7, 21}) if stop else frozenset()
+    requests = [Request(i, p, n) for i, (p, n) in enumerate(prompts)]
+    run = decode_batch(model, requests, schedule=schedule, batch_size=batch_size,
+                       block_length=k, stop_tokens=stops, mode=mode, record=True)
+    got = {r.index: r.tokens for r in run.results}
+    assert sorted(got) == list(range(len(prompts)))
+    for i, (p, n) in enumerate(prompts):
+        assert got[i] == ar_tokens(family, easy, tuple(p), n, stops), (i, schedule)
+    assert {s for r in run.records for s in r.sequences} <= set(range(batch_size))
+
+
+def test_sampling_and_forced_outcomes_are_the_batch_1_run():
+    """Sampled tokens and forced outcomes depend on (seed, position) only: a batch gives each
+    sequence the tokens of its batch-1 run (forced outcomes seeded by seed + its index)."""
+    model = model_for("huginn", True)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10]]
+    sampling = Sampling(temperature=0.8, seed=3)
+    run = decode_batch(model, [Request(i, p, 10) for i, p in enumerate(prompts)],
+                       schedule="wfd", batch_size=2, sampling=sampling, force_acceptance=0.7,
+                       seed=5)
+    for r in run.results:
+        alone = generate(model, prompts[r.index], schedule="wfd", max_new_tokens=10,
+                         sampling=sampling, force_acceptance=0.7, seed=5 + r.index,
+                         record=False)
+        assert r.tokens == alone.tokens and r.acceptance == alone.stats["acceptance"]
+        assert r.forced_acceptance
+
+
+@pytest.mark.parametrize("schedule", ["ar", "dtv", "wfd"])
+def test_equal_sequences_decode_in_step(schedule):
+    """Sequences of the same shape run every call together: the batch makes as many block calls
+    as one of them alone, each over B times the positions."""
+    model = model_for("ouro", False)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3], [5, 8, 9, 7, 9]]
+    alone = decode_batch(model, [Request(0, prompts[0], 12)], schedule=schedule, batch_size=1,
+                         force_acceptance=1.0)
+    batch = decode_batch(model, [Request(i, p, 12) for i, p in enumerate(prompts)],
+                         schedule=schedule, batch_size=3, force_acceptance=1.0)
+    assert batch.stats["block_calls"] == alone.stats["block_calls"]
+    assert batch.stats["positions_per_block_call"] == pytest.approx(
+        3 * alone.stats["positions_per_block_call"])
+
+
+def test_continuous_batching_keeps_the_batch_full():
+    """A finished sequence's region goes to the next prompt at once: one long prompt and many
+    short ones in a batch of two; while short ones remain, the long one decodes alone only
+    while a newcomer waits for the next round (at most one round, R block calls, per
+    admission)."""
+    model = model_for("huginn", False)
+    depth = model.config.depth
+    shorts = 8
+    requests = [Request(0, [1, 2], 30)] + [Request(i, [i, i + 1], 3)
+                                           for i in range(1, shorts + 1)]
+    finished = []
+    run = decode_batch(model, requests, schedule="ar", batch_size=2, record=True,
+                       on_result=lambda r: finished.append(r.index))
+    assert finished[-1] == 0 and sorted(finished) == list(range(shorts + 1))
+    assert {s for r in run.records for s in r.sequences} == {0, 1}  # two regions, reused
+    last_short = max(i for i, r in enumerate(run.records) if 1 in r.sequences)
+    alone = [r for r in run.records[:last_short]
+             if r.kind == "block" and set(r.sequences) == {0} and min(r.positions) >= 2]
+    assert len(alone) <= shorts * depth
+    separate = sum(depth * (1 + r.max_new_tokens - 1) for r in requests)
+    assert run.stats["block_calls"] < 0.7 * separate
+
+
+@pytest.mark.parametrize("family", ["huginn", "ouro"])
+@pytest.mark.parametrize("schedule", ["ar", "dtv", "wfd"])
+def test_kv_cache_is_what_the_cost_model_predicts(family, schedule):
+    from costmodel.specs import Workload
+
+    predict = sys.modules["costmodel.predict"].predict
+    model = model_for(family, False)
+    context, new, batch = 6, 9, 3
+    run = decode_batch(model, [Request(i, [i + 1] * context, new) for i in range(batch)],
+                       schedule=schedule, batch_size=batch, block_length=3,
+                       force_acceptance=0.5)
+    wl = Workload(context_length=context, new_tokens=new, batch_size=batch, dtype="fp32")
+    predicted = predict(model.config, "h100-sxm", wl, block_length=3).schedules[schedule]
+    assert run.stats["kv_bytes_allocated"] == predicted.kv_bytes
+
+
+def test_a_batch_that_does_not_fit_is_refused_up_front(monkeypatch):
+    monkeypatch.setattr(runtime, "free_memory_bytes", lambda device: 10_000)
+    model = model_for("ouro", False)
+    with pytest.raises(GenerationError, match=r"4 sequences of \d+ positions needs .* GB"):
+        decode_batch(model, [Request(i, [1, 2, 3], 8) for i in range(6)], schedule="ar",
+                     batch_size=4)
+
+
+def test_bad_requests_are_refused():
+    model = model_for("ouro", False)
+    with pytest.raises(GenerationError, match="batch size"):
+        decode_batch(model, [Request(0, [1], 2)], schedule="ar", batch_size=0)
+    with pytest.raises(GenerationError, match="prompt 1 is empty"):
+        decode_batch(model, [Request(0, [1], 2), Request(1, [], 2)], schedule="ar",
+                     batch_size=2)
+    with pytest.raises(GenerationError, match="ar, dtv or wfd"):
+        decode_batch(model, [Request(0, [1], 2)], schedule="auto", batch_size=1)
+
+
+def test_slot_layouts_of_batched_calls():
+    assert slot_layout((5, 37, 69)) == ("range", (5, 69, 32), False, 1)  # AR over 3 sequences
+    assert slot_layout((7, 7, 39, 39, 71, 71)) == ("range", (7, 71, 32), False, 2)  # DtV verify
+    assert slot_layout((7, 5, 3, 38, 36)) == ("gather", None, False, 1)  # two WFD waves
+    assert slot_layout((7, 7, 8)) == ("gather", None, False, 1)  # uneven groups
+
+
+def test_batched_calls_are_priced_per_sequence_slot():
+    """Sequences share kernels (distinct slots) but each reads its own KV (distinct (sequence,
+    slot) pairs)."""
+    assert call_shape([3, 3], [10, 12], [0, 1]) == (2, 1, 22, 22)
+    assert call_shape([3, 3], [10, 12]) == (2, 1, 22, 12)
+
+
+CLI = [sys.executable, "-m", "wfd"]
+
+
+def test_prompts_file_cli(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join([
+        json.dumps({"prompt": "def f(x):"}),
+        json.dumps({"prompt_ids": [1, 2, 3], "max_new_tokens": 3}),
+        "{not json",
+        json.dumps({"prompt": "x", "max_new_tokens": -1}),
+        "",
+        json.dumps({"prompt": "import os", "max_new_tokens": 5}),
+    ]) + "\n")
+    out = tmp_path / "out.jsonl"
+    res = subprocess.run([*CLI, "generate", "--model", "huginn-tiny", "--prompts-file",
+                          str(prompts), "--batch-size", "2", "--schedule", "wfd",
+                          "--max-new-tokens", "6", "--out", str(out), "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1, res.stderr  # two bad lines, the others served
+    assert "line 3: not JSON" in res.stderr and "line 4: max_new_tokens" in res.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["line"] for r in rows] == [1, 2, 3, 4, 6]
+    assert [r.get("new_tokens") for r in rows] == [6, 3, None, None, 5]
+    assert "error" in rows[2] and "error" in rows[3]
+    totals = json.loads(res.stdout)
+    assert totals["served"] == 3 and totals["skipped"] == 2 and totals["batch_size"] == 2
+    from wfd.checkpoint import load_model
+
+    shipped = load_model("huginn-tiny")
+    alone = generate(shipped, list(b"def f(x):"), max_new_tokens=6, record=False)
+    assert rows[0]["tokens"] == alone.tokens
+
+
+@pytest.mark.parametrize("args", [
+    ["--prompts-file", "missing.jsonl"],
+    ["--prompts-file", "{p}", "--prompt", "x"],
+    ["--prompts-file", "{p}", "--batch-size", "0"],
+    ["--prompts-file", "{p}", "--schedule", "auto"],
+    ["--prompts-file", "{p}", "--json"],
+    ["--prompt", "x", "--batch-size", "4"],
+])
+def test_prompts_file_bad_input_is_one_line(args, tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    res = subprocess.run([*CLI, "generate", "--model", "huginn-tiny",
+                          *[a.format(p=p) for a in args]],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), res.stderr
+
+
+def test_one_sequence_batch_is_the_decoder():
+    """decode_batch at B = 1 runs the same calls as generate (one region, flat slots = slots)."""
+    model = model_for("huginn", True)
+    alone = generate(model, [4, 5, 6], schedule="dtv", max_new_tokens=9, block_length=3)
+    run = decode_batch(model, [Request(0, [4, 5, 6], 9)], schedule="dtv", batch_size=1,
+                       block_length=3, record=True)
+    assert [(r.kind, r.positions, r.depths) for r in run.records] == [
+        (r.kind, r.positions, r.depths) for r in alone.records]
+    assert torch.equal(torch.tensor(run.results[0].tokens), torch.tensor(alone.tokens))
+
+
+@pytest.mark.parametrize("family", ["huginn", "ouro"])
+@pytest.mark.parametrize("schedule", ["ar", "dtv", "wfd"])
+def test_the_simulator_merges_a_batch_as_the_decoder_does(family, schedule):
+    """Same sequences, same forced outcomes: the simulated batch makes the decoder's calls, call
+    for call (ragged prompts, budgets, continuous batching)."""
+    model = model_for(family, True)
+    d = model.config.default_draft_depth
+    prompts, news = [[1, 2, 3], [4] * 7, [5, 6], [7] * 4, [8]], [9, 4, 12, 6, 7]
+    jobs = list(enumerate(zip(prompts, news, strict=True)))
+    run = decode_batch(model, [Request(i, p, n) for i, (p, n) in jobs],
+                       schedule=schedule, batch_size=3, block_length=3, force_acceptance=0.6,
+                       seed=4, record=True)
+    kind = {"ar": AR(), "dtv": DtV(block_length=3, draft_depth=d),
+            "wfd": WFD(draft_depth=d)}[schedule]
+    sim = simulate_batch(model.config, get_hardware("h100-sxm"), kind,
+                         [(len(p), n, acceptance_draws(0.6, n + 1, 4 + i))
+                          for i, (p, n) in jobs],
+                         batch_size=3, dtype="fp32")
+    assert [(r.kind, r.positions, r.depths, r.sequences) for r in sim.calls] == [
+        (r.kind, r.positions, r.depths, r.sequences) for r in run.records]
+    assert sim.decode_tokens == run.tokens - len(prompts)
+    assert sim.latency_s > 0 and sim.block_calls == sum(
+        r.kind == "block" for r, p in zip(sim.calls, sim.prefill, strict=True) if not p)
+
+
+def test_a_simulated_batch_of_one_is_the_simulation():
+    """One sequence: the batch simulator prices the decode as ``simulate`` does."""
+    spec, hw = model_for("huginn", False).config, get_hardware("h100-sxm")
+    draws = acceptance_draws(0.8, 40, 1)
+    kind = WFD(draft_depth=2)
+    alone = simulate(spec, hw, kind, context_length=9, new_tokens=30, accept_sequence=draws,
+                     dtype="fp32", prefill=True)
+    batch = simulate_batch(spec, hw, kind, [(9, 30, draws)], batch_size=1, dtype="fp32")
+    assert batch.latency_s == pytest.approx(alone.latency_s, rel=1e-12)
+    assert batch.decode_tokens == alone.committed_tokens

@@ -1,0 +1,198 @@
+"""Many sequences at once: AR, DtV or WFD over a batch, with continuous batching.
+
+Every sequence runs its own plan against its own region of one KV cache, with its own prompt
+length, positions, acceptance and rollbacks; ``costmodel.batching`` decides which sequences'
+calls run together (the smallest clock first keeps a schedule's sequences in step) and when a
+waiting prompt takes a finished sequence's region. This module runs each merged call with the
+model: every sequence's inputs concatenated, one call of the part, the outputs split back, so the
+weights are read once for all of them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from costmodel.batching import PREFILL, Lane, merged_call, run_batch
+from costmodel.plans import Plan, make_plan
+from costmodel.simulate import acceptance_draws
+from costmodel.trace import CallRecord
+
+from .generate import Decoder
+from .runtime import Runner, make_cache
+from .sampling import GenerationError, Sampling, Verifier
+
+
+@dataclass(frozen=True)
+class Request:
+    index: int  # the prompt's place in its file (results come back by it)
+    prompt: list[int]
+    max_new_tokens: int
+
+
+@dataclass
+class SequenceResult:
+    index: int
+    prompt: list[int]
+    tokens: list[int]
+    wall_s: float  # from admission to the last token
+    time_to_first_token_s: float
+    block_calls: int  # the batch's block calls this sequence took part in
+    acceptance: float | None
+    forced_acceptance: bool = False
+
+
+@dataclass
+class BatchRun:
+    results: list[SequenceResult]  # in the order the sequences finished
+    wall_s: float
+    prefill_s: float  # the calls of prefills (their own clock)
+    records: list[CallRecord]
+    stats: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(r.tokens) for r in self.results)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after each sequence's first (the prefill commits it) over the time outside the
+        prefills: the throughput ``costmodel predict --batch`` predicts."""
+        decoded = self.tokens - len(self.results)
+        return decoded / (self.wall_s - self.prefill_s) if decoded else 0.0
+
+
+class BatchDecoder(Decoder):
+    """A sequence's decoder in a batch: its region, and when it was admitted."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.admitted_at = time.perf_counter()
+        self.capture_at_admission = self.runner.capture_s
+
+    def result(self, request: Request, block_calls: int, kind: str) -> SequenceResult:
+        stats = self.verifier.stats() if kind != "ar" else {}
+        return SequenceResult(
+            index=request.index, prompt=request.prompt, tokens=list(self.tokens),
+            wall_s=time.perf_counter() - self.admitted_at - (
+                self.runner.capture_s - self.capture_at_admission),
+            time_to_first_token_s=(self.first_token_at or 0.0) - self.admitted_at,
+            block_calls=block_calls, acceptance=stats.get("acceptance"),
+            forced_acceptance=bool(stats.get("forced_acceptance")))
+
+
+def run_together(runner: Runner, lanes: list[Lane]) -> None:
+    """One call of one part over the pending positions of ``lanes`` (all at the same clock)."""
+    kind, positions, depths, sequences = merged_call(lanes)
+    calls = [lane.pending for lane in lanes]
+    if len(lanes) == 1:
+        inputs = lanes[0].executor.inputs(calls[0])
+    else:
+        inputs = [torch.cat(parts) for parts in zip(
+            *(lane.executor.inputs(c) for lane, c in zip(lanes, calls, strict=True)),
+            strict=True)]
+    out = runner.run(kind, positions, depths, inputs, sequences)
+    for lane, call, rows in zip(lanes, calls, out.split([len(c.positions) for c in calls]),
+                                strict=True):
+        lane.executor.take(call, rows)
+
+
+def decode_batch(model: nn.Module, requests: Sequence[Request], *, schedule: str,
+                 batch_size: int, depth: int | None = None, draft_depth: int | None = None,
+                 block_length: int = 4, width_cap: int | None = None, kv_sharing: int = 0,
+                 sampling: Sampling | None = None, stop_tokens: frozenset[int] = frozenset(),
+                 force_acceptance: float | None = None, seed: int = 0, mode: str | None = None,
+                 record: bool = False,
+                 on_result: Callable[[SequenceResult], None] | None = None,
+                 on_call: Callable[[], None] | None = None) -> BatchRun:
+    """Decode ``requests`` with ``batch_size`` sequences in flight (fewer if fewer remain).
+    Each sequence's tokens are its own batch-1 run's (same plan, sampling seed and forced
+    outcomes, seeded by ``seed`` + its index). ``on_result`` gets each sequence as it ends;
+    ``on_call`` is called after every call (progress). ``mode``: eager by default, on any
+    device (wfd.runtime.Runner)."""
+    if schedule not in ("ar", "dtv", "wfd"):
+        raise GenerationError(f"a batch decodes with ar, dtv or wfd, not {schedule!r}")
+    if batch_size < 1:
+        raise GenerationError(f"batch size must be at least 1, got {batch_size}")
+    if not requests:
+        raise GenerationError("no prompts to decode")
+    for req in requests:
+        if not req.prompt:
+            raise GenerationError(f"prompt {req.index} is empty")
+        if req.max_new_tokens < 1:
+            raise GenerationError(f"prompt {req.index}: max new tokens must be at least 1, "
+                                  f"got {req.max_new_tokens}")
+    sampling = sampling or Sampling()
+    depth = depth or model.config.depth
+    if draft_depth is None and depth > 1:
+        draft_depth = min(model.config.default_draft_depth, depth - 1)
+    coda_attends = model.config.coda_layers > 0
+
+    def plan_for(req: Request) -> Plan:
+        try:
+            return make_plan(schedule, len(req.prompt), depth, coda_attends=coda_attends,
+                             draft_depth=draft_depth, block_length=block_length,
+                             width_cap=width_cap)
+        except ValueError as exc:
+            raise GenerationError(str(exc)) from None
+
+    probe = plan_for(requests[0])
+    regions = min(batch_size, len(requests))
+    longest = max(range(len(requests)),
+                  key=lambda i: len(requests[i].prompt) + requests[i].max_new_tokens)
+    cache = make_cache(model, prompt_len=len(requests[longest].prompt),
+                       max_new_tokens=requests[longest].max_new_tokens, depth=depth,
+                       kv_sharing=kv_sharing, readout_depths=probe.readout_depths,
+                       lookahead=probe.lookahead, sequences=regions)
+    # eager unless asked: a batch's calls mix sequences' slots in ever new combinations, so
+    # captured shapes would rarely be replayed
+    runner = Runner(model, cache, record=record, mode=mode or "eager")
+
+    def start(req: Request, region: int):
+        forced = None if force_acceptance is None or schedule == "ar" else acceptance_draws(
+            force_acceptance, req.max_new_tokens + 1, seed + req.index)
+        verifier = Verifier(sampling, forced, first_position=len(req.prompt))
+        decoder = BatchDecoder(runner, req.prompt, max_new_tokens=req.max_new_tokens,
+                               sampling=sampling, verifier=verifier, stop_tokens=stop_tokens,
+                               sequence=region)
+        return decoder, plan_for(req)
+
+    results: list[SequenceResult] = []
+    prefill_s, blocks = 0.0, []  # blocks: positions per block call
+
+    def run_call(lanes: list[Lane]) -> None:
+        nonlocal prefill_s
+        t0, capture0 = time.perf_counter(), runner.capture_s
+        run_together(runner, lanes)
+        if lanes[0].round == PREFILL:
+            prefill_s += time.perf_counter() - t0 - (runner.capture_s - capture0)
+        if lanes[0].pending.kind == "block":
+            blocks.append(sum(len(lane.pending.positions) for lane in lanes))
+        if on_call is not None:
+            on_call()
+
+    def finish(lane: Lane) -> None:
+        cache.release(lane.region)
+        results.append(lane.executor.result(lane.job, lane.block_calls, schedule))
+        if on_result is not None:
+            on_result(results[-1])
+
+    start_s = time.perf_counter()
+    with torch.inference_mode():
+        run_batch(requests, regions, start, run_call, finish)
+    wall = time.perf_counter() - start_s - runner.capture_s
+    stats: dict[str, object] = {
+        "schedule": schedule, "batch_size": regions, "depth": depth,
+        "kv_bytes_allocated": cache.nbytes, "lookahead": probe.lookahead,
+        "sequence_length": cache.max_len - probe.lookahead, **runner.mode_stats()}
+    if schedule == "dtv":
+        stats.update(block_length=block_length, draft_depth=draft_depth)
+    elif schedule == "wfd":
+        stats.update(draft_depth=draft_depth, width=probe.width, width_cap=width_cap)
+    stats.update(block_calls=len(blocks), positions_per_block_call=sum(blocks) / len(blocks))
+    return BatchRun(results=results, wall_s=wall, prefill_s=prefill_s, records=runner.records,
+                    stats=stats)
