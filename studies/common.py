@@ -58,7 +58,10 @@ def write_outputs(result: StudyResult, out_dir: str | Path) -> dict[str, str]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"csv": out / f"{result.name}.csv", "markdown": out / f"{result.name}.md"}
     atomic_write_text(paths["csv"], to_csv(result.rows))
-    atomic_write_text(paths["markdown"], f"# {result.title}\n\n" + to_markdown(result.rows))
+    extra = "".join(f"\n## {title}\n\n" + to_markdown(table)
+                    for title, table in result.summary.get("tables", {}).items())
+    atomic_write_text(paths["markdown"], f"# {result.title}\n\n" + to_markdown(result.rows)
+                      + extra)
     figure = out / f"{result.name}.png"
     if save_figure(figure, result.draw, (9, 5.5)):
         paths["figure"] = figure

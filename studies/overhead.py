@@ -23,8 +23,9 @@ def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult
     from .paper_table import derive_overhead
 
     # the host's launch gap is a property of the host and framework, derived once from the
-    # paper's A6000 figures and carried to every device
-    python_gap = derive_overhead(get_hardware("a6000"))["launch_overhead_s"]
+    # paper's A6000 figures and carried to every device (with the presets' kernel counts, which
+    # this study prices with)
+    python_gap = derive_overhead(get_hardware("a6000"), kernels={})["launch_overhead_s"]
     rows = []
     for hw in hardware:
         variants = {"python-heavy": hw.model_copy(update={"cuda_graphs": False,

@@ -12,8 +12,11 @@ kernels, and the 74% fixes Huginn's achievable bandwidth. Nothing is fitted to D
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from costmodel import Workload, predict
 from costmodel.presets import get_hardware
+from costmodel.profile import ProfileError, load_profile
 from costmodel.specs import HardwareSpec
 
 from .common import StudyResult
@@ -24,6 +27,12 @@ REPORTED_WFD = {"huginn-3.5b": 3.54, "ouro-2.6b": 2.42}
 AR_ROOFLINE = {"huginn-3.5b": 0.74, "ouro-2.6b": 0.18}
 OURO_AR_IDLE = 0.65
 PROMPT, OUTPUT = 512, 512
+# the decoder's dispatch, counted when it was calibrated on a GPU (per family)
+COUNTED = {"huginn-3.5b": "gpu-huginn-bf16.json", "ouro-2.6b": "gpu-ouro-bf16.json"}
+PROFILES_DIR = Path(__file__).resolve().parents[1] / "data" / "profiles"
+KERNEL_FIELDS = ("kernels_per_layer", "attention_kernels_per_slot", "attention_split_by_slot",
+                 "part_extra_kernels")
+SENSITIVITY_DEPTHS = {"huginn-3.5b": [2, 4, 8], "ouro-2.6b": [1, 2]}
 
 
 def _workload(model: str) -> Workload:
@@ -40,16 +49,48 @@ def _ar_terms(model: str, hw: HardwareSpec) -> tuple[float, float]:
     return ar.breakdown.weights_s + ar.breakdown.kv_s, ar.breakdown.overhead_s
 
 
-def derive_overhead(hw: HardwareSpec) -> dict[str, float]:
-    ouro_mem, ouro_kernels = _ar_terms("ouro-2.6b", hw)
+def counted_kernels(model: str) -> dict[str, object] | None:
+    """The decoder's kernels per layer and part and its attention structure, as its GPU
+    calibration counted them (None where the profile is not at hand, e.g. an installed package
+    without the repository's data/)."""
+    try:
+        hw = load_profile(PROFILES_DIR / COUNTED[model]).hardware
+    except ProfileError:
+        return None
+    return {name: getattr(hw, name) for name in KERNEL_FIELDS}
+
+
+def counted_by_model() -> dict[str, dict]:
+    """The counted kernels of every model whose profile is at hand."""
+    return {m: k for m in COUNTED if (k := counted_kernels(m)) is not None}
+
+
+def derive_overhead(hw: HardwareSpec, additive: bool = False,
+                    kernels: dict[str, dict] | None = None) -> dict[str, float]:
+    """The launch gap and each model's achievable bandwidth that reproduce the paper's AR
+    figures. Overlapped host time (the default): Ouro is host-bound, so its token is its
+    launches; ``additive``: a token is launches plus device time, the idle share being the
+    launches'. ``kernels``: per model, the kernel counts to price with (default: the counted
+    ones; a model without them keeps ``hw``'s)."""
+    kernels = counted_by_model() if kernels is None else kernels
+
+    def terms(model: str) -> tuple[float, float]:
+        return _ar_terms(model, hw.model_copy(update=kernels.get(model, {})))
+
+    ouro_mem, ouro_kernels = terms("ouro-2.6b")
     ouro_time = ouro_mem / AR_ROOFLINE["ouro-2.6b"]
-    launch = ouro_time / ouro_kernels  # host-bound: the launches take the whole token
+    # host-bound: the launches take the whole token (overlapped) or its idle share (additive)
+    launch = ouro_time * (OURO_AR_IDLE if additive else 1.0) / ouro_kernels
     ouro_eff = ouro_mem / ((1 - OURO_AR_IDLE) * ouro_time)
-    huginn_mem, huginn_kernels = _ar_terms("huginn-3.5b", hw)
+    huginn_mem, huginn_kernels = terms("huginn-3.5b")
     huginn_time = huginn_mem / AR_ROOFLINE["huginn-3.5b"]
+    huginn_device = huginn_time - launch * huginn_kernels if additive else huginn_time
     if launch * huginn_kernels > huginn_time:
         raise ValueError("the paper's AR figures are inconsistent under this kernel count")
-    huginn_eff = huginn_mem / huginn_time  # device-bound: launches hidden behind it
+    huginn_eff = huginn_mem / huginn_device  # overlapped: launches hidden behind the device
+    if huginn_eff > 1:
+        raise ValueError(f"the paper's AR figures are inconsistent under this assumption: "
+                         f"Huginn-3.5B would need {huginn_eff:.0%} of the peak bandwidth")
     return {"launch_overhead_s": launch, "host_overhead_s": 0.0,
             "ouro-2.6b_bandwidth_efficiency": ouro_eff,
             "huginn-3.5b_bandwidth_efficiency": huginn_eff,
@@ -57,11 +98,55 @@ def derive_overhead(hw: HardwareSpec) -> dict[str, float]:
             "huginn-3.5b_ar_kernels_per_token": huginn_kernels}
 
 
-def derived_hardware(model: str, hw: HardwareSpec, derived: dict[str, float]) -> HardwareSpec:
+def derived_hardware(model: str, hw: HardwareSpec, derived: dict[str, float],
+                     additive: bool = False, kernels: dict[str, dict] | None = None
+                     ) -> HardwareSpec:
+    """``hw`` with the derived overhead and bandwidth, priced with ``kernels`` (as in
+    ``derive_overhead``)."""
+    kernels = counted_by_model() if kernels is None else kernels
     return hw.model_copy(update={
         "launch_overhead_s": derived["launch_overhead_s"], "host_overhead_s": 0.0,
         "bandwidth_efficiency": min(1.0, derived[f"{model}_bandwidth_efficiency"]),
-        "kv_bandwidth_efficiency": None, "cuda_graphs": False, "overhead_overlaps": True})
+        "kv_bandwidth_efficiency": None, "cuda_graphs": False,
+        "overhead_overlaps": not additive, **kernels.get(model, {})})
+
+
+def sensitivity(hw: HardwareSpec) -> list[dict]:
+    """Each model's predicted speedups under each assumption the paper's AR figures cannot pin
+    down, one changed at a time from the study's own (counted kernels, overlapped host time, the
+    headline draft depth); each assumption re-derives the overhead from the same AR figures."""
+    base = counted_by_model()
+    preset = {name: HardwareSpec.model_fields[name].get_default(call_default_factory=True)
+              for name in KERNEL_FIELDS}
+    split = {m: {**k, "attention_split_by_slot": True, "attention_kernels_per_slot": 2}
+             for m, k in base.items()}
+    assumptions = [("counted kernels, batched attention, overlapped host", base, False),
+                   ("preset kernels (14 per layer, 2 per slot, split)",
+                    {m: preset for m in COUNTED}, False),
+                   ("counted kernels, attention split per slot (2 each)", split, False),
+                   ("counted kernels, host time added to the device's", base, True)]
+    rows = []
+    for label, kernels, additive in assumptions:
+        try:
+            derived = derive_overhead(hw, additive, kernels)
+        except ValueError as exc:  # the AR figures rule this assumption out
+            rows += [{"model": model, "assumption": label, "draft_depth": DRAFT_DEPTHS[model][0],
+                      "launch_gap_us": None, "wfd_speedup": None, "dtv_speedup": None,
+                      "dtv_block_length": None, "wfd_over_dtv": None, "note": str(exc)}
+                     for model in ("ouro-2.6b", "huginn-3.5b")]
+            continue
+        for model in ("ouro-2.6b", "huginn-3.5b"):
+            mhw = derived_hardware(model, hw, derived, additive, kernels)
+            depths = SENSITIVITY_DEPTHS[model] if label == assumptions[0][0] else [
+                DRAFT_DEPTHS[model][0]]
+            for d in depths:
+                speed = end_to_end_speedup(model, mhw, None, d)
+                rows.append({"model": model, "assumption": label, "draft_depth": d,
+                             "launch_gap_us": derived["launch_overhead_s"] * 1e6,
+                             "wfd_speedup": speed["wfd"][0], "dtv_speedup": speed["dtv"][0],
+                             "dtv_block_length": speed["dtv"][1],
+                             "wfd_over_dtv": speed["wfd"][0] / speed["dtv"][0], "note": ""})
+    return rows
 
 
 def end_to_end_speedup(model: str, hw: HardwareSpec, block_length: int | None,
@@ -79,7 +164,7 @@ def end_to_end_speedup(model: str, hw: HardwareSpec, block_length: int | None,
 
 def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult:
     hw = profile or get_hardware("a6000")
-    derived = derive_overhead(hw)
+    derived = derive_overhead(hw)  # with the decoder's counted kernels
     rows = []
     for model in ("ouro-2.6b", "huginn-3.5b"):
         mhw = derived_hardware(model, hw, derived)
@@ -110,6 +195,14 @@ def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult
         ax.set_title(f"WFD paper setting on {hw.name}: overhead derived from the AR figures only")
         ax.legend()
 
+    table = sensitivity(hw)
+    ranges = {model: (min(r["wfd_speedup"] for r in table if r["model"] == model
+                          and r["wfd_speedup"] is not None),
+                      max(r["wfd_speedup"] for r in table if r["model"] == model
+                          and r["wfd_speedup"] is not None))
+              for model in COUNTED}
     return StudyResult("paper-table", "The WFD paper's table, predicted", rows, draw,
                        {"derived_overhead": derived, "hardware": hw.name,
-                        "prompt_tokens": PROMPT, "output_tokens": OUTPUT})
+                        "prompt_tokens": PROMPT, "output_tokens": OUTPUT,
+                        "wfd_speedup_range": ranges,
+                        "tables": {"Sensitivity: one assumption changed at a time": table}})
