@@ -45,9 +45,6 @@ def _root() -> None:
     """Cost model of AR, draft-then-verify (DtV) and WaveFront Decoding (WFD)."""
 
 
-HOST_TERMS = ("host_overhead_s", "layer_overhead_s", "launch_overhead_s",
-              "graph_launch_overhead_s")
-
 
 def _override(hw: HardwareSpec, bandwidth: str | None, flops: str | None, memory: str | None,
               launch_overhead: str | None, dtype: str, mode: str | None = None,
@@ -65,16 +62,13 @@ def _override(hw: HardwareSpec, bandwidth: str | None, flops: str | None, memory
         if mode not in ("eager", "graphs"):
             raise UserError(f"unknown mode {mode!r}; use eager or graphs")
         changes["cuda_graphs"] = mode == "graphs"
-    if host_speed is not None:
-        if not host_speed > 0:
-            raise UserError(f"host speed must be a positive factor, got {host_speed}")
-        # the host's share of a call (dispatch per call, per layer, per kernel launched) runs
-        # host_speed times faster; the device's terms are untouched
-        for term in HOST_TERMS:
-            changes[term] = float(changes.get(term, getattr(hw, term))) / host_speed
-    if changes:
+    if host_speed is not None and not host_speed > 0:
+        raise UserError(f"host speed must be a positive factor, got {host_speed}")
+    if changes or host_speed is not None:
         changes["name"] = f"{hw.name}*"  # the star marks a preset with overridden figures
-    return hw.model_copy(update=changes)
+    hw = hw.model_copy(update=changes)
+    # the host's share of a call runs host_speed times faster; the device's terms are untouched
+    return hw.with_host_speed(host_speed) if host_speed is not None else hw
 
 
 

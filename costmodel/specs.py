@@ -7,7 +7,7 @@ counts and KV bytes are derived from the architecture, never typed in.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -110,6 +110,17 @@ class HardwareSpec(Spec):
     # The measured curve's times over the decoder's own (fitted: what the products cost in a
     # call, among the other kernels, against the same products timed alone).
     matmul_time_scale: Annotated[float, Field(gt=0)] = 1.0
+
+    HOST_TERMS: ClassVar[tuple[str, ...]] = ("host_overhead_s", "layer_overhead_s",
+                                             "launch_overhead_s", "graph_launch_overhead_s")
+
+    def with_host_speed(self, speed: float) -> HardwareSpec:
+        """This hardware with a host ``speed`` times faster: every host term (dispatch per call,
+        per layer, per kernel launched or replayed) divided by it, the device's untouched."""
+        if not speed > 0:
+            raise ValueError(f"host speed must be a positive factor, got {speed}")
+        return self.model_copy(update={term: getattr(self, term) / speed
+                                       for term in self.HOST_TERMS})
 
     @property
     def kernel_overhead_s(self) -> float:

@@ -56,8 +56,10 @@ def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult
                          "wfd_speedup_no_overhead": speed["no overhead"][0],
                          "gain_share_from_weights": from_weights})
 
+    sweep = host_speed_sweep(hardware, python_gap)
+
     def draw(fig) -> None:
-        ax = fig.subplots()
+        ax, ax_host = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
         x = range(len(rows))
         keys = ("wfd_speedup_python_heavy", "wfd_speedup_eager", "wfd_speedup_graphs",
                 "wfd_speedup_no_overhead")
@@ -66,7 +68,51 @@ def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult
                    label=key.removeprefix("wfd_speedup_").replace("_", " "))
         ax.set_xticks(list(x), [f"{r['model']}\n{r['hardware']}" for r in rows], fontsize=7)
         ax.set_ylabel("WFD speedup over AR (x)")
-        ax.set_title("How much of WFD's gain is launch overhead, how much weight reads")
-        ax.legend()
+        ax.set_title("How much of WFD's gain is launch overhead, how much weight reads",
+                     fontsize=9)
+        ax.legend(fontsize=7)
+        shown = sweep[-1]["hardware"]  # the last device: the H200, or the profile's
+        for i, model in enumerate(MODELS):
+            for schedule, style in (("wfd", "-"), ("dtv", ":")):
+                for mode, marker in (("eager", "o"), ("graphs", "s")):
+                    mine = [r for r in sweep if r["hardware"] == shown and r["model"] == model
+                            and r["mode"] == mode]
+                    ax_host.plot([r["host_speed"] for r in mine],
+                                 [r[f"{schedule}_speedup"] for r in mine], linestyle=style,
+                                 marker=marker, markersize=3, color=f"C{i}",
+                                 label=f"{model} {schedule.upper()} {mode}")
+        ax_host.axhline(1.0, color="grey", linewidth=0.8)
+        ax_host.set_xscale("log", base=2)
+        ax_host.set_xlabel("host speed (x the Python-heavy stack's)")
+        ax_host.set_ylabel("speedup over AR (x)")
+        ax_host.set_title(f"{shown}: speedup against host speed", fontsize=9)
+        ax_host.legend(fontsize=6)
 
-    return StudyResult("overhead", "WFD speedup with and without launch overhead", rows, draw)
+    return StudyResult("overhead", "WFD speedup with and without launch overhead", rows, draw,
+                       {"tables": {"Speedup against host speed (eager and CUDA graphs)": sweep}})
+
+
+HOST_SPEEDS = [0.5, 1.0, 2.0, 4.0, 8.0, 16.0]
+
+
+def host_speed_sweep(hardware: list[HardwareSpec], launch_gap_s: float) -> list[dict]:
+    """DtV's (best k) and WFD's speedup over AR as the host gets faster (every host term divided
+    by the speed, as `costmodel predict --host-speed`), from the Python-heavy eager stack (the
+    paper's, ``launch_gap_s`` per launch) and from CUDA graphs: whether a schedule's advantage
+    grows or shrinks with a faster host."""
+    rows = []
+    for hw in hardware:
+        for model in MODELS:
+            for mode in ("eager", "graphs"):
+                base = hw.model_copy(update={"cuda_graphs": mode == "graphs",
+                                             "launch_overhead_s": launch_gap_s})
+                for speed in HOST_SPEEDS:
+                    s = predict(model, base.with_host_speed(speed), Workload()).schedules
+                    rows.append({"hardware": hw.name, "model": model, "mode": mode,
+                                 "host_speed": speed, "ar_ms": s["ar"].latency_per_token_s * 1e3,
+                                 "dtv_speedup": s["dtv"].speedup_vs_ar,
+                                 "wfd_speedup": s["wfd"].speedup_vs_ar,
+                                 "wfd_over_dtv": s["wfd"].latency_per_token_s
+                                 and s["dtv"].latency_per_token_s / s["wfd"].latency_per_token_s,
+                                 "ar_bound": s["ar"].bound})
+    return rows

@@ -104,6 +104,25 @@ def test_paper_table_derives_overhead_from_ar_only_and_compares():
     assert any(r["schedule"] == "dtv" and r["block_length"] == 8 for r in result.rows)
 
 
+def test_overhead_study_sweeps_host_speed_in_both_modes():
+    result, _ = studies.run("overhead")
+    sweep = result.summary["tables"]["Speedup against host speed (eager and CUDA graphs)"]
+
+    def row(model, mode, speed, hardware="h200"):
+        return next(r for r in sweep if r["hardware"] == hardware and r["model"] == model
+                    and r["mode"] == mode and r["host_speed"] == speed)
+
+    # on the paper's Python-heavy host, an H200 runs Huginn host-bound and DtV beats WFD; a
+    # host 16x faster (or graphs) gives WFD its lead back
+    assert row("huginn-3.5b", "eager", 1.0)["wfd_over_dtv"] < 1 < row(
+        "huginn-3.5b", "eager", 16.0)["wfd_over_dtv"]
+    assert row("huginn-3.5b", "graphs", 1.0)["wfd_over_dtv"] > 1
+    assert row("ouro-2.6b", "eager", 16.0)["ar_ms"] < row("ouro-2.6b", "eager", 1.0)["ar_ms"]
+    # graphs mode leaves little host time to speed up
+    graphs = [row("ouro-2.6b", "graphs", s)["ar_ms"] for s in (1.0, 16.0)]
+    assert graphs[1] == pytest.approx(graphs[0], rel=0.02)
+
+
 def test_paper_table_sensitivity_changes_one_assumption_at_a_time(tmp_path):
     from studies.common import write_outputs
     from studies.paper_table import counted_kernels
