@@ -89,6 +89,13 @@ def simulated(spec, hw, batch: int, args, schedule: str, **kw) -> float:
                           dtype=args.dtype).tokens_per_s
 
 
+def check_kv(batch: int, label: str, run: dict, prediction) -> None:
+    """The KV cache a run allocated must be the prediction's."""
+    if run["kv_bytes"] != prediction.kv_bytes:
+        raise SystemExit(f"B={batch} {label}: KV allocated {run['kv_bytes']} != predicted "
+                         f"{prediction.kv_bytes}")
+
+
 def crossover(rows: list[dict], side: str) -> int | None:
     """The smallest batch at which WFD's speedup falls below DtV's."""
     return next((r["batch"] for r in rows if r[f"{side}_wfd"] < r[f"{side}_dtv"]), None)
@@ -161,16 +168,10 @@ def main() -> None:
             acc = runs[batch, label][0]["acceptance"]
             s = predicted(spec, hw, batch, args, acc, block_length=k)
             dtv_pred[label] = s["dtv"].tokens_per_s
-            if runs[batch, label][0]["kv_bytes"] != s["dtv"].kv_bytes:
-                raise SystemExit(f"B={batch} {label}: KV allocated "
-                                 f"{runs[batch, label][0]['kv_bytes']} != predicted "
-                                 f"{s['dtv'].kv_bytes}")
+            check_kv(batch, label, runs[batch, label][0], s["dtv"])
         s = predicted(spec, hw, batch, args, wfd_acc)
-        for schedule, label in (("ar", "ar"), ("wfd", "wfd")):
-            if runs[batch, label][0]["kv_bytes"] != s[schedule].kv_bytes:
-                raise SystemExit(f"B={batch} {label}: KV allocated "
-                                 f"{runs[batch, label][0]['kv_bytes']} != predicted "
-                                 f"{s[schedule].kv_bytes}")
+        for label in ("ar", "wfd"):
+            check_kv(batch, label, runs[batch, label][0], s[label])
         pred_best = max(dtv_labels, key=dtv_pred.__getitem__)
         ar_pred = s["ar"].tokens_per_s
         sim = {label: simulated(spec, hw, batch, args, configs[label][0], **configs[label][1])

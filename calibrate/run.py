@@ -280,12 +280,9 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
 def _memory_capacity(device: str) -> float:
     import torch
 
+    from wfd.runtime import meminfo_bytes
+
     if device.startswith("cuda"):
         return float(torch.cuda.get_device_properties(0).total_memory)
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 16e9
+    total = meminfo_bytes("MemTotal")
+    return float(total) if total is not None else 16e9

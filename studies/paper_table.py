@@ -12,6 +12,7 @@ kernels, and the 74% fixes Huginn's achievable bandwidth. Nothing is fitted to D
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from costmodel import Workload, predict
@@ -49,6 +50,7 @@ def _ar_terms(model: str, hw: HardwareSpec) -> tuple[float, float]:
     return ar.breakdown.weights_s + ar.breakdown.kv_s, ar.breakdown.overhead_s
 
 
+@functools.cache
 def counted_kernels(model: str) -> dict[str, object] | None:
     """The decoder's kernels per layer and part and its attention structure, as its GPU
     calibration counted them (None where the profile is not at hand, e.g. an installed package

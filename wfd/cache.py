@@ -96,6 +96,13 @@ class PartKV:
         self.overwrite = True
 
 
+def part_slots(depth: int, kv_sharing: int, readout_depths: list[int]) -> dict[str, int]:
+    """Slots per layer of each part, for one sequence: one in the prelude, R (or the s shared)
+    in the core, one per readout depth in the coda."""
+    return {"prelude": 1, "block": depth if kv_sharing == 0 else min(kv_sharing, depth),
+            "coda": max(len(set(readout_depths)), 1)}
+
+
 class KVCache:
     """All layers' KV for one sequence (or ``sequences`` of them), and the slot each depth maps
     to."""
@@ -112,15 +119,15 @@ class KVCache:
         self.kv_sharing = kv_sharing
         self.max_len = max_len
         self.sequences = sequences
-        core_slots = depth if kv_sharing == 0 else min(kv_sharing, depth)
+        slots = part_slots(depth, kv_sharing, readout_depths)
         self.coda_slot_of = {r: i for i, r in enumerate(sorted(set(readout_depths)))}
         tail = (kv_heads, max_len, head_dim)
         self.parts = {
-            "prelude": PartKV(prelude_layers, 1, False, tail, dtype, device, sequences),
-            "block": PartKV(core_layers, core_slots, kv_sharing > 0, tail, dtype, device,
+            "prelude": PartKV(prelude_layers, slots["prelude"], False, tail, dtype, device,
+                              sequences),
+            "block": PartKV(core_layers, slots["block"], kv_sharing > 0, tail, dtype, device,
                             sequences),
-            "coda": PartKV(coda_layers, max(len(self.coda_slot_of), 1), False, tail, dtype,
-                           device, sequences),
+            "coda": PartKV(coda_layers, slots["coda"], False, tail, dtype, device, sequences),
         }
         self.prelude = self.parts["prelude"].layers
         self.core = self.parts["block"].layers

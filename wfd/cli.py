@@ -122,6 +122,7 @@ def generate(
 
     from .checkpoint import SHIPPED_DIR, CheckpointError, load_model
     from .generate import GenerationError, Sampling, generate
+    from .prompts import check_token_ids
     from .runtime import machine_profile
     from .tokenizer import tokenizer_for
 
@@ -154,10 +155,10 @@ def generate(
             ids = tok.encode(prompt)
         else:
             ids = _parse_ids(prompt_ids, "--prompt-ids")
-        bad = [i for i in ids if not 0 <= i < net.config.vocab_size]
-        if bad:
-            raise UserError(f"token id {bad[0]} outside the vocabulary of "
-                            f"{net.config.vocab_size}")
+        try:
+            check_token_ids(ids, net.config.vocab_size)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
         hardware = None
         if schedule == "auto":
             chosen, calibrated = (profile, load_profile(profile)) if profile else \

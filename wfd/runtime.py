@@ -14,7 +14,7 @@ from torch import nn
 from costmodel.plans import call_slots
 from costmodel.trace import CallRecord
 
-from .cache import KVCache
+from .cache import KVCache, part_slots
 from .graphs import CallGraphs
 from .layers import CallPlan
 from .sampling import GenerationError
@@ -56,10 +56,10 @@ def make_cache(model: nn.Module, *, prompt_len: int, max_new_tokens: int, depth:
         raise GenerationError(f"a prompt of {prompt_len} tokens plus {max_new_tokens} new ones "
                               f"exceeds the model's context of {cfg.max_position_embeddings}")
     param = next(model.parameters())
-    slots = (cfg.prelude_layers + cfg.core_layers * (depth if kv_sharing == 0 else
-                                                     min(kv_sharing, depth))
-             + cfg.coda_layers * max(len(set(readout_depths)), 1))
-    per_position = 2 * slots * cfg.num_kv_heads * cfg.head_dim * param.element_size()
+    slots = part_slots(depth, kv_sharing, list(readout_depths))
+    layer_slots = (cfg.prelude_layers * slots["prelude"] + cfg.core_layers * slots["block"]
+                   + cfg.coda_layers * slots["coda"])
+    per_position = 2 * layer_slots * cfg.num_kv_heads * cfg.head_dim * param.element_size()
     check_fits(sequences * (total + lookahead) * per_position, param.device,
                f"{sequences} sequence{'s' * (sequences > 1)} of {total + lookahead} positions")
     return KVCache(prelude_layers=cfg.prelude_layers, core_layers=cfg.core_layers,
@@ -69,16 +69,23 @@ def make_cache(model: nn.Module, *, prompt_len: int, max_new_tokens: int, depth:
                    device=param.device, sequences=sequences)
 
 
+def meminfo_bytes(field: str) -> int | None:
+    """A field of the host's /proc/meminfo (MemTotal, MemAvailable) in bytes; None without it."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info[field].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def free_memory_bytes(device: torch.device) -> int:
     """Memory a new allocation can take: the GPU's free memory, or the host's available RAM."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        return int(info["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    available = meminfo_bytes("MemAvailable")
+    return available if available is not None else (
+        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
 def check_fits(kv_bytes: int, device: torch.device, what: str) -> None:
