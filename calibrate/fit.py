@@ -14,16 +14,22 @@ zero) the one whose absence the calls miss least (the lowest cost refitted witho
 out: an overhead term is dropped (0: the simpler structure), a fraction is held at its prior,
 and the rest are fitted again, until every fitted coefficient is determined.
 ``FitResult.dropped`` says what was taken out and why.
+
+Observations may come from both of a GPU decoder's execution modes (``Observation.mode``): one
+hardware spec prices them all, each call in its own mode, so the device's coefficients are shared
+and each mode frees only its own host terms (``MODE_TERMS``); what one mode hides (an eager
+decoder's host-bound calls hide the device), the other determines (calibrate.modes).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from costmodel.cost import call_cost
+from costmodel.profile import FittedValue, HeldValue
 from costmodel.specs import HardwareSpec, LoopedModelSpec
 from costmodel.trace import CallRecord
 
@@ -34,21 +40,35 @@ PARAMETERS = [
     ("host_overhead_s", 0.0, 5e-3, 2e-5, "s", "overhead"),
     ("layer_overhead_s", 0.0, 5e-3, 1e-5, "s per layer", "overhead"),
     ("launch_overhead_s", 0.0, 5e-4, 5e-6, "s", "overhead"),
+    ("graph_host_overhead_s", 0.0, 5e-3, 1e-5, "s", "overhead"),
+    ("graph_launch_overhead_s", 0.0, 5e-5, 1e-6, "s", "overhead"),
+    ("kernel_device_s", 0.0, 1e-4, 2e-6, "s", "overhead"),
     ("bandwidth_efficiency", 0.01, 1.0, 0.8, "fraction of peak", "fraction"),
     ("kv_bandwidth_efficiency", 0.01, 1.0, 0.8, "fraction of peak", "fraction"),
     ("flops_efficiency", 0.01, 1.0, 0.7, "fraction of peak", "fraction"),
     ("attention_flops_efficiency", 0.005, 1.0, 0.2, "fraction of peak", "fraction"),
     ("matmul_time_scale", 0.2, 5.0, 1.0, "x the measured curve", "scale"),
 ]
+# Each mode's host terms; the rest of a GPU's coefficients are the device's, shared by the modes.
+MODE_TERMS = {"eager": ("host_overhead_s", "layer_overhead_s", "launch_overhead_s"),
+              "graphs": ("graph_host_overhead_s", "graph_launch_overhead_s")}
 # A CPU's products are priced by the measured curve (its flops and weight bandwidth are in it);
-# the rest of a call's traffic, KV included, shares one efficiency.
+# the rest of a call's traffic, KV included, shares one efficiency. It runs eagerly.
 CPU_PARAMETERS = [p for p in PARAMETERS
-                  if p[0] not in ("kv_bandwidth_efficiency", "flops_efficiency")]
+                  if p[0] not in ("kv_bandwidth_efficiency", "flops_efficiency", "kernel_device_s",
+                                  *MODE_TERMS["graphs"])]
 GPU_PARAMETERS = [p for p in PARAMETERS if p[0] != "matmul_time_scale"]
 
 
-def parameters_for(hw: HardwareSpec) -> list[tuple]:
-    return CPU_PARAMETERS if hw.matmul is not None else GPU_PARAMETERS
+def parameters_for(hw: HardwareSpec, modes: Sequence[str] | None = None) -> list[tuple]:
+    """The coefficients a fit frees: a CPU's set, or a GPU's device coefficients with the host
+    terms of the ``modes`` its calls ran in (default: the hardware's own mode). A mode whose
+    calls are not in the fit keeps its host terms as they are."""
+    if hw.matmul is not None:
+        return CPU_PARAMETERS
+    modes = set(modes or [hw.mode])
+    other = {t for m, terms in MODE_TERMS.items() if m not in modes for t in terms}
+    return [p for p in GPU_PARAMETERS if p[0] not in other]
 
 
 @dataclass
@@ -56,6 +76,8 @@ class Observation:
     model: LoopedModelSpec
     record: CallRecord
     seconds: float
+    mode: str | None = None  # "eager" or "graphs": the mode it ran in (None: the hardware's)
+    features: dict | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -67,23 +89,53 @@ class FitResult:
     residuals: np.ndarray  # relative errors on the training points
     cost: float
 
+    def coefficients(self) -> dict[str, FittedValue]:
+        units = {p[0]: p[4] for p in PARAMETERS}
+        return {name: FittedValue(value=value, stderr=self.stderr[name], unit=units[name])
+                for name, value in self.values.items()}
+
+    def held(self) -> dict[str, HeldValue]:
+        return {name: HeldValue(value=float(getattr(self.hardware, name)),
+                                prior="prior" in why, reason=why)
+                for name, why in self.dropped.items()}
+
+    def stats(self) -> dict[str, float]:
+        rel = np.abs(self.residuals)
+        return {"train_points": len(rel), "median_abs_rel_residual": float(np.median(rel)),
+                "max_abs_rel_residual": float(rel.max()), "cost": self.cost}
+
 
 def _features(obs: Sequence[Observation]) -> list[dict]:
-    feats = []
+    """What the cost model reads of each call, worked out once per observation (a fit prices
+    the same calls thousands of times)."""
     for o in obs:
-        slot_ctx = o.record.slot_contexts()
-        feats.append({"model": o.model, "part": o.model.part(o.record.kind),
-                      "n": len(o.record.positions), "slots": len(slot_ctx),
-                      "ctx_pos": sum(o.record.contexts), "ctx_slots": sum(slot_ctx.values())})
-    return feats
+        if o.features is None:
+            slot_ctx = o.record.slot_contexts()
+            # calls of equal models are priced together, however many copies of the spec
+            o.features = {"model": o.model, "model_key": o.model.model_dump_json(),
+                          "part": o.model.part(o.record.kind),
+                          "n": len(o.record.positions), "slots": len(slot_ctx),
+                          "ctx_pos": sum(o.record.contexts),
+                          "ctx_slots": sum(slot_ctx.values())}
+    return [o.features for o in obs]
 
 
 def predict_calls(hw: HardwareSpec, obs: Sequence[Observation], dtype: str) -> np.ndarray:
+    """Each call's predicted time: one vectorised ``call_cost`` per model, part and mode."""
     out = np.empty(len(obs))
-    for i, f in enumerate(_features(obs)):
-        c = call_cost(f["model"], hw, f["part"], dtype, n_positions=f["n"], n_slots=f["slots"],
-                      context_sum_positions=f["ctx_pos"], context_sum_slots=f["ctx_slots"])
-        out[i] = float(c.time_s)
+    modes = {o.mode: hw.in_mode(o.mode) for o in obs}
+    groups: dict[tuple, list[tuple[int, dict]]] = {}
+    for i, (o, f) in enumerate(zip(obs, _features(obs), strict=True)):
+        groups.setdefault((f["model_key"], f["part"].name, o.mode), []).append((i, f))
+    for (_, _, mode), members in groups.items():
+        first = members[0][1]
+        column = {key: np.array([f[key] for _, f in members])
+                  for key in ("n", "slots", "ctx_pos", "ctx_slots")}
+        c = call_cost(first["model"], modes[mode], first["part"], dtype,
+                      n_positions=column["n"], n_slots=column["slots"],
+                      context_sum_positions=column["ctx_pos"],
+                      context_sum_slots=column["ctx_slots"])
+        out[[i for i, _ in members]] = np.broadcast_to(c.time_s, len(members))
     return out
 
 
@@ -135,8 +187,16 @@ def _solve(base: HardwareSpec, obs: Sequence[Observation], dtype: str,
         return np.log(predict_calls(_with(base, parameters, theta), obs, dtype)) - np.log(
             measured)
 
-    res = least_squares(residual, start, bounds=(lower, upper), loss="soft_l1", f_scale=F_SCALE,
-                        x_scale="jac")
+    starts = [start]
+    if base.overhead_overlaps:
+        # where the host's time overlaps the device's, a host term hidden behind the device at
+        # the start moves no call and would stay there: start also from host terms large enough
+        # to show in every call, and keep the better fit
+        starts.append(np.where([p[5] == "overhead" for p in parameters],
+                               np.minimum(start * 30, upper), start))
+    res = min((least_squares(residual, x0, bounds=(lower, upper), loss="soft_l1",
+                             f_scale=F_SCALE, x_scale="jac") for x0 in starts),
+              key=lambda r: r.cost)
     dof = max(len(measured) - len(start), 1)
     sigma2 = float(np.sum(res.fun**2) / dof)
     try:
@@ -174,7 +234,8 @@ def fit(base: HardwareSpec, obs: Sequence[Observation], dtype: str,
     measured ones) to ``obs``: those of ``parameters`` (rows of PARAMETERS; default: the CPU's
     or the GPU's set); the others keep their values in ``base``. Coefficients the calls do not
     determine are taken out one at a time (module docstring)."""
-    free = list(parameters if parameters is not None else parameters_for(base))
+    modes = sorted({o.mode or base.mode for o in obs})
+    free = list(parameters if parameters is not None else parameters_for(base, modes))
     dropped: dict[str, str] = {}
     hw = fitted_hw = base
     values, stderr, cost = np.array([]), np.array([]), float("nan")

@@ -15,7 +15,9 @@
 # random-weight models at the real sizes (timing needs no trained weights) are fitted with the
 # small and mid variants; the base variant (about 230 MB) is held out. Writes
 # OUT/gpu-FAMILY-DTYPE.json (eager) or OUT/gpu-FAMILY-DTYPE-graphs.json, each with its validation
-# plot (.png) and report (.validation.json). Then (BENCH=1) bench/decode_speed.py times AR, DtV
+# plot (.png) and report (.validation.json); with both modes, OUT/gpu-FAMILY-DTYPE-modes.json
+# fits them together and validates each mode's fit on the other (`costmodel join-modes`,
+# docs/calibration.md). Then (BENCH=1) bench/decode_speed.py times AR, DtV
 # and WFD at the real size in BENCH_MODES (default: graphs on CUDA), context BENCH_CONTEXT
 # (1,024) and BENCH_TOKENS new tokens (256), forced acceptance 0.9, draft depth 4 (Huginn) or 1
 # (Ouro), and writes OUT/bench-FAMILY-DTYPE.md and .json. REF_HUGINN / REF_OURO: folders of the
@@ -67,6 +69,14 @@ for family in ${FAMILIES:-huginn ouro}; do
     "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[1], 'median', round(r['median_rel_error'],3), 'max', round(r['max_rel_error'],3))" "$OUT/$name.validation.json"
     echo "$family $mode calibrated in $((SECONDS - started)) s"
   done
+  if [[ " $MODES " == *" eager "* && " $MODES " == *" graphs "* ]]; then
+    # both modes in one fit (the device's coefficients shared), validated across the modes
+    joint="gpu-$family-$DTYPE-modes"
+    "$PY" -m costmodel join-modes "$OUT/gpu-$family-$DTYPE.json" \
+      "$OUT/gpu-$family-$DTYPE-graphs.json" --out "$OUT/$joint.json"
+    "$PY" -m costmodel validate --profile "$OUT/$joint.json" --json \
+      > "$OUT/$joint.validation.json"
+  fi
   if [ "${BENCH:-1}" = "1" ]; then
     draft=$([ "$family" = huginn ] && echo 4 || echo 1)
     ref_var="REF_${family^^}"

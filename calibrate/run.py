@@ -14,14 +14,11 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from pathlib import Path
 
-import numpy as np
-
 from costmodel.plans import default_draft_depth
 from costmodel.presets import MODELS
 from costmodel.profile import (
     CalibrationProfile,
     FittedValue,
-    HeldValue,
     LoadReport,
     ProfileError,
     load_profile,
@@ -29,7 +26,7 @@ from costmodel.profile import (
 from costmodel.specs import HardwareSpec
 from costmodel.trace import current_commit
 
-from .fit import PARAMETERS, Observation, fit
+from .fit import Observation, fit
 from .measure import (
     CURVE_ROWS,
     CURVE_ROWS_QUICK,
@@ -240,9 +237,7 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
     points += [min(each, key=lambda point: point.measured_s)
                for each in zip(*run_measurements, strict=True)]
 
-    units = {p[0]: p[4] for p in PARAMETERS}
-    fitted = {name: FittedValue(value=value, stderr=result.stderr[name], unit=units[name])
-              for name, value in result.values.items()}
+    fitted = result.coefficients()
     measured = {"peak_bandwidth": (peaks.bandwidth_bytes_per_s, "B/s"),
                 "peak_flops": (peaks.flops_per_s, "flop/s"),
                 "kernels_per_layer": (per_layer, "operations"),
@@ -253,10 +248,6 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
         measured["reported_cache"] = (peaks.reported_cache_bytes, "B")
     for key, (value, unit) in measured.items():
         fitted[key] = FittedValue(value=value, stderr=0.0, unit=f"{unit} (measured)")
-    held_values = {name: HeldValue(value=float(getattr(result.hardware, name)),
-                                   prior="prior" in why, reason=why)
-                   for name, why in result.dropped.items()}
-    rel = np.abs(result.residuals)
     profile = CalibrationProfile(
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         hardware=result.hardware, machine=machine_name(device), device=device,
@@ -267,10 +258,9 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
               "repeats": [grid.repeats],
               "train_positions": list(TRAIN_POSITIONS),
               "train_models": [loaded[r][0] for r in roles if r != "holdout"]},
-        coefficients=fitted, held=held_values, checks=peaks.checks,
+        coefficients=fitted, held=result.held(), checks=peaks.checks,
         load=None if cuda else LoadReport(**quiet.report()),
-        fit_stats={"train_points": len(train), "median_abs_rel_residual": float(np.median(rel)),
-                   "max_abs_rel_residual": float(rel.max()), "cost": result.cost},
+        fit_stats=result.stats(),
         training=[call_point(r, s) for r, s in samples if in_training(r, s)],
         validation=points,
     )

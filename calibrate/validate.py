@@ -22,6 +22,7 @@ from costmodel.specs import AR, WFD, DtV, HardwareSpec, LoopedModelSpec
 
 
 def predict_point(point: ValidationPoint, hw: HardwareSpec, dtype: str) -> float:
+    hw = hw.in_mode(point.mode)
     if point.kind == "call":
         record = point.record.model_copy()
         price_records(point.spec, hw, [record], dtype=dtype)
@@ -69,6 +70,8 @@ class ValidationReport(BaseModel):
     # decode time per token (AR, DtV and WFD together); None when the profile has none of them
     per_call: dict[str, float | int] | None = None
     per_token: dict[str, float | int] | None = None
+    # the same two figures per execution mode, when the points come from more than one
+    per_mode: dict[str, dict[str, dict[str, float | int] | None]] = {}
     points: list[dict]
 
 
@@ -85,16 +88,24 @@ def report(points: list[ValidationPoint], hw: HardwareSpec, dtype: str) -> Valid
     for p in points:
         predicted = predict_point(p, hw, dtype)
         rows.append({"kind": p.kind, "model": p.model, "group": p.group, "label": p.label,
-                     "measured_s": p.measured_s, "predicted_s": predicted,
-                     "rel_error": predicted / p.measured_s - 1})
+                     "mode": p.mode or hw.mode, "measured_s": p.measured_s,
+                     "predicted_s": predicted, "rel_error": predicted / p.measured_s - 1})
     per = {group: _summary([r["rel_error"] for r in rows if r["group"] == group])
            for group in sorted({r["group"] for r in rows})}
     every = _summary([r["rel_error"] for r in rows])
-    calls = [r["rel_error"] for r in rows if r["kind"] == "call"]
-    runs = [r["rel_error"] for r in rows if r["kind"] == "run"]
+
+    def by_kind(mode: str | None) -> dict[str, dict[str, float | int] | None]:
+        """Over the calls and per token of the runs (of one mode, or all)."""
+        mine = [r for r in rows if mode is None or r["mode"] == mode]
+        return {figure: _summary([r["rel_error"] for r in mine if r["kind"] == kind])
+                for figure, kind in (("per_call", "call"), ("per_token", "run"))}
+
+    modes = sorted({r["mode"] for r in rows})
     return ValidationReport(median_rel_error=every["median_rel_error"],
                             max_rel_error=every["max_rel_error"], per_schedule=per,
-                            per_call=_summary(calls), per_token=_summary(runs), points=rows)
+                            **by_kind(None),
+                            per_mode={m: by_kind(m) for m in modes} if len(modes) > 1 else {},
+                            points=rows)
 
 
 def plot(rep: ValidationReport, path: str | Path, title: str) -> bool:

@@ -416,7 +416,8 @@ def _print_validation(profile, rep, path: Path, plot_path: Path | None, as_json:
                     "held": {k: v.model_dump() for k, v in profile.held.items()},
                     "checks": profile.checks,
                     "load": profile.load.model_dump() if profile.load else None,
-                    "fit_stats": profile.fit_stats, **rep.model_dump()})
+                    "fit_stats": profile.fit_stats, **rep.model_dump(),
+                    "cross_mode": [c.model_dump() for c in profile.cross_mode]})
         return
     from rich.console import Console
     from rich.table import Table
@@ -456,6 +457,21 @@ def _print_validation(profile, rep, path: Path, plot_path: Path | None, as_json:
             table.add_row(label, str(int(stats["points"])), f"{stats['median_rel_error']:.1%}",
                           f"{stats['max_rel_error']:.1%}")
     console.print(table)
+
+    def cells(stats) -> list[str]:
+        return [f"{stats['median_rel_error']:.1%} / {stats['max_rel_error']:.1%}" if stats
+                else "-" for stats in stats]
+
+    if rep.per_mode or profile.cross_mode:
+        modes = Table(title="by execution mode (median / max |rel. error|)", header_style="bold")
+        for col in ("fitted on", "priced", "calls", "runs, per token"):
+            modes.add_column(col)
+        for mode, stats in rep.per_mode.items():
+            modes.add_row("both", mode, *cells((stats["per_call"], stats["per_token"])))
+        for check in profile.cross_mode:
+            modes.add_row(f"{check.fit_on} only", check.predicted,
+                          *cells((check.per_call, check.per_token)))
+        console.print(modes)
     console.print(f"profile: {path}" + (f"; plot: {plot_path}" if plot_path else ""))
 
 
@@ -476,6 +492,37 @@ def validate_cmd(
     rep = report(prof.validation, prof.hardware, prof.dtype)
     plot_path = plot_file or profile.with_suffix(".png")
     _print_validation(prof, rep, profile, _plot(rep, plot_path, prof.hardware.name), as_json)
+
+
+@app.command("join-modes")
+def join_modes_cmd(
+    eager: Annotated[Path, typer.Argument(help="the GPU's eager-mode profile (JSON)")],
+    graphs: Annotated[Path, typer.Argument(help="the same GPU's graphs-mode profile (JSON)")],
+    out: Annotated[Path, typer.Option(help="the joint profile to write")],
+    as_json: JsonOption = False,
+) -> None:
+    """Fit one GPU's eager and graphs calibrations together (the device's coefficients shared,
+    each mode its own host terms) and validate across the modes: fitted on one mode's calls,
+    priced on the other's. `predict --profile OUT --mode eager|graphs` then reads one fit."""
+    from calibrate.modes import join_modes
+
+    joint = join_modes(load_profile(eager), load_profile(graphs))
+    save_profile(joint, out)
+    if as_json:
+        print_json({"profile": str(out),
+                    "coefficients": {k: v.model_dump() for k, v in joint.coefficients.items()},
+                    "held": {k: v.model_dump() for k, v in joint.held.items()},
+                    "fit_stats": joint.fit_stats,
+                    "cross_mode": [c.model_dump() for c in joint.cross_mode]})
+        return
+    typer.echo(f"{out}: {int(joint.fit_stats['train_points'])} calls of both modes fitted"
+               + (f"; held: {', '.join(joint.held)}" if joint.held else ""))
+    for check in joint.cross_mode:
+        parts = [f"{label} median {s['median_rel_error']:.1%}, max {s['max_rel_error']:.1%}"
+                 for label, s in (("calls", check.per_call), ("per token", check.per_token))
+                 if s]
+        typer.echo(f"fitted on {check.fit_on} only, priced {check.predicted}: "
+                   + "; ".join(parts))
 
 
 @app.command("upgrade-profile")

@@ -1,11 +1,15 @@
 """The cost of one call of a part (P, B or C) over n positions.
 
-    t = t_host + layers * t_layer + n_kernels * t_launch
+    t = t_host + layers * t_layer + n_kernels * (t_launch + t_kernel)
         + max(bytes / BW_eff, matmul flops / F_eff + attention flops / F_attention_eff)
 
 on a device that runs its own kernels. On a GPU, launches are asynchronous: the host's overhead
-overlaps the device's work and a call costs the larger of the two (``overhead_overlaps``); the
-breakdown then shows the exposed overhead, the part not hidden behind the device.
+(t_host + layers * t_layer + n_kernels * t_launch) overlaps the device's work (the roofline plus
+n_kernels * t_kernel, the device's floor per kernel) and a call costs the larger of the two
+(``overhead_overlaps``); the breakdown then shows the exposed overhead, the part not hidden
+behind the device's bytes and flops. The host's terms are the mode's: eager launches every
+kernel (per call, per layer, per kernel); a CUDA graph replays a call (per replay, per kernel
+replayed, no per-layer work), while t_kernel and the roofline are the device's in both.
 
 bytes = the part's weights (once per call) + the KV read (for each distinct slot, its context x
 KV bytes per token) + the KV written + activations. flops = 2 * matmul params * n + attention
@@ -117,7 +121,7 @@ def call_cost(
     kernels = part.layers * (hw.kernels_per_layer
                              + hw.attention_kernels_per_slot * attention_launches)
     kernels = kernels + hw.part_extra_kernels.get(part.name, part.extra_kernels)
-    overhead = hw.host_overhead_s + part.layers * hw.layer_overhead_s + kernels * (
+    overhead = hw.call_overhead_s + part.layers * hw.layer_host_s + kernels * (
         hw.kernel_overhead_s)
 
     attention_eff = hw.attention_flops_efficiency or hw.flops_efficiency
@@ -149,7 +153,7 @@ def call_cost(
                                                                     working_set), products_s)
         # the curve's products include their own dispatch
         overhead = np.maximum(overhead - part.matrix_products * hw.kernel_overhead_s,
-                              hw.host_overhead_s)
+                              hw.call_overhead_s)
         other_mem_s = (weight_bytes - matrix_bytes + activation_bytes) / (
             bw_peak * hw.bandwidth_efficiency)
         rest_memory_bound = other_mem_s + kv_mem_s >= attention_s
@@ -157,8 +161,11 @@ def call_cost(
         kv_s = np.where(rest_memory_bound, kv_mem_s, 0.0)
         compute_s = products_s - one_row_s + np.where(rest_memory_bound, 0.0, attention_s)
         roofline_s = weights_s + kv_s + compute_s
-    if hw.overhead_overlaps:
-        overhead = np.maximum(overhead - roofline_s, 0.0)
+    device_kernels_s = kernels * hw.kernel_device_s
+    if hw.overhead_overlaps:  # the call costs the larger of the host's time and the device's
+        overhead = np.maximum(overhead, roofline_s + device_kernels_s) - roofline_s
+    else:
+        overhead = overhead + device_kernels_s
     total_bytes = weight_bytes + kv_read + kv_write + activation_bytes
     ideal = np.maximum(total_bytes / bw_peak, flops / flops_peak)
     return CallCost(

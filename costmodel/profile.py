@@ -78,6 +78,22 @@ class ValidationPoint(BaseModel):
     tokens: int | None = None
     depth: int | None = None
     accept: list[bool] | None = None
+    # the decoder's execution mode it ran in (None: the profile's hardware's)
+    mode: Literal["eager", "graphs"] | None = None
+
+
+class CrossModeCheck(BaseModel):
+    """A held-out test across execution modes: the hardware fitted on one mode's calls alone,
+    pricing the other mode's calls and runs (its host terms where the first mode leaves them)."""
+
+    model_config = ConfigDict(extra="forbid")
+    fit_on: Literal["eager", "graphs"]
+    predicted: Literal["eager", "graphs"]
+    # median and max |relative error| and the point count, over calls and per decoded token
+    per_call: dict[str, float | int] | None = None
+    per_token: dict[str, float | int] | None = None
+    # the coefficients the first mode's calls did not determine, and why
+    held: dict[str, str] = Field(default_factory=dict)
 
 
 class CalibrationProfile(BaseModel):
@@ -104,6 +120,9 @@ class CalibrationProfile(BaseModel):
     # the calls the fit used, so that a profile can be refitted without measuring again
     training: list[ValidationPoint] = Field(default_factory=list)
     validation: list[ValidationPoint] = Field(default_factory=list)
+    # a profile fitted on both execution modes (calibrate.modes): each fitted on one, priced on
+    # the other
+    cross_mode: list[CrossModeCheck] = Field(default_factory=list)
 
 
 def save_profile(profile: CalibrationProfile, path: str | Path) -> None:

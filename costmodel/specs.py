@@ -93,7 +93,15 @@ class HardwareSpec(Spec):
     launch_overhead_s: Annotated[float, Field(ge=0)] = 5e-6
     # Per kernel replayed from a CUDA graph, when ``cuda_graphs``.
     graph_launch_overhead_s: Annotated[float, Field(ge=0)] = 1e-6
+    # Per call replayed from CUDA graphs (the decoder's own work around the replay: copying the
+    # call's inputs, the replay itself); None: host_overhead_s. A replayed call has no per-layer
+    # host work (layer_overhead_s is eager's).
+    graph_host_overhead_s: Annotated[float, Field(ge=0)] | None = None
     cuda_graphs: bool = False
+    # Device time per kernel, in both modes: the floor a kernel costs the device beyond its
+    # bytes and flops (its launch latency and tail on the device). It adds to the roofline;
+    # the host's overheads overlap the sum where ``overhead_overlaps``.
+    kernel_device_s: Annotated[float, Field(ge=0)] = 0.0
     # Whether host overheads overlap the device's work (a GPU runs kernels while the host
     # enqueues more: a call costs the larger) or add to it (a CPU runs the kernels itself).
     overhead_overlaps: bool = False
@@ -112,7 +120,8 @@ class HardwareSpec(Spec):
     matmul_time_scale: Annotated[float, Field(gt=0)] = 1.0
 
     HOST_TERMS: ClassVar[tuple[str, ...]] = ("host_overhead_s", "layer_overhead_s",
-                                             "launch_overhead_s", "graph_launch_overhead_s")
+                                             "launch_overhead_s", "graph_launch_overhead_s",
+                                             "graph_host_overhead_s")
 
     def with_host_speed(self, speed: float) -> HardwareSpec:
         """This hardware with a host ``speed`` times faster: every host term (dispatch per call,
@@ -120,11 +129,36 @@ class HardwareSpec(Spec):
         if not speed > 0:
             raise ValueError(f"host speed must be a positive factor, got {speed}")
         return self.model_copy(update={term: getattr(self, term) / speed
-                                       for term in self.HOST_TERMS})
+                                       for term in self.HOST_TERMS
+                                       if getattr(self, term) is not None})
+
+    @property
+    def mode(self) -> str:
+        return "graphs" if self.cuda_graphs else "eager"
+
+    def in_mode(self, mode: str | None) -> HardwareSpec:
+        """This hardware running in ``mode`` ("eager" or "graphs"; None: as it is)."""
+        if mode is None or mode == self.mode:
+            return self
+        if mode not in ("eager", "graphs"):
+            raise ValueError(f"unknown mode {mode!r}; use eager or graphs")
+        return self.model_copy(update={"cuda_graphs": mode == "graphs"})
 
     @property
     def kernel_overhead_s(self) -> float:
         return self.graph_launch_overhead_s if self.cuda_graphs else self.launch_overhead_s
+
+    @property
+    def call_overhead_s(self) -> float:
+        """The host's time per call of a part in this mode, outside its layers and kernels."""
+        if self.cuda_graphs and self.graph_host_overhead_s is not None:
+            return self.graph_host_overhead_s
+        return self.host_overhead_s
+
+    @property
+    def layer_host_s(self) -> float:
+        """The host's time per layer of a call: eager's dispatch; none in a replayed graph."""
+        return 0.0 if self.cuda_graphs else self.layer_overhead_s
 
     def achievable_flops_per_s(self, dtype: str) -> float:
         if dtype not in self.peak_flops_per_s:

@@ -1,0 +1,177 @@
+"""A GPU's two execution modes fitted together: calls drawn from a known hardware in eager mode
+(host-bound) and graphs mode (device-bound) recover it, shared device coefficients and each
+mode's host terms; fitted on one mode alone, the other mode's calls show what it missed."""
+
+import functools
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from calibrate.fit import MODE_TERMS, Observation, fit, parameters_for, predict_calls
+from calibrate.modes import join_modes
+from costmodel import get_model
+from costmodel.cost import call_cost
+from costmodel.profile import CalibrationProfile, ProfileError, ValidationPoint, save_profile
+from costmodel.simulate import simulate
+from costmodel.specs import AR, WFD, HardwareSpec
+from costmodel.trace import CallRecord
+
+GPU = HardwareSpec(name="synthetic gpu", memory_bandwidth_bytes_per_s=3e12,
+                   peak_flops_per_s={"fp32": 6e13}, memory_capacity_bytes=80e9,
+                   overhead_overlaps=True, attention_split_by_slot=False,
+                   attention_kernels_per_slot=0)
+DEVICE = {"bandwidth_efficiency": 0.6, "kv_bandwidth_efficiency": 0.5, "flops_efficiency": 0.5,
+          "attention_flops_efficiency": 0.15, "kernel_device_s": 2.5e-6}
+EAGER = {"host_overhead_s": 150e-6, "layer_overhead_s": 0.0, "launch_overhead_s": 8e-6}
+GRAPHS = {"graph_host_overhead_s": 120e-6, "graph_launch_overhead_s": 0.0}
+TRUTH = GPU.model_copy(update={**DEVICE, **EAGER, **GRAPHS})
+
+
+def calls(mode: str, noise: float, seed: int) -> list[Observation]:
+    rng = np.random.default_rng(seed)
+    obs = []
+    for preset in ("huginn-tiny", "huginn-mid", "huginn-base", "ouro-mid"):
+        spec = get_model(preset)
+        for n in (1, 4, 16, 256):
+            for ctx in (64, 4096):
+                positions = list(range(ctx, ctx + n))
+                rec = CallRecord(kind="block", positions=positions, depths=[1] * n,
+                                 contexts=[p + 1 for p in positions], slots=[0] * n)
+                obs.append(Observation(spec, rec, 0.0, mode))
+        obs.append(Observation(spec, CallRecord(kind="coda", positions=[64], depths=[4],
+                                                contexts=[65], slots=[3]), 0.0, mode))
+    times = predict_calls(TRUTH, obs, "fp32") * np.exp(rng.normal(0, noise, len(obs)))
+    for o, t in zip(obs, times, strict=True):
+        o.seconds = float(t)
+    return obs
+
+
+def test_the_modes_price_host_and_device_apart():
+    spec = get_model("huginn-mid")
+    part = spec.part("block")
+    eager = call_cost(spec, TRUTH, part, "fp32", n_positions=1, n_slots=1,
+                      context_sum_positions=64, context_sum_slots=64)
+    graphs = call_cost(spec, TRUTH.in_mode("graphs"), part, "fp32", n_positions=1, n_slots=1,
+                       context_sum_positions=64, context_sum_slots=64)
+    host = 150e-6 + eager.kernels * 8e-6
+    assert float(eager.time_s) == pytest.approx(host)  # eager: host-bound
+    roofline = float(graphs.weights_s + graphs.kv_s + graphs.compute_s)
+    assert float(graphs.time_s) == pytest.approx(roofline + graphs.kernels * 2.5e-6)
+    # the host speed scales the graphs host term too, and never the device's
+    fast = TRUTH.with_host_speed(4.0)
+    assert fast.graph_host_overhead_s == 30e-6 and fast.kernel_device_s == 2.5e-6
+
+
+def test_one_fit_over_both_modes_recovers_every_coefficient_it_can_see():
+    obs = calls("eager", 0.01, 0) + calls("graphs", 0.01, 1)
+    result = fit(GPU, obs, "fp32")
+    assert {p[0] for p in parameters_for(GPU, ["eager", "graphs"])} >= set(DEVICE) | set(
+        MODE_TERMS["eager"]) | set(MODE_TERMS["graphs"])
+    for name, value in {**DEVICE, **EAGER, **GRAPHS}.items():
+        if value == 0.0:  # not in the truth: dropped, with the reason
+            assert name in result.dropped and result.hardware.model_dump()[name] == 0.0, name
+        else:
+            assert result.values[name] == pytest.approx(value, rel=0.1), name
+            assert result.stderr[name] < 0.3 * value, name
+    assert np.median(np.abs(result.residuals)) < 0.02
+
+
+def test_an_eager_fit_alone_misses_the_device():
+    """Eager calls are host-bound but for the largest: they pin the host's terms, leave the KV
+    bandwidth undetermined and the graphs host terms at their priors, so the same hardware in
+    graphs mode misprices the graphs calls whose host time shows."""
+    result = fit(GPU, calls("eager", 0.01, 0), "fp32")
+    assert not set(result.values) & set(MODE_TERMS["graphs"])  # not fitted, kept as they were
+    assert "kv_bandwidth_efficiency" in result.dropped
+    assert result.values["launch_overhead_s"] == pytest.approx(8e-6, rel=0.05)
+    graphs = calls("graphs", 0.0, 1)
+    errors = predict_calls(result.hardware, graphs, "fp32") / [o.seconds for o in graphs] - 1
+    assert np.max(np.abs(errors)) > 0.3  # its graphs host terms are priors
+
+
+@functools.cache
+def _profile(mode: str, seed: int) -> CalibrationProfile:
+    def point(o: Observation) -> ValidationPoint:
+        return ValidationPoint(kind="call", model=o.model.name, spec=o.model, label="call",
+                               group=o.record.kind, measured_s=o.seconds, record=o.record)
+
+    obs = calls(mode, 0.01, seed)
+    spec = get_model("huginn-mid")
+    runs = []
+    for schedule in (AR(), WFD(draft_depth=4)):
+        accept = [i % 7 != 0 for i in range(48)]
+        res = simulate(spec, TRUTH.in_mode(mode), schedule, context_length=64, new_tokens=24,
+                       accept_sequence=accept, dtype="fp32")
+        runs.append(ValidationPoint(kind="run", model="huginn-mid", spec=spec,
+                                    label=schedule.kind, group=schedule.kind,
+                                    measured_s=res.latency_per_token_s, prompt_length=64,
+                                    tokens=24, accept=accept,
+                                    draft_depth=getattr(schedule, "draft_depth", None)))
+    train = [o for o in obs if len(o.record.positions) != 4]  # held out: 4 positions a call
+    # (join-modes refits from the priors: the profile's own fit does not matter here)
+    return CalibrationProfile(
+        created="2026-12-01T00:00:00+00:00", hardware=GPU.in_mode(mode), machine="gpu",
+        device="cuda", torch_version="x", dtype="fp32", commit="abc", models=["huginn-mid"],
+        grid={"positions": [1, 4, 16, 256]}, coefficients={}, fit_stats={"train_points": 0},
+        training=[point(o) for o in train],
+        validation=[point(o) for o in obs if o not in train] + runs)
+
+
+def test_joined_profiles_validate_per_mode_and_across_modes(tmp_path):
+    eager, graphs = tmp_path / "eager.json", tmp_path / "graphs.json"
+    save_profile(_profile("eager", 0), eager)
+    save_profile(_profile("graphs", 1), graphs)
+    joint = tmp_path / "joint.json"
+    cli = [sys.executable, "-m", "costmodel"]
+    out = subprocess.run([*cli, "join-modes", str(eager), str(graphs), "--out", str(joint),
+                          "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    payload = json.loads(out.stdout)
+    assert payload["coefficients"]["kernel_device_s"]["value"] == pytest.approx(2.5e-6, rel=0.1)
+    assert payload["coefficients"]["launch_overhead_s"]["value"] == pytest.approx(8e-6, rel=0.1)
+    cross = {(c["fit_on"], c["predicted"]): c for c in payload["cross_mode"]}
+    assert set(cross) == {("eager", "graphs"), ("graphs", "eager")}
+    assert "graph_host_overhead_s" in cross["eager", "graphs"]["held"]
+
+    rep = subprocess.run([*cli, "validate", "--profile", str(joint), "--plot",
+                          str(tmp_path / "v.png"), "--json"], capture_output=True, text=True,
+                         timeout=120)
+    assert rep.returncode == 0, rep.stderr
+    report = json.loads(rep.stdout)
+    for mode in ("eager", "graphs"):  # the joint fit prices each mode's held-out points
+        figures = report["per_mode"][mode]
+        assert figures["per_call"]["median_rel_error"] < 0.03, mode
+        assert figures["per_token"]["max_rel_error"] < 0.05, mode
+        assert figures["per_call"]["max_rel_error"] < 0.06, mode
+    # fitted on one mode alone, the other's host terms are priors and the device's bandwidths
+    # are loose: the other mode's calls show it
+    for pair in cross:
+        assert cross[pair]["per_call"]["max_rel_error"] > 0.3, pair
+    table = subprocess.run([*cli, "validate", "--profile", str(joint), "--plot",
+                            str(tmp_path / "v.png")], capture_output=True, text=True, timeout=120)
+    assert "eager only" in table.stdout and "graphs only" in table.stdout
+    # predict reads both modes from the one fit
+    for mode in ("eager", "graphs"):
+        pred = subprocess.run([*cli, "predict", "--profile", str(joint), "--model",
+                               "huginn-mid", "--mode", mode, "--dtype", "fp32", "--json"],
+                              capture_output=True, text=True, timeout=120)
+        assert pred.returncode == 0, pred.stderr
+        assert json.loads(pred.stdout)["mode"] == mode
+
+
+def test_join_modes_refuses_a_pair_that_is_not_one_gpu_in_two_modes(tmp_path):
+    eager = _profile("eager", 0)
+    with pytest.raises(ProfileError, match="one eager and one graphs"):
+        join_modes(eager, eager)
+    with pytest.raises(ProfileError, match="differ in dtype"):
+        join_modes(eager, _profile("graphs", 1).model_copy(update={"dtype": "bf16"}))
+    path = tmp_path / "e.json"
+    save_profile(eager, path)
+    out = subprocess.run([sys.executable, "-m", "costmodel", "join-modes", str(path), str(path),
+                          "--out", str(tmp_path / "j.json")], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode != 0 and "one eager and one graphs" in out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "j.json").exists()
