@@ -21,9 +21,9 @@ import sys
 from pathlib import Path
 
 from costmodel.predict import resolve_draft_depth
-from wfd.checkpoint import load_model
+from wfd.checkpoint import SHIPPED_DIR, load_model
 from wfd.generate import generate
-from wfd.train import load_corpus
+from wfd.train import load_corpus, trained_corpus
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import heldout_prompts  # noqa: E402
@@ -46,11 +46,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--block-length", type=int, default=4)
     args = parser.parse_args()
-    prompts = heldout_prompts(load_corpus("heldout"), args.prompts)
     print("| model | shared slots s | schedule | tokens equal to AR's | before first difference |"
           " acceptance |\n|---|---|---|---|---|---|")
     for name in args.models:
         model = load_model(name)
+        prompts = heldout_prompts(load_corpus("heldout", trained_corpus(SHIPPED_DIR / name)),
+                                  args.prompts)
         depth = model.config.depth
         d = resolve_draft_depth(model.config, depth, None, None)
         for s in args.slots:

@@ -14,13 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import textwrap
 
 import torch
 
 from costmodel.predict import resolve_draft_depth
 from wfd.checkpoint import SHIPPED_DIR, load_model
 from wfd.generate import Sampling, generate
-from wfd.train import evaluate, load_corpus
+from wfd.train import evaluate, load_corpus, trained_corpus
 
 
 def heldout_prompts(data: bytes, count: int, length: int = 128) -> list[list[int]]:
@@ -44,6 +45,11 @@ draft depth matters as it does for Huginn-3.5B at R = 32. Greedy decoding still 
 loops on code prompts (last section): the model is small and briefly trained.
 
 """,
+}
+CORPUS_WORDS = {
+    "stdlib": "the `.py` files of the Python standard library of the training interpreter",
+    "stdlib-src": "the `.py` files of the Python standard library of the training interpreter "
+                  "without its test suites (`--corpus stdlib-src`)",
 }
 CODE_PROMPTS = ["import os\ndef main():\n", "class Stack:\n    def push(self, item):\n"]
 TEMPERATURES = (0.7, 1.0)
@@ -72,8 +78,9 @@ def distinct_lines(model, prompt: str, new_tokens: int = 200) -> dict:
     stuck in a loop repeats one line)."""
     res = generate(model, list(prompt.encode()), schedule="ar", max_new_tokens=new_tokens,
                    record=False)
-    lines = [ln for ln in bytes(res.tokens).decode("utf-8", "replace").splitlines() if ln.strip()]
-    return {"prompt": prompt, "lines": len(lines), "distinct": len(set(lines))}
+    text = bytes(res.tokens).decode("utf-8", "replace")
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return {"prompt": prompt, "lines": len(lines), "distinct": len(set(lines)), "text": text}
 
 
 def card(name: str, model, training: dict, metrics: dict, gen: dict, draft_depth: int) -> str:
@@ -85,8 +92,10 @@ def card(name: str, model, training: dict, metrics: dict, gen: dict, draft_depth
     params = sum({id(p): p.numel() for p in model.parameters()}.values())
     sampled = "".join(f", at T = {t}: {gen['sampled'][str(t)]['acceptance']:.3f}"
                       for t in TEMPERATURES)
-    lines = "\n".join(f"- `{row['prompt']!r}`: {row['lines']} lines, {row['distinct']} distinct"
-                      for row in gen["code_prompts"])
+    lines = "\n\n".join(
+        f"- `{row['prompt']!r}`: {row['lines']} lines, {row['distinct']} distinct\n\n"
+        + textwrap.indent(row["prompt"] + row["text"], "      ").rstrip()
+        for row in gen["code_prompts"])
     threads = re.search(r"--threads (\d+)", training["command"])
     threads = int(threads.group(1)) if threads else 1
     thread_words = "one thread" if threads == 1 else f"{threads} threads"
@@ -99,7 +108,7 @@ runs with real drafts and real rejections on a laptop CPU.
   {cfg.head_dim}, MLP {cfg.mlp_size}, byte vocabulary ({cfg.vocab_size}), prelude / core / coda
   layers {cfg.prelude_layers} / {cfg.core_layers} / {cfg.coda_layers}, default depth R =
   {cfg.depth}; {params:,} parameters, fp32 safetensors.
-- Data: the `.py` files of the Python standard library of the training interpreter, split by
+- Data: {CORPUS_WORDS[training.get('corpus', 'stdlib')]}, split by
   file into train ({training['train_bytes']:,} bytes) and held-out ({training['heldout_bytes']:,}
   bytes) sets by a hash of the path (`wfd/train.py`).
 - Training: `{training['command']}`; {training['steps']} steps in {training['minutes']} minutes
@@ -133,11 +142,11 @@ def main() -> None:
     parser.add_argument("--write-cards", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    data = load_corpus("heldout")
-    heldout = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
-    prompts = heldout_prompts(data, args.prompts)
     for name in args.models:
         model = load_model(name)
+        data = load_corpus("heldout", trained_corpus(SHIPPED_DIR / name))  # its own held-out set
+        heldout = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        prompts = heldout_prompts(data, args.prompts)
         depth = model.config.depth
         d = resolve_draft_depth(model.config, depth, None, None)
         # Huginn's depth is a run-time choice: measure well past R to show where it stops helping

@@ -44,3 +44,15 @@ def test_generate_defaults_to_huginn_tiny():
     payload = json.loads(out.stdout)
     assert payload["new_tokens"] == 24 and payload["schedule"] == "wfd"
     assert 0 < payload["acceptance"] <= 1 and isinstance(payload["text"], str)
+
+
+def test_the_source_corpus_leaves_out_the_test_suites():
+    from wfd.train import corpus_files, trained_corpus
+
+    everything, source = corpus_files("stdlib"), corpus_files("stdlib-src")
+    assert set(source) < set(everything)
+    assert not any(p.name.startswith("test_") or "test" in p.parts for p in source)
+    with pytest.raises(ValueError, match="unknown corpus"):
+        corpus_files("web")
+    assert trained_corpus(SHIPPED_DIR / "huginn-tiny") == "stdlib"  # trained before the option
+

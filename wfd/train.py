@@ -3,8 +3,10 @@
     python -m wfd.train --family huginn --minutes 50 --out wfd/models/huginn-tiny
     python -m wfd.train --family ouro --minutes 50 --out wfd/models/ouro-tiny
 
-Corpus: the .py sources of the running interpreter's standard library, split by file into
-train (about 95%) and held-out sets by a hash of the file's path (deterministic). Byte-level
+Corpus (``--corpus``): the .py sources of the running interpreter's standard library
+(``stdlib``), or the same without its test suites (``stdlib-src``: about 40% of the bytes,
+none of the repeated assertion lines that make up much of the tests), split by file into train
+(about 95%) and held-out sets by a hash of the file's path (deterministic). Byte-level
 vocabulary (256). Architectures: the `huginn-tiny` and `ouro-tiny` presets of costmodel.
 
 - Ouro: the whole stack looped R = 4 times; cross-entropy at every loop exit, averaged.
@@ -34,10 +36,20 @@ from .checkpoint import build, init_random, save
 from .config import ModelConfig
 from .layers import CallPlan
 
+CORPORA = ("stdlib", "stdlib-src")
 
-def corpus_files() -> list[Path]:
+
+def is_test_file(path: Path, root: Path) -> bool:
+    parts = path.relative_to(root).parts
+    return "test" in parts or "tests" in parts or path.name.startswith("test_")
+
+
+def corpus_files(corpus: str = "stdlib") -> list[Path]:
+    if corpus not in CORPORA:
+        raise ValueError(f"unknown corpus {corpus!r}: choose one of {', '.join(CORPORA)}")
     root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts
+                  and not (corpus == "stdlib-src" and is_test_file(p, root)))
 
 
 def is_held_out(path: Path, root: Path) -> bool:
@@ -45,16 +57,23 @@ def is_held_out(path: Path, root: Path) -> bool:
     return digest[0] < 13  # about 5% of files
 
 
-def load_corpus(split: str) -> bytes:
+def load_corpus(split: str, corpus: str = "stdlib") -> bytes:
     root = Path(sysconfig.get_paths()["stdlib"])
     chunks = []
-    for path in corpus_files():
+    for path in corpus_files(corpus):
         if is_held_out(path, root) == (split == "heldout"):
             try:
                 chunks.append(path.read_bytes())
             except OSError:
                 continue
     return b"\n\n".join(chunks)
+
+
+def trained_corpus(folder: Path) -> str:
+    """The corpus a model folder's ``training.json`` says it was trained on (models trained
+    before ``--corpus`` existed used the whole standard library)."""
+    record = folder / "training.json"
+    return json.loads(record.read_text()).get("corpus", "stdlib") if record.exists() else "stdlib"
 
 
 def batches(data: torch.Tensor, batch: int, length: int, gen: torch.Generator):
@@ -136,6 +155,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", choices=("huginn", "ouro"), required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--corpus", choices=CORPORA, default="stdlib")
     parser.add_argument("--minutes", type=float, default=50.0)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--length", type=int, default=256)
@@ -154,8 +174,8 @@ def main() -> None:
     cfg = ModelConfig.from_spec(MODELS[f"{args.family}-tiny"])
     model = init_random(build(cfg), seed=args.seed)
     model.train()
-    train = torch.frombuffer(bytearray(load_corpus("train")), dtype=torch.uint8).long()
-    heldout = torch.frombuffer(bytearray(load_corpus("heldout")), dtype=torch.uint8).long()
+    train, heldout = (torch.frombuffer(bytearray(load_corpus(split, args.corpus)),
+                                       dtype=torch.uint8).long() for split in ("train", "heldout"))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                             weight_decay=0.01)
     budget = args.minutes * 60
@@ -197,7 +217,7 @@ def main() -> None:
     (args.out / "training.json").write_text(json.dumps({
         "command": "python -m wfd.train " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
-        "steps": step, "minutes": round((time.time() - start) / 60, 1),
+        "corpus": args.corpus, "steps": step, "minutes": round((time.time() - start) / 60, 1),
         "train_bytes": train.numel(), "heldout_bytes": heldout.numel(),
         "torch": torch.__version__, "heldout": metrics, "log": log,
     }, indent=2) + "\n")
