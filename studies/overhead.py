@@ -32,9 +32,8 @@ def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult
                                                           "launch_overhead_s": python_gap}),
                     "eager": hw.model_copy(update={"cuda_graphs": False}),
                     "cuda graphs": hw.model_copy(update={"cuda_graphs": True}),
-                    "no overhead": hw.model_copy(update={"launch_overhead_s": 0.0,
-                                                         "graph_launch_overhead_s": 0.0,
-                                                         "host_overhead_s": 0.0})}
+                    "no overhead": hw.model_copy(update={
+                        **{term: 0.0 for term in hw.HOST_TERMS}, "kernel_device_s": 0.0})}
         for model in MODELS:
             speed = {}
             for label, v in variants.items():
