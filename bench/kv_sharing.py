@@ -21,12 +21,11 @@ import sys
 from pathlib import Path
 
 from costmodel.predict import resolve_draft_depth
-from wfd.checkpoint import SHIPPED_DIR, load_model
+from wfd.checkpoint import load_model
 from wfd.generate import generate
-from wfd.train import load_corpus, trained_corpus
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import heldout_prompts  # noqa: E402
+from tiny_models import heldout_prompts, model_heldout  # noqa: E402
 
 
 def agreement(a: list[int], b: list[int]) -> tuple[float, float]:
@@ -50,8 +49,7 @@ def main() -> None:
           " acceptance |\n|---|---|---|---|---|---|")
     for name in args.models:
         model = load_model(name)
-        prompts = heldout_prompts(load_corpus("heldout", trained_corpus(SHIPPED_DIR / name)),
-                                  args.prompts)
+        prompts = heldout_prompts(model_heldout(name), args.prompts)
         depth = model.config.depth
         d = resolve_draft_depth(model.config, depth, None, None)
         for s in args.slots:

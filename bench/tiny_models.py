@@ -24,6 +24,11 @@ from wfd.generate import Sampling, generate
 from wfd.train import evaluate, load_corpus, trained_corpus
 
 
+def model_heldout(name: str) -> bytes:
+    """A shipped model's held-out text: that of the corpus it was trained on."""
+    return load_corpus("heldout", trained_corpus(SHIPPED_DIR / name))
+
+
 def heldout_prompts(data: bytes, count: int, length: int = 128) -> list[list[int]]:
     """Prompts cut at line starts spread over the held-out text."""
     step = len(data) // (count + 1)
@@ -144,7 +149,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     for name in args.models:
         model = load_model(name)
-        data = load_corpus("heldout", trained_corpus(SHIPPED_DIR / name))  # its own held-out set
+        data = model_heldout(name)
         heldout = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
         prompts = heldout_prompts(data, args.prompts)
         depth = model.config.depth

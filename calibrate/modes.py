@@ -29,7 +29,7 @@ from .validate import report
 MODES = tuple(MODE_TERMS)
 
 
-def in_mode(points: list[ValidationPoint], mode: str) -> list[ValidationPoint]:
+def marked(points: list[ValidationPoint], mode: str) -> list[ValidationPoint]:
     """The points, each marked with the mode it ran in (a per-mode profile leaves it unset)."""
     return [p if p.mode else p.model_copy(update={"mode": mode}) for p in points]
 
@@ -60,15 +60,15 @@ def check_pair(profiles: dict[str, CalibrationProfile]) -> None:
             raise ProfileError(f"the {profile.hardware.mode} profile holds no training calls")
 
 
-def cross_mode(base: HardwareSpec, points: dict[str, dict[str, list[ValidationPoint]]],
-               fit_on: str, predicted: str, dtype: str) -> CrossModeCheck:
-    """Fit on ``fit_on``'s training calls alone; price every point of ``predicted``."""
-    result = fit(base.in_mode(fit_on), observations(points[fit_on]["training"]), dtype)
-    held = {name: why for name, why in result.dropped.items()}
+def cross_mode(base: HardwareSpec, calls: dict[str, list[Observation]],
+               points: dict[str, list[ValidationPoint]], fit_on: str, predicted: str,
+               dtype: str) -> CrossModeCheck:
+    """Fit on ``fit_on``'s training ``calls`` alone; price all of ``predicted``'s ``points``."""
+    result = fit(base.in_mode(fit_on), calls[fit_on], dtype)
+    held = dict(result.dropped)
     held.update({name: f"not in the {fit_on} calls: its prior"
                  for name in MODE_TERMS[predicted]})
-    rep = report(points[predicted]["training"] + points[predicted]["validation"],
-                 result.hardware, dtype)
+    rep = report(points[predicted], result.hardware, dtype)
     return CrossModeCheck(fit_on=fit_on, predicted=predicted, per_call=rep.per_call,
                           per_token=rep.per_token, held=held)
 
@@ -78,16 +78,18 @@ def join_modes(eager: CalibrationProfile, graphs: CalibrationProfile) -> Calibra
     profiles = {eager.hardware.mode: eager, graphs.hardware.mode: graphs}
     check_pair(profiles)
     eager, graphs = profiles["eager"], profiles["graphs"]
-    points = {mode: {"training": in_mode(p.training, mode),
-                     "validation": in_mode(p.validation, mode)} for mode, p in profiles.items()}
+    training = {mode: marked(p.training, mode) for mode, p in profiles.items()}
+    validation = {mode: marked(p.validation, mode) for mode, p in profiles.items()}
+    # one observation per training call, shared by the three fits (each prices them thousands
+    # of times, from features worked out once per observation)
+    calls = {mode: observations(training[mode]) for mode in MODES}
     base = with_priors(eager.hardware).in_mode("eager")
-    training = points["eager"]["training"] + points["graphs"]["training"]
-    result = fit(base, observations(training), eager.dtype)
+    result = fit(base, calls["eager"] + calls["graphs"], eager.dtype)
     measured = {k: v for k, v in eager.coefficients.items() if v.unit.endswith("(measured)")}
     checks = list(dict.fromkeys(eager.checks + graphs.checks))
-    checks.append(f"fitted on both modes: {len(observations(points['eager']['training']))} eager "
-                  f"and {len(observations(points['graphs']['training']))} graphs calls, the "
-                  "device's coefficients shared")
+    checks.append(f"fitted on both modes: {len(calls['eager'])} eager and "
+                  f"{len(calls['graphs'])} graphs calls, the device's coefficients shared")
+    every = {mode: training[mode] + validation[mode] for mode in MODES}
     return eager.model_copy(update={
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "hardware": result.hardware,
@@ -96,8 +98,8 @@ def join_modes(eager: CalibrationProfile, graphs: CalibrationProfile) -> Calibra
         "checks": checks,
         "fit_stats": result.stats(),
         "grid": {**eager.grid, "modes": list(MODES)},
-        "training": training,
-        "validation": points["eager"]["validation"] + points["graphs"]["validation"],
-        "cross_mode": [cross_mode(base, points, a, b, eager.dtype)
+        "training": training["eager"] + training["graphs"],
+        "validation": validation["eager"] + validation["graphs"],
+        "cross_mode": [cross_mode(base, calls, every, a, b, eager.dtype)
                        for a, b in (("eager", "graphs"), ("graphs", "eager"))],
     })

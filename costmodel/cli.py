@@ -458,19 +458,19 @@ def _print_validation(profile, rep, path: Path, plot_path: Path | None, as_json:
                           f"{stats['max_rel_error']:.1%}")
     console.print(table)
 
-    def cells(stats) -> list[str]:
-        return [f"{stats['median_rel_error']:.1%} / {stats['max_rel_error']:.1%}" if stats
-                else "-" for stats in stats]
+    def cells(*figures) -> list[str]:
+        return [f"{f['median_rel_error']:.1%} / {f['max_rel_error']:.1%}" if f else "-"
+                for f in figures]
 
     if rep.per_mode or profile.cross_mode:
         modes = Table(title="by execution mode (median / max |rel. error|)", header_style="bold")
         for col in ("fitted on", "priced", "calls", "runs, per token"):
             modes.add_column(col)
         for mode, stats in rep.per_mode.items():
-            modes.add_row("both", mode, *cells((stats["per_call"], stats["per_token"])))
+            modes.add_row("both", mode, *cells(stats["per_call"], stats["per_token"]))
         for check in profile.cross_mode:
             modes.add_row(f"{check.fit_on} only", check.predicted,
-                          *cells((check.per_call, check.per_token)))
+                          *cells(check.per_call, check.per_token))
         console.print(modes)
     console.print(f"profile: {path}" + (f"; plot: {plot_path}" if plot_path else ""))
 
