@@ -39,6 +39,8 @@ F_SCALE = 0.05
 PARAMETERS = [
     ("host_overhead_s", 0.0, 5e-3, 2e-5, "s", "overhead"),
     ("layer_overhead_s", 0.0, 5e-3, 1e-5, "s per layer", "overhead"),
+    ("attention_one_set_host_s", 0.0, 5e-3, 5e-6, "s per layer", "overhead"),
+    ("attention_grouped_host_s", 0.0, 5e-3, 5e-6, "s per layer", "overhead"),
     ("launch_overhead_s", 0.0, 5e-4, 5e-6, "s", "overhead"),
     ("graph_host_overhead_s", 0.0, 5e-3, 1e-5, "s", "overhead"),
     ("graph_launch_overhead_s", 0.0, 5e-5, 1e-6, "s", "overhead"),
@@ -50,25 +52,42 @@ PARAMETERS = [
     ("matmul_time_scale", 0.2, 5.0, 1.0, "x the measured curve", "scale"),
 ]
 # Each mode's host terms; the rest of a GPU's coefficients are the device's, shared by the modes.
-MODE_TERMS = {"eager": ("host_overhead_s", "layer_overhead_s", "launch_overhead_s"),
+# A GPU's eager host pays per call, per operation launched and for its attention's shape; no per
+# layer term: a layer's operations are counted, and a per-layer constant would be their launch
+# cost under another name (the H200's calls could not tell them apart).
+MODE_TERMS = {"eager": ("host_overhead_s", "attention_one_set_host_s",
+                        "attention_grouped_host_s", "launch_overhead_s"),
               "graphs": ("graph_host_overhead_s", "graph_launch_overhead_s")}
 # A CPU's products are priced by the measured curve (its flops and weight bandwidth are in it);
 # the rest of a call's traffic, KV included, shares one efficiency. It runs eagerly.
 CPU_PARAMETERS = [p for p in PARAMETERS
                   if p[0] not in ("kv_bandwidth_efficiency", "flops_efficiency", "kernel_device_s",
+                                  "attention_one_set_host_s", "attention_grouped_host_s",
                                   *MODE_TERMS["graphs"])]
-GPU_PARAMETERS = [p for p in PARAMETERS if p[0] != "matmul_time_scale"]
+GPU_PARAMETERS = [p for p in PARAMETERS if p[0] not in ("matmul_time_scale", "layer_overhead_s")]
 
 
 def parameters_for(hw: HardwareSpec, modes: Sequence[str] | None = None) -> list[tuple]:
     """The coefficients a fit frees: a CPU's set, or a GPU's device coefficients with the host
     terms of the ``modes`` its calls ran in (default: the hardware's own mode). A mode whose
-    calls are not in the fit keeps its host terms as they are."""
+    calls are not in the fit keeps its host terms as they are. The device's time per kernel
+    needs graphs calls: in eager calls alone it is the host's launch cost under another name
+    (the larger of the two hides the other), so an eager fit keeps it as it is (EAGER_HELD)."""
     if hw.matmul is not None:
         return CPU_PARAMETERS
     modes = set(modes or [hw.mode])
     other = {t for m, terms in MODE_TERMS.items() if m not in modes for t in terms}
+    if "graphs" not in modes:
+        other |= set(EAGER_HELD)
     return [p for p in GPU_PARAMETERS if p[0] not in other]
+
+
+EAGER_HELD = {"kernel_device_s": "eager calls cannot tell it from the host's launch cost: held at "
+                                 "its prior"}
+
+
+def prior(name: str) -> float:
+    return next(p[3] for p in PARAMETERS if p[0] == name)
 
 
 @dataclass
@@ -134,7 +153,7 @@ def predict_calls(hw: HardwareSpec, obs: Sequence[Observation], dtype: str) -> n
         c = call_cost(first["model"], modes[mode], first["part"], dtype,
                       n_positions=column["n"], n_slots=column["slots"],
                       context_sum_positions=column["ctx_pos"],
-                      context_sum_slots=column["ctx_slots"])
+                      context_sum_slots=column["ctx_slots"], key_sets=column["slots"])
         out[[i for i, _ in members]] = np.broadcast_to(c.time_s, len(members))
     return out
 
@@ -237,6 +256,8 @@ def fit(base: HardwareSpec, obs: Sequence[Observation], dtype: str,
     modes = sorted({o.mode or base.mode for o in obs})
     free = list(parameters if parameters is not None else parameters_for(base, modes))
     dropped: dict[str, str] = {}
+    if base.matmul is None and parameters is None and "graphs" not in modes:
+        dropped.update(EAGER_HELD)
     hw = fitted_hw = base
     values, stderr, cost = np.array([]), np.array([]), float("nan")
     if free:

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from costmodel.profile import CalibrationProfile, CrossModeCheck, ProfileError, ValidationPoint
-from costmodel.specs import HardwareSpec
+from costmodel.profile import CalibrationProfile, ProfileError, ValidationPoint
 
-from .fit import MODE_TERMS, PARAMETERS, Observation, fit
-from .validate import report
+from .fit import MODE_TERMS
+from .refit import refit
 
 MODES = tuple(MODE_TERMS)
 
@@ -32,17 +31,6 @@ MODES = tuple(MODE_TERMS)
 def marked(points: list[ValidationPoint], mode: str) -> list[ValidationPoint]:
     """The points, each marked with the mode it ran in (a per-mode profile leaves it unset)."""
     return [p if p.mode else p.model_copy(update={"mode": mode}) for p in points]
-
-
-def observations(points: list[ValidationPoint]) -> list[Observation]:
-    return [Observation(model=p.spec, record=p.record, seconds=p.measured_s, mode=p.mode)
-            for p in points if p.kind == "call"]
-
-
-def with_priors(hw: HardwareSpec) -> HardwareSpec:
-    """``hw``'s measurements (peaks, kernel counts) with every fitted coefficient at its prior:
-    a fit on one mode then owes nothing to the other mode's fit."""
-    return hw.model_copy(update={p[0]: p[3] for p in PARAMETERS if p[0] != "matmul_time_scale"})
 
 
 def check_pair(profiles: dict[str, CalibrationProfile]) -> None:
@@ -60,46 +48,18 @@ def check_pair(profiles: dict[str, CalibrationProfile]) -> None:
             raise ProfileError(f"the {profile.hardware.mode} profile holds no training calls")
 
 
-def cross_mode(base: HardwareSpec, calls: dict[str, list[Observation]],
-               points: dict[str, list[ValidationPoint]], fit_on: str, predicted: str,
-               dtype: str) -> CrossModeCheck:
-    """Fit on ``fit_on``'s training ``calls`` alone; price all of ``predicted``'s ``points``."""
-    result = fit(base.in_mode(fit_on), calls[fit_on], dtype)
-    held = dict(result.dropped)
-    held.update({name: f"not in the {fit_on} calls: its prior"
-                 for name in MODE_TERMS[predicted]})
-    rep = report(points[predicted], result.hardware, dtype)
-    return CrossModeCheck(fit_on=fit_on, predicted=predicted, per_call=rep.per_call,
-                          per_token=rep.per_token, held=held)
-
-
 def join_modes(eager: CalibrationProfile, graphs: CalibrationProfile) -> CalibrationProfile:
     """The two profiles' calls fitted together, with both cross-mode checks."""
     profiles = {eager.hardware.mode: eager, graphs.hardware.mode: graphs}
     check_pair(profiles)
     eager, graphs = profiles["eager"], profiles["graphs"]
-    training = {mode: marked(p.training, mode) for mode, p in profiles.items()}
-    validation = {mode: marked(p.validation, mode) for mode, p in profiles.items()}
-    # one observation per training call, shared by the three fits (each prices them thousands
-    # of times, from features worked out once per observation)
-    calls = {mode: observations(training[mode]) for mode in MODES}
-    base = with_priors(eager.hardware).in_mode("eager")
-    result = fit(base, calls["eager"] + calls["graphs"], eager.dtype)
-    measured = {k: v for k, v in eager.coefficients.items() if v.unit.endswith("(measured)")}
-    checks = list(dict.fromkeys(eager.checks + graphs.checks))
-    checks.append(f"fitted on both modes: {len(calls['eager'])} eager and "
-                  f"{len(calls['graphs'])} graphs calls, the device's coefficients shared")
-    every = {mode: training[mode] + validation[mode] for mode in MODES}
-    return eager.model_copy(update={
+    merged = eager.model_copy(update={
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "hardware": result.hardware,
-        "coefficients": {**result.coefficients(), **measured},
-        "held": result.held(),
-        "checks": checks,
-        "fit_stats": result.stats(),
+        "checks": list(dict.fromkeys(eager.checks + graphs.checks)),
         "grid": {**eager.grid, "modes": list(MODES)},
-        "training": training["eager"] + training["graphs"],
-        "validation": validation["eager"] + validation["graphs"],
-        "cross_mode": [cross_mode(base, calls, every, a, b, eager.dtype)
-                       for a, b in (("eager", "graphs"), ("graphs", "eager"))],
+        "training": marked(eager.training, "eager") + marked(graphs.training, "graphs"),
+        "validation": marked(eager.validation, "eager") + marked(graphs.validation, "graphs"),
     })
+    counts = {m: sum(p.kind == "call" for p in profiles[m].training) for m in MODES}
+    return refit(merged, note=f"fitted on both modes: {counts['eager']} eager and "
+                              f"{counts['graphs']} graphs calls, the device's coefficients shared")

@@ -26,7 +26,7 @@ from costmodel.profile import (
 from costmodel.specs import HardwareSpec
 from costmodel.trace import current_commit
 
-from .fit import Observation, fit
+from .fit import Observation, fit, prior
 from .measure import (
     CURVE_ROWS,
     CURVE_ROWS_QUICK,
@@ -157,7 +157,9 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
                         overhead_overlaps=cuda, cuda_graphs=mode == "graphs",
                         attention_split_by_slot=False, kernels_per_layer=per_layer,
                         attention_kernels_per_slot=0, part_extra_kernels=extras,
-                        matmul=peaks.matmul)
+                        matmul=peaks.matmul,
+                        # an eager fit cannot determine it (calibrate.fit.EAGER_HELD)
+                        kernel_device_s=prior("kernel_device_s") if cuda else 0.0)
 
     plan = []
     for role in roles:

@@ -525,6 +525,46 @@ def join_modes_cmd(
                    + "; ".join(parts))
 
 
+@app.command("refit")
+def refit_cmd(
+    profile: Annotated[Path, typer.Argument(help="calibration profile (JSON)")],
+    out: Annotated[Path, typer.Option(help="the refitted profile to write")],
+    as_json: JsonOption = False,
+) -> None:
+    """Fit the profile's stored training calls again with this version's cost model (no
+    measuring: the peaks, kernel counts and curve stay) and re-price its held-out points: what a
+    profile made by an older version gains from the newer model."""
+    from calibrate.refit import refit
+    from calibrate.validate import report
+
+    before = load_profile(profile)
+    try:
+        after = refit(before)
+    except ValueError as exc:
+        raise UserError(f"{profile}: {exc}") from None
+    save_profile(after, out)
+    reports = {label: report(p.validation, p.hardware, p.dtype) if p.validation else None
+               for label, p in (("before", before), ("after", after))}
+    if as_json:
+        print_json({"profile": str(out),
+                    "coefficients": {k: v.model_dump() for k, v in after.coefficients.items()},
+                    "held": {k: v.model_dump() for k, v in after.held.items()},
+                    "fit_stats": after.fit_stats,
+                    **{label: None if rep is None else {"per_call": rep.per_call,
+                                                        "per_token": rep.per_token}
+                       for label, rep in reports.items()},
+                    "cross_mode": [c.model_dump() for c in after.cross_mode]})
+        return
+    typer.echo(f"{out}: {int(after.fit_stats['train_points'])} training calls refitted"
+               + (f"; held: {', '.join(after.held)}" if after.held else ""))
+    for label, rep in reports.items():
+        if rep is None:
+            continue
+        parts = [f"{what} median {s['median_rel_error']:.1%}, max {s['max_rel_error']:.1%}"
+                 for what, s in (("calls", rep.per_call), ("per token", rep.per_token)) if s]
+        typer.echo(f"held-out, {label}: " + "; ".join(parts))
+
+
 @app.command("upgrade-profile")
 def upgrade_profile_cmd(
     profile: Annotated[Path, typer.Argument(help="calibration profile (JSON) of an older schema")],

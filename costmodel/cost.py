@@ -79,6 +79,18 @@ def activation_elements_per_position(model: LoopedModelSpec, part: PartSpec) -> 
     return part.layers * per_layer + 2 * h
 
 
+def attention_host_s(hw: HardwareSpec, key_sets: ArrayLike, n_positions: ArrayLike
+                     ) -> ArrayLike:
+    """The eager host's extra time per layer for the shape of a call's attention: over a single
+    key set, and with several queries per key set (``HardwareSpec.attention_one_set_host_s``,
+    ``attention_grouped_host_s``); none in a replayed graph."""
+    if hw.cuda_graphs:
+        return 0.0
+    key_sets = np.asarray(key_sets)
+    return (hw.attention_one_set_host_s * (key_sets == 1)
+            + hw.attention_grouped_host_s * (np.asarray(n_positions) > key_sets))
+
+
 def call_cost(
     model: LoopedModelSpec,
     hw: HardwareSpec,
@@ -89,6 +101,7 @@ def call_cost(
     context_sum_positions: ArrayLike,
     context_sum_slots: ArrayLike,
     bandwidth_bytes_per_s: ArrayLike | None = None,
+    key_sets: ArrayLike | None = None,
 ) -> CallCost:
     """Price one call.
 
@@ -97,6 +110,8 @@ def call_cost(
     context_sum_positions: sum over positions of the keys each attends to (attention flops).
     context_sum_slots: sum over distinct (sequence, slot) pairs of the slot's length (KV bytes).
     bandwidth_bytes_per_s: overrides the hardware's peak bandwidth (for sweeps).
+    key_sets: distinct (sequence, slot) pairs read, the attention call's batch (None: n_slots,
+        one sequence).
     """
     width = DTYPE_BYTES[dtype]
     bw_peak = hw.memory_bandwidth_bytes_per_s if bandwidth_bytes_per_s is None else (
@@ -121,8 +136,9 @@ def call_cost(
     kernels = part.layers * (hw.kernels_per_layer
                              + hw.attention_kernels_per_slot * attention_launches)
     kernels = kernels + hw.part_extra_kernels.get(part.name, part.extra_kernels)
-    overhead = hw.call_overhead_s + part.layers * hw.layer_host_s + kernels * (
-        hw.kernel_overhead_s)
+    overhead = hw.call_overhead_s + part.layers * (
+        hw.layer_host_s + attention_host_s(hw, n_slots if key_sets is None else key_sets,
+                                           n_positions)) + kernels * hw.kernel_overhead_s
 
     attention_eff = hw.attention_flops_efficiency or hw.flops_efficiency
     attention_s = attention_flops / (flops_peak * attention_eff)

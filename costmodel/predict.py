@@ -81,7 +81,7 @@ class _Pricer:
             c = call_cost(self.model, self.hw, self.parts[part], self.dtype, n_positions=n,
                           n_slots=slots, context_sum_positions=n * self.context,
                           context_sum_slots=self.batch * slots * self.context,
-                          bandwidth_bytes_per_s=self.bandwidth)
+                          bandwidth_bytes_per_s=self.bandwidth, key_sets=self.batch * slots)
             self._memo[key] = (c.weights_s, c.kv_s, c.compute_s, c.overhead_s, c.ideal_s)
         return self._memo[key]
 
@@ -116,7 +116,7 @@ def prefill_time_s(model: LoopedModelSpec, hw: HardwareSpec, workload: Workload,
 
     def t(part: str, n: int, ctx_sum: float) -> float:
         c = call_cost(model, hw, parts[part], workload.dtype, n_positions=b * n, n_slots=1,
-                      context_sum_positions=b * ctx_sum, context_sum_slots=b * L)
+                      context_sum_positions=b * ctx_sum, context_sum_slots=b * L, key_sets=b)
         return float(c.time_s)
 
     # a coda with attention must fill its KV for every prompt position, once per readout depth

@@ -61,7 +61,7 @@ class _Simulator(Executor):
         self.result = SimulationResult([], committed_tokens=0)
         self.start = plan.prompt_length
         self.records = records
-        self.shapes: dict[str, list[tuple[int, int, int, int]]] = {}  # without records
+        self.shapes: dict[str, list[tuple[int, int, int, int, int]]] = {}  # without records
 
     @property
     def done(self) -> bool:
@@ -180,24 +180,25 @@ def price_bytes(model: LoopedModelSpec, hw: HardwareSpec, records: list[CallReco
                                                  batch_size))
 
 
-def _shapes_by_part(records: list[CallRecord]) -> dict[str, list[tuple[int, int, int, int]]]:
-    shapes: dict[str, list[tuple[int, int, int, int]]] = {}
+def _shapes_by_part(records: list[CallRecord]) -> dict[str, list[tuple[int, int, int, int, int]]]:
+    shapes: dict[str, list[tuple[int, int, int, int, int]]] = {}
     for r in records:
         shapes.setdefault(r.kind, []).append(call_shape(r.slots, r.contexts, r.sequences))
     return shapes
 
 
 def call_shape(slots: Sequence[int], contexts: Sequence[int],
-               sequences: Sequence[int] | None = None) -> tuple[int, int, int, int]:
-    """The four numbers a call is priced by: its positions, the distinct slots it reads (the
-    kernels: sequences share them), the sum of the positions' contexts, and the sum of the
-    lengths of the distinct (sequence, slot) pairs read (the KV bytes)."""
+               sequences: Sequence[int] | None = None) -> tuple[int, int, int, int, int]:
+    """The five numbers a call is priced by: its positions, the distinct slots it reads (the
+    kernels: sequences share them), the sum of the positions' contexts, the sum of the lengths
+    of the distinct (sequence, slot) pairs read (the KV bytes), and how many such pairs there
+    are (the key sets of its attention)."""
     lengths = slot_lengths(slots, contexts, sequences)
-    return len(contexts), len(set(slots)), sum(contexts), sum(lengths.values())
+    return len(contexts), len(set(slots)), sum(contexts), sum(lengths.values()), len(lengths)
 
 
 def price_shapes(model: LoopedModelSpec, hw: HardwareSpec,
-                 shapes: dict[str, list[tuple[int, int, int, int]]], *, dtype: str,
+                 shapes: dict[str, list[tuple[int, int, int, int, int]]], *, dtype: str,
                  batch_size: int = 1) -> tuple[dict[str, float], dict[str, np.ndarray]]:
     """Calls given by their ``call_shape`` per part: the summed breakdown, and each call's
     time."""
@@ -211,14 +212,15 @@ def price_shapes(model: LoopedModelSpec, hw: HardwareSpec,
 
 
 def _part_costs(model: LoopedModelSpec, hw: HardwareSpec,
-                shapes: dict[str, list[tuple[int, int, int, int]]], dtype: str,
+                shapes: dict[str, list[tuple[int, int, int, int, int]]], dtype: str,
                 batch_size: int):
     """(part, its calls' vectorized CallCost, number of calls) for each part."""
     for kind, rows in shapes.items():
-        n, slots, ctx_positions, ctx_slots = np.array(rows, dtype=float).T
+        n, slots, ctx_positions, ctx_slots, key_sets = np.array(rows, dtype=float).T
         yield kind, call_cost(model, hw, model.part(kind), dtype, n_positions=batch_size * n,
                               n_slots=slots, context_sum_positions=batch_size * ctx_positions,
-                              context_sum_slots=batch_size * ctx_slots), len(rows)
+                              context_sum_slots=batch_size * ctx_slots,
+                              key_sets=batch_size * key_sets), len(rows)
 
 
 @dataclass

@@ -89,6 +89,14 @@ class HardwareSpec(Spec):
     # Per transformer layer in a call, beyond its kernels' launch overhead. 0: every operation
     # costs the same.
     layer_overhead_s: Annotated[float, Field(ge=0)] = 0.0
+    # Per layer of an eager call, the host's extra time for the shape of the layer's one
+    # attention call (scaled dot product over [key sets, heads, queries per set, keys]): when it
+    # reads a single key set (batch 1: one sequence's AR step, a DtV verification, a prefill),
+    # and when several queries share each key set (DtV's verification, a prefill). A WFD wave
+    # (one query per slot) pays neither. Framework work inside the attention call that the
+    # dispatch count does not see; 0 on a CPU, where it is not seen.
+    attention_one_set_host_s: Annotated[float, Field(ge=0)] = 0.0
+    attention_grouped_host_s: Annotated[float, Field(ge=0)] = 0.0
     # Per kernel launched eagerly (the gap a Python-driven framework leaves between kernels).
     launch_overhead_s: Annotated[float, Field(ge=0)] = 5e-6
     # Per kernel replayed from a CUDA graph, when ``cuda_graphs``.
@@ -120,6 +128,8 @@ class HardwareSpec(Spec):
     matmul_time_scale: Annotated[float, Field(gt=0)] = 1.0
 
     HOST_TERMS: ClassVar[tuple[str, ...]] = ("host_overhead_s", "layer_overhead_s",
+                                             "attention_one_set_host_s",
+                                             "attention_grouped_host_s",
                                              "launch_overhead_s", "graph_launch_overhead_s",
                                              "graph_host_overhead_s")
 
@@ -159,6 +169,7 @@ class HardwareSpec(Spec):
     def layer_host_s(self) -> float:
         """The host's time per layer of a call: eager's dispatch; none in a replayed graph."""
         return 0.0 if self.cuda_graphs else self.layer_overhead_s
+
 
     def achievable_flops_per_s(self, dtype: str) -> float:
         if dtype not in self.peak_flops_per_s:

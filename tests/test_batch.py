@@ -156,8 +156,8 @@ def test_slot_layouts_of_batched_calls():
 def test_batched_calls_are_priced_per_sequence_slot():
     """Sequences share kernels (distinct slots) but each reads its own KV (distinct (sequence,
     slot) pairs)."""
-    assert call_shape([3, 3], [10, 12], [0, 1]) == (2, 1, 22, 22)
-    assert call_shape([3, 3], [10, 12]) == (2, 1, 22, 12)
+    assert call_shape([3, 3], [10, 12], [0, 1]) == (2, 1, 22, 22, 2)
+    assert call_shape([3, 3], [10, 12]) == (2, 1, 22, 12, 1)
 
 
 CLI = [sys.executable, "-m", "wfd"]

@@ -1,0 +1,89 @@
+"""Fit a profile's stored calls again with this version's cost model, without measuring again.
+
+    costmodel refit data/profiles/gpu-huginn-bf16.json --out gpu-huginn-bf16.json
+
+A profile keeps every call it measured: the fit's training calls and the held-out calls and runs.
+When the cost model gains a term (a host cost the calls showed and the model did not price), a
+profile made before it can be fitted again from those calls: the measurements (peaks, kernel
+counts, a CPU's matrix-product curve) stay, every fitted coefficient starts again from its prior,
+and the held-out points are priced with the new fit. A profile of both execution modes refits
+both together and repeats its two cross-mode checks (calibrate.modes).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from costmodel.profile import CalibrationProfile, CrossModeCheck, ValidationPoint
+from costmodel.specs import HardwareSpec
+from costmodel.trace import current_commit
+
+from .fit import MODE_TERMS, Observation, fit, parameters_for
+from .validate import report
+
+
+def observations(points: list[ValidationPoint]) -> list[Observation]:
+    return [Observation(model=p.spec, record=p.record, seconds=p.measured_s, mode=p.mode)
+            for p in points if p.kind == "call"]
+
+
+def with_priors(hw: HardwareSpec) -> HardwareSpec:
+    """``hw``'s measurements (peaks, kernel counts, curve) with every fitted coefficient at its
+    prior: a refit owes nothing to the fit it replaces, and a fit on one mode nothing to the
+    other mode's."""
+    return hw.model_copy(update={p[0]: p[3] for p in parameters_for(hw, list(MODE_TERMS))})
+
+
+def modes_of(profile: CalibrationProfile) -> list[str]:
+    """The execution modes of the profile's training calls, in MODE_TERMS order."""
+    present = {p.mode or profile.hardware.mode for p in profile.training}
+    return [m for m in MODE_TERMS if m in present]
+
+
+def cross_mode(base: HardwareSpec, calls: dict[str, list[Observation]],
+               points: dict[str, list[ValidationPoint]], fit_on: str, predicted: str,
+               dtype: str) -> CrossModeCheck:
+    """Fit on ``fit_on``'s training ``calls`` alone; price all of ``predicted``'s ``points``."""
+    result = fit(base.in_mode(fit_on), calls[fit_on], dtype)
+    held = dict(result.dropped)
+    held.update({name: f"not in the {fit_on} calls: its prior"
+                 for name in MODE_TERMS[predicted]})
+    rep = report(points[predicted], result.hardware, dtype)
+    return CrossModeCheck(fit_on=fit_on, predicted=predicted, per_call=rep.per_call,
+                          per_token=rep.per_token, held=held)
+
+
+def refit(profile: CalibrationProfile, note: str | None = None) -> CalibrationProfile:
+    """The profile with its coefficients fitted again on its training calls (both modes
+    together when it holds both, with the cross-mode checks); ``note``: the line its checks
+    gain (default: when, by which commit, from how many calls)."""
+    modes = modes_of(profile)
+    by_mode = {m: [p for p in profile.training if (p.mode or profile.hardware.mode) == m]
+               for m in modes}
+    # one observation per training call, shared by the fits (each prices them thousands of
+    # times, from features worked out once per observation)
+    calls = {m: observations(points) for m, points in by_mode.items()}
+    if not any(calls.values()):
+        raise ValueError("the profile keeps no training calls (made before they were kept); "
+                         "calibrate again")
+    base = with_priors(profile.hardware).in_mode(modes[0])
+    result = fit(base, [o for m in modes for o in calls[m]], profile.dtype)
+    measured = {k: v for k, v in profile.coefficients.items() if v.unit.endswith("(measured)")}
+    checks = [c for c in profile.checks if not c.startswith("refitted ")]
+    checks.append(note or (
+        f"refitted {datetime.now(timezone.utc):%Y-%m-%d} by commit {current_commit()} from its "
+        f"{sum(len(c) for c in calls.values())} training calls"))
+    checks_cross = []
+    if len(modes) == 2:
+        every = {m: by_mode[m] + [p for p in profile.validation
+                                  if (p.mode or profile.hardware.mode) == m] for m in modes}
+        checks_cross = [cross_mode(base, calls, every, a, b, profile.dtype)
+                        for a, b in (modes, modes[::-1])]
+    return profile.model_copy(update={
+        "hardware": result.hardware,
+        "coefficients": {**result.coefficients(), **measured},
+        "held": result.held(),
+        "checks": checks,
+        "fit_stats": result.stats(),
+        "cross_mode": checks_cross,
+    })
