@@ -148,7 +148,7 @@ PROFILES = sorted((Path(__file__).parents[1] / "data" / "profiles").glob("*-*-*.
 # reports them (`costmodel validate --profile FILE`)
 PER_TOKEN = {"cpu-huginn-fp32": (0.063, 0.114), "cpu-ouro-fp32": (0.016, 0.024),
              "cpu-huginn-fp32-quick": (0.100, 0.179), "cpu-ouro-fp32-quick": (0.014, 0.148),
-             "gpu-huginn-bf16": (0.041, 0.079), "gpu-ouro-bf16": (0.032, 0.074)}
+             "gpu-huginn-bf16": (0.019, 0.047), "gpu-ouro-bf16": (0.028, 0.074)}
 
 
 @pytest.mark.parametrize("path", [p for p in PROFILES if not p.name.endswith(".validation.json")],
