@@ -17,7 +17,8 @@
 # OUT/gpu-FAMILY-DTYPE.json (eager) or OUT/gpu-FAMILY-DTYPE-graphs.json, each with its validation
 # plot (.png) and report (.validation.json); with both modes, OUT/gpu-FAMILY-DTYPE-modes.json
 # fits them together and validates each mode's fit on the other (`costmodel join-modes`,
-# docs/calibration.md). Then (BENCH=1) bench/decode_speed.py times AR, DtV
+# docs/calibration.md). The held-out DtV and WFD runs sweep the forced acceptance over
+# ACCEPTANCES (default 0.6,0.75,0.9) at the model's default draft depth. Then (BENCH=1) bench/decode_speed.py times AR, DtV
 # and WFD at the real size in BENCH_MODES (default: graphs on CUDA), context BENCH_CONTEXT
 # (1,024) and BENCH_TOKENS new tokens (256), forced acceptance 0.9, draft depth 4 (Huginn) or 1
 # (Ouro), and writes OUT/bench-FAMILY-DTYPE.md and .json. REF_HUGINN / REF_OURO: folders of the
@@ -63,6 +64,7 @@ for family in ${FAMILIES:-huginn ouro}; do
     "$PY" -m costmodel calibrate --model "$family" --device "$DEVICE" --dtype "$DTYPE" \
       --mode "$mode" $QUICK_FLAG --fit-models "$fit" --holdout-model "$holdout" --force \
       ${MACHINE_FROM:+--machine-from "$MACHINE_FROM"} \
+      --acceptances "${ACCEPTANCES:-0.6,0.75,0.9}" \
       --out "$OUT/$name.json" --json > "$OUT/$name.validation.json"
     # the machine is measured once per run: later calibrations reuse the first one's peaks
     MACHINE_FROM=${MACHINE_FROM:-$OUT/$name.json}

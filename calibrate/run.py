@@ -46,6 +46,8 @@ from .measure import (
 from .validate import ValidationPoint, run_point
 
 TRAIN_POSITIONS = (1, 2, 3, 4, 32)
+# the held-out runs' forced acceptance, unless a sweep is asked for (--acceptances)
+DEFAULT_ACCEPTANCE = 0.85
 # A calibration whose typical measurement ran with the canary this much slower than its fastest
 # measured a busy machine, not this one: its profile is refused (--force writes it, flagged).
 BUSY_CANARY = 1.5
@@ -118,7 +120,7 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
               dtype: str = "fp32", quick: bool = False, threads: int | None = None,
               fit_models: list[str] | None = None, holdout_model: str | None = None,
               mode: str = "eager", progress=None, machine_from: Path | None = None,
-              force: bool = False) -> CalibrationProfile:
+              force: bool = False, acceptances: list[float] | None = None) -> CalibrationProfile:
     import torch
 
     from wfd.checkpoint import CheckpointError, load_model
@@ -173,8 +175,15 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
     prompt = [32 + (i * 7) % 90 for i in range(64)]
     tokens = 24 if quick else 48
     drafts = sorted({default_draft_depth(depth), max(1, depth // 4)})
-    schedules = [("ar", {})] + [("wfd", {"draft_depth": d}) for d in drafts] + [
-        ("dtv", {"draft_depth": d, "block_length": 4}) for d in drafts]
+    # held-out runs at a forced acceptance: one (0.85) at both draft depths, or a sweep at the
+    # model's default draft depth (what pricing each call from its shape must get right at
+    # every acceptance)
+    acceptances = acceptances or [DEFAULT_ACCEPTANCE]
+    sweep = len(acceptances) > 1
+    schedules = [("ar", {}, None)] + [
+        (kind, {"draft_depth": d, **({"block_length": 4} if kind == "dtv" else {})}, alpha)
+        for alpha in acceptances for kind in ("wfd", "dtv")
+        for d in ([default_draft_depth(depth)] if sweep else drafts)]
     # the quick grid measures the runs twice (before and after the passes), the default three times
     run_rounds = 2 if quick else 3
     task = progress.add_task("measuring calls",
@@ -182,14 +191,17 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
         if progress else None
 
     def holdout_runs() -> list[ValidationPoint]:
-        """Whole runs of the held-out size, per decoded token (forced acceptance 0.85)."""
+        """Whole runs of the held-out size, per decoded token (forced acceptance)."""
         out = []
-        for schedule, kw in schedules:
+        for schedule, kw, alpha in schedules:
             if progress:
                 progress.update(task, description=f"{held_name}: {schedule} run {kw}")
             run = quiet.measure(lambda runs: runs[0].wall_s, measure_runs, held_name, held,
-                                prompt, tokens, [(schedule, kw)], 0.85, mode)[0]
-            out.append(run_point(held_name, held_spec, run, len(prompt), depth))
+                                prompt, tokens, [(schedule, kw)], alpha, mode)[0]
+            point = run_point(held_name, held_spec, run, len(prompt), depth)
+            if sweep and alpha is not None:
+                point = point.model_copy(update={"label": f"{point.label} a={alpha:g}"})
+            out.append(point)
             if progress:
                 progress.advance(task)
         return out

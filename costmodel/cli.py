@@ -326,6 +326,10 @@ def calibrate_cmd(
     machine_from: Annotated[Path | None, typer.Option(
         help="reuse the machine measurements (peaks, cache, product curve) of an earlier "
              "profile of this machine instead of measuring them again")] = None,
+    acceptances: Annotated[str | None, typer.Option(
+        help="the held-out DtV and WFD runs' forced acceptances, comma-separated, e.g. "
+             "0.6,0.75,0.9 (default: 0.85 at two draft depths; a sweep runs the default "
+             "draft depth at each)")] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Measure the decoder on this machine, fit the cost model, validate on held-out points and
@@ -342,6 +346,7 @@ def calibrate_cmd(
         raise UserError(f"unknown device {device!r}; use cpu or cuda")
     if checkpoint is not None and not checkpoint.is_dir():
         raise UserError(f"checkpoint {checkpoint} is not a folder")
+    alphas = parse_acceptances(acceptances) if acceptances is not None else None
     import torch
 
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -360,7 +365,7 @@ def calibrate_cmd(
                                 device=device, dtype=dtype, quick=quick, threads=threads,
                                 fit_models=fit_models.split(",") if fit_models else None,
                                 holdout_model=holdout_model, mode=mode, progress=progress,
-                                machine_from=machine_from, force=force)
+                                machine_from=machine_from, force=force, acceptances=alphas)
     except CheckpointError as exc:
         raise UserError(str(exc)) from None
     busy = too_busy(profile.load)
@@ -372,6 +377,18 @@ def calibrate_cmd(
     rep = report(profile.validation, profile.hardware, profile.dtype)
     plot_path = out.with_suffix(".png")
     _print_validation(profile, rep, out, _plot(rep, plot_path, profile.hardware.name), as_json)
+
+
+def parse_acceptances(text: str) -> list[float]:
+    """Comma-separated acceptances, each in (0, 1]."""
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise UserError(f"--acceptances takes comma-separated numbers, got {text!r}") from None
+    bad = [v for v in values if not 0 < v <= 1]
+    if bad:
+        raise UserError(f"an acceptance must be in (0, 1], got {bad[0]:g}")
+    return list(dict.fromkeys(values))
 
 
 def _plot(rep, path: Path, title: str) -> Path | None:

@@ -266,7 +266,9 @@ def test_a_busy_calibration_is_refused():
 def test_calibrate_rejects_bad_input(tmp_path):
     for args in (["--model", "llama"], ["--model", "ouro", "--device", "cuda"],
                  ["--model", "ouro", "--dtype", "int4"],
-                 ["--model", "ouro", "--checkpoint", str(tmp_path / "none")]):
+                 ["--model", "ouro", "--checkpoint", str(tmp_path / "none")],
+                 ["--model", "ouro", "--acceptances", "0.6,1.2"],
+                 ["--model", "ouro", "--acceptances", "high"]):
         out = subprocess.run([sys.executable, "-m", "costmodel", "calibrate", *args],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 2, (args, out.stderr)
@@ -308,6 +310,9 @@ def test_gpu_script_runs_on_cpu_at_tiny_size(tmp_path):
         assert len(profile.training) == profile.fit_stats["train_points"]  # kept for refits
         report = json.loads((tmp_path / f"gpu-{family}-fp32.validation.json").read_text())
         assert set(report["per_schedule"]) >= {"ar", "wfd", "dtv", "block"}
+        # the held-out runs sweep the forced acceptance (DtV and WFD at each, AR once)
+        runs = [p.label for p in profile.validation if p.kind == "run"]
+        assert len(runs) == 7 and sum(label.endswith(" a=0.6") for label in runs) == 2
         assert report["per_token"]["points"] >= 3 and report["per_call"]["points"] > 20
         assert profile.threads >= 1  # the CPU threads the decoder ran on
         assert (tmp_path / f"gpu-{family}-fp32.png").stat().st_size > 0
