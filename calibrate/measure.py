@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from costmodel.specs import MatmulCurve
+from costmodel.specs import HardwareSpec, MatmulCurve
 from costmodel.trace import CallRecord
 
 
@@ -355,19 +355,40 @@ def matmul_curve(dt: torch.dtype, dtype: str, cache_bytes: float, quiet: Quiet,
                        aspect_seconds=aspect_seconds)
 
 
-def count_ops(model, kind: str) -> int:
-    """Operations the decoder dispatches for one call of ``kind`` over one position (what the
-    cost model counts as kernels: each pays the per-kernel overhead)."""
+# Operations that only make a new view of a tensor (or hand it back): the host dispatches them,
+# no kernel runs. A GPU calibration prices them apart (HardwareSpec.layer_operations).
+METADATA_OPS = {"lift_fresh", "detach", "detach_", "alias", "to"}
+MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"}
+
+
+def operation_class(func, args: tuple, out) -> str:
+    """matmul, attention, view (no kernel: a view, or an input handed back) or other."""
+    name = func._schema.name.split("::")[-1]
+    if name in MATMUL_OPS:
+        return "matmul"
+    if "scaled_dot_product" in name:
+        return "attention"
+    handed_back = isinstance(out, torch.Tensor) and any(out is a for a in args)
+    if func.is_view or (name in METADATA_OPS and (handed_back or name != "to")):
+        return "view"
+    return "other"
+
+
+def count_ops(model, kind: str) -> dict[str, int]:
+    """Operations the decoder dispatches for one call of ``kind`` over one position, by class
+    (``operation_class``): what the cost model counts as kernels, each paying the per-kernel
+    overhead."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from wfd.runtime import Runner
 
-    class Counter(TorchDispatchMode):
-        ops = 0
+    counts = dict.fromkeys(HardwareSpec.OPERATION_CLASSES, 0)
 
+    class Counter(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Counter.ops += 1
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            counts[operation_class(func, args, out)] += 1
+            return out
 
     cache = _timed_cache(model, 8, 1, model.config.depth)
     runner = Runner(model, cache, record=False, mode="eager")  # the operations one call issues
@@ -378,12 +399,33 @@ def count_ops(model, kind: str) -> int:
              "coda": lambda: runner.coda(state, [8], [model.config.depth])}
     with torch.inference_mode(), Counter():
         calls[kind]()
-    return Counter.ops
+    return counts
 
 
-def decoder_kernels(models: list) -> tuple[int, dict[str, int]]:
-    """(operations per transformer layer, operations per call of each part outside its layers)
-    of this decoder, from op counts of models with different numbers of layers."""
+@dataclass
+class DecoderOperations:
+    """The decoder's dispatched operations: per transformer layer and per call of each part
+    outside its layers, in all and by class."""
+
+    per_layer: int
+    extras: dict[str, int]
+    layer_by_class: dict[str, int]
+    extras_by_class: dict[str, dict[str, int]]
+
+
+def decoder_operations(models: list) -> DecoderOperations:
+    """Operations per layer and per part, from op counts of models with different numbers of
+    core layers: when the models share one, the smallest is counted again with one more (built
+    on its device, in its dtype; weights do not change what is dispatched)."""
+    from wfd.checkpoint import build
+
+    if len({m.config.core_layers for m in models}) == 1:
+        small = min(models, key=lambda m: sum(p.numel() for p in m.parameters()))
+        param = next(small.parameters())
+        models = [*models, build(small.config.model_copy(
+            update={"core_layers": small.config.core_layers + 1}), device=param.device,
+            dtype=param.dtype)]
+
     def layers(model, kind: str) -> int:
         cfg = model.config
         return {"prelude": cfg.prelude_layers, "block": cfg.core_layers,
@@ -391,14 +433,43 @@ def decoder_kernels(models: list) -> tuple[int, dict[str, int]]:
 
     counts = {kind: [(layers(model, kind), count_ops(model, kind)) for model in models]
               for kind in ("prelude", "block", "coda")}
-    blocks = sorted(set(counts["block"]))
-    (l0, c0), (l1, c1) = blocks[0], blocks[-1]
-    # with one layer count, the part's operations outside the layers are taken as the block's
-    per_layer = round((c1 - c0) / (l1 - l0)) if l1 > l0 else round(c1 / (l1 + 1))
-    extras = {kind: max(0, round(sum(c - layers * per_layer for layers, c in pairs)
-                                 / len(pairs)))
+    blocks = sorted({(n, tuple(c.items())) for n, c in counts["block"]})
+    (l0, c0), (l1, c1) = (blocks[0][0], dict(blocks[0][1])), (blocks[-1][0], dict(blocks[-1][1]))
+    layer = {k: round((c1[k] - c0[k]) / (l1 - l0)) for k in c1}
+    extras = {kind: {k: max(0, round(sum(c[k] - n * layer[k] for n, c in pairs) / len(pairs)))
+                     for k in layer}
               for kind, pairs in counts.items()}
-    return per_layer, extras
+    return DecoderOperations(per_layer=sum(layer.values()),
+                             extras={kind: sum(ops.values()) for kind, ops in extras.items()},
+                             layer_by_class=layer, extras_by_class=extras)
+
+
+def operation_host_weights(device: str, dtype: str, calls: int = 400) -> dict[str, float]:
+    """Each operation class's host time relative to an elementwise operation's: a loop of one
+    operation on tiny tensors, dispatched eagerly (on a GPU the host's time: each launch is
+    longer than the kernel it starts), the best of five loops per class."""
+    import torch.nn.functional as F
+
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    dev = torch.device(device)
+    x = torch.randn(1, 64, dtype=dt, device=dev)
+    w = torch.randn(64, 64, dtype=dt, device=dev)
+    q = torch.randn(1, 4, 1, 16, dtype=dt, device=dev)
+    kv = torch.randn(1, 4, 8, 16, dtype=dt, device=dev)
+    mask = torch.ones(1, 1, 1, 8, dtype=torch.bool, device=dev)
+    ops = {"matmul": lambda: F.linear(x, w),
+           "attention": lambda: F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask),
+           "other": lambda: x * x,
+           "view": lambda: x.view(64)}
+
+    def loop(fn) -> None:
+        for _ in range(calls):
+            fn()
+
+    with torch.inference_mode():
+        seconds = {kind: _best_time(lambda fn=fn: loop(fn), dev, 5) / calls
+                   for kind, fn in ops.items()}
+    return {kind: t / seconds["other"] for kind, t in seconds.items()}
 
 
 def _median(times: list[float]) -> tuple[float, float]:

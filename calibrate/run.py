@@ -38,9 +38,10 @@ from .measure import (
     Quiet,
     call_grid,
     contexts_for,
-    decoder_kernels,
+    decoder_operations,
     measure_peaks,
     measure_runs,
+    operation_host_weights,
     time_call,
 )
 from .validate import ValidationPoint, run_point
@@ -150,8 +151,14 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
         if progress:
             progress.remove_task(machine_task)
     # Kernels are the decoder's dispatched operations, counted; attention over several KV slots
-    # is one of them (a wave is batched), so attention adds no kernels per slot.
-    per_layer, extras = decoder_kernels([m for r, (_, m, _) in loaded.items() if r != "holdout"])
+    # is one of them (a wave is batched), so attention adds no kernels per slot. On a GPU the
+    # classes are priced apart: each its measured host time, views no kernel (a CPU's products
+    # are in its curve, and its calibration keeps one cost per operation).
+    ops = decoder_operations([m for r, (_, m, _) in loaded.items() if r != "holdout"])
+    per_layer, extras = ops.per_layer, ops.extras
+    by_class = {"layer_operations": ops.layer_by_class,
+                "part_extra_operations": ops.extras_by_class,
+                "operation_host_weights": operation_host_weights(device, dtype)} if cuda else {}
     base = HardwareSpec(name=f"{machine_name(device)} ({device}, {dtype}, calibrated)",
                         memory_bandwidth_bytes_per_s=peaks.bandwidth_bytes_per_s,
                         peak_flops_per_s={dtype: peaks.flops_per_s},
@@ -161,7 +168,8 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
                         attention_kernels_per_slot=0, part_extra_kernels=extras,
                         matmul=peaks.matmul,
                         # an eager fit cannot determine it (calibrate.fit.EAGER_HELD)
-                        kernel_device_s=prior("kernel_device_s") if cuda else 0.0)
+                        kernel_device_s=prior("kernel_device_s") if cuda else 0.0,
+                        **by_class)
 
     plan = []
     for role in roles:
@@ -256,7 +264,9 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
                 "peak_flops": (peaks.flops_per_s, "flop/s"),
                 "kernels_per_layer": (per_layer, "operations"),
                 **{f"{part}_extra_kernels": (count, "operations")
-                   for part, count in extras.items()}}
+                   for part, count in extras.items()},
+                **{f"host_weight_{kind}": (w, "x an elementwise operation's host time")
+                   for kind, w in by_class.get("operation_host_weights", {}).items()}}
     if peaks.matmul is not None:
         measured["cache_knee"] = (peaks.cache_bytes, "B")
         measured["reported_cache"] = (peaks.reported_cache_bytes, "B")

@@ -11,6 +11,10 @@ behind the device's bytes and flops. The host's terms are the mode's: eager laun
 kernel (per call, per layer, per kernel); a CUDA graph replays a call (per replay, per kernel
 replayed, no per-layer work), while t_kernel and the roofline are the device's in both.
 
+Kernels are the decoder's dispatched operations; where a GPU calibration counted them by class,
+the eager host pays each its class's time and views (no kernel) leave the kernels a graph
+replays and the device runs (``operations``).
+
 bytes = the part's weights (once per call) + the KV read (for each distinct slot, its context x
 KV bytes per token) + the KV written + activations. flops = 2 * matmul params * n + attention
 (4 * context * heads * head_dim per position per layer).
@@ -79,6 +83,31 @@ def activation_elements_per_position(model: LoopedModelSpec, part: PartSpec) -> 
     return part.layers * per_layer + 2 * h
 
 
+def operations(hw: HardwareSpec, part: PartSpec, n_slots: ArrayLike
+               ) -> tuple[ArrayLike, ArrayLike]:
+    """(kernels a call of ``part`` runs, its dispatched operations weighted by their class's host
+    time). Without class counts every operation is a kernel of weight 1: per layer
+    ``kernels_per_layer`` plus, split by slot, ``attention_kernels_per_slot`` per slot read,
+    plus the part's own. With them (``HardwareSpec.layer_operations``), views run no kernel and
+    each class weighs its measured host time."""
+    attention_launches = np.where(hw.attention_split_by_slot, n_slots, np.minimum(n_slots, 1))
+    per_slot = hw.attention_kernels_per_slot * attention_launches
+    extra = hw.part_extra_kernels.get(part.name, part.extra_kernels)
+    dispatched = part.layers * (hw.kernels_per_layer + per_slot) + extra
+    if not hw.layer_operations:
+        return dispatched, dispatched
+    weights = hw.operation_host_weights
+
+    def weighed(ops: dict[str, int]) -> float:
+        return sum(count * weights.get(kind, 1.0) for kind, count in ops.items())
+
+    extra_ops = hw.part_extra_operations.get(part.name, {"other": extra})
+    views = part.layers * hw.layer_operations.get("view", 0) + extra_ops.get("view", 0)
+    host = (part.layers * (weighed(hw.layer_operations) + per_slot * weights.get("attention", 1.0))
+            + weighed(extra_ops))
+    return dispatched - views, host
+
+
 def attention_host_s(hw: HardwareSpec, key_sets: ArrayLike, n_positions: ArrayLike
                      ) -> ArrayLike:
     """The eager host's extra time per layer for the shape of a call's attention: over a single
@@ -132,13 +161,13 @@ def call_cost(
     attention_flops = 4 * model.num_heads * model.head_dim * part.layers * context_sum_positions
     flops = 2 * part.matmul_params * n_positions + attention_flops
 
-    attention_launches = np.where(hw.attention_split_by_slot, n_slots, np.minimum(n_slots, 1))
-    kernels = part.layers * (hw.kernels_per_layer
-                             + hw.attention_kernels_per_slot * attention_launches)
-    kernels = kernels + hw.part_extra_kernels.get(part.name, part.extra_kernels)
+    kernels, host_operations = operations(hw, part, n_slots)
+    # eager: every dispatched operation costs the host its class's time; a replay, each kernel
+    per_kernel_host_s = (kernels * hw.graph_launch_overhead_s if hw.cuda_graphs
+                         else host_operations * hw.launch_overhead_s)
     overhead = hw.call_overhead_s + part.layers * (
         hw.layer_host_s + attention_host_s(hw, n_slots if key_sets is None else key_sets,
-                                           n_positions)) + kernels * hw.kernel_overhead_s
+                                           n_positions)) + per_kernel_host_s
 
     attention_eff = hw.attention_flops_efficiency or hw.flops_efficiency
     attention_s = attention_flops / (flops_peak * attention_eff)

@@ -120,12 +120,41 @@ class HardwareSpec(Spec):
     # Kernels a call of each part launches outside its layers, by part name (calibration counts
     # the decoder's); missing parts use the model spec's estimate.
     part_extra_kernels: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+    # The dispatched operations by class (OPERATION_CLASSES), per layer and per part outside its
+    # layers, as a GPU calibration counts them (summing to the counts above), and each class's
+    # host time relative to an elementwise operation's (measured). With them an eager host pays
+    # each operation its class's time (launch_overhead_s x the weight) and a view launches no
+    # kernel: no replayed kernel, no device time. Empty: every operation a kernel at one cost.
+    layer_operations: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+    part_extra_operations: dict[str, dict[str, Annotated[int, Field(ge=0)]]] = Field(
+        default_factory=dict)
+    operation_host_weights: dict[str, Annotated[float, Field(gt=0)]] = Field(
+        default_factory=dict)
     # A CPU's matrix products, measured (None: each streams its weights once at the achievable
     # bandwidth and runs its flops at the achievable peak, as on a GPU).
     matmul: MatmulCurve | None = None
     # The measured curve's times over the decoder's own (fitted: what the products cost in a
     # call, among the other kernels, against the same products timed alone).
     matmul_time_scale: Annotated[float, Field(gt=0)] = 1.0
+
+    OPERATION_CLASSES: ClassVar[tuple[str, ...]] = ("matmul", "attention", "other", "view")
+
+    @model_validator(mode="after")
+    def _check_operations(self) -> HardwareSpec:
+        counts = [("a layer", self.layer_operations, self.kernels_per_layer)] + [
+            (f"the {part} outside its layers", ops, self.part_extra_kernels.get(part))
+            for part, ops in self.part_extra_operations.items()]
+        for what, ops, total in counts:
+            unknown = set(ops) - set(self.OPERATION_CLASSES)
+            if unknown:
+                raise ValueError(f"unknown operation class {sorted(unknown)[0]!r}; the classes "
+                                 f"are {', '.join(self.OPERATION_CLASSES)}")
+            if ops and sum(ops.values()) != total:
+                raise ValueError(f"the operations of {what} by class sum to "
+                                 f"{sum(ops.values())}, not its {total} operations")
+        if set(self.operation_host_weights) - set(self.OPERATION_CLASSES):
+            raise ValueError("operation_host_weights names an unknown operation class")
+        return self
 
     HOST_TERMS: ClassVar[tuple[str, ...]] = ("host_overhead_s", "layer_overhead_s",
                                              "attention_one_set_host_s",

@@ -32,7 +32,8 @@ PROMPT, OUTPUT = 512, 512
 COUNTED = {"huginn-3.5b": "gpu-huginn-bf16.json", "ouro-2.6b": "gpu-ouro-bf16.json"}
 PROFILES_DIR = Path(__file__).resolve().parents[1] / "data" / "profiles"
 KERNEL_FIELDS = ("kernels_per_layer", "attention_kernels_per_slot", "attention_split_by_slot",
-                 "part_extra_kernels")
+                 "part_extra_kernels", "layer_operations", "part_extra_operations",
+                 "operation_host_weights")
 SENSITIVITY_DEPTHS = {"huginn-3.5b": [2, 4, 8], "ouro-2.6b": [1, 2]}
 
 

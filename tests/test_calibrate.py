@@ -335,16 +335,39 @@ def test_machine_measurements_are_reused_only_from_the_same_setting():
 def test_decoder_operations_are_counted_per_layer_and_per_part():
     from conftest import TINY_CONFIGS
 
-    from calibrate.measure import count_ops, decoder_kernels
+    from calibrate.measure import count_ops, decoder_operations
+    from costmodel.specs import HardwareSpec
     from wfd.checkpoint import build
 
     for cfg in TINY_CONFIGS.values():
         models = [build(cfg), build(cfg.model_copy(update={"core_layers": 5}))]
-        per_layer, extras = decoder_kernels(models)
-        assert 40 < per_layer < 200  # norms, projections, RoPE, cache writes, attention
-        for model in models:  # the count is exactly linear in the layers
-            assert count_ops(model, "block") == model.config.core_layers * per_layer + \
-                extras["block"]
+        ops = decoder_operations(models)
+        assert 40 < ops.per_layer < 200  # norms, projections, RoPE, cache writes, attention
+        # per layer: q, k, v, o and the MLP's products (fused or not), one attention, views
+        assert 4 <= ops.layer_by_class["matmul"] <= 8 and ops.layer_by_class["attention"] == 1
+        assert 0 < ops.layer_by_class["view"] < ops.per_layer / 2
+        for model in models:  # the count is exactly linear in the layers, class by class
+            counts = count_ops(model, "block")
+            for kind in HardwareSpec.OPERATION_CLASSES:
+                assert counts[kind] == model.config.core_layers * ops.layer_by_class[kind] + \
+                    ops.extras_by_class["block"][kind], kind
+            assert sum(counts.values()) == model.config.core_layers * ops.per_layer + \
+                ops.extras["block"]
+        # what a GPU calibration puts in its hardware spec holds together
+        HardwareSpec(name="gpu", memory_bandwidth_bytes_per_s=1e12, peak_flops_per_s={"bf16": 1e14},
+                     memory_capacity_bytes=1e10, kernels_per_layer=ops.per_layer,
+                     part_extra_kernels=ops.extras, layer_operations=ops.layer_by_class,
+                     part_extra_operations=ops.extras_by_class,
+                     operation_host_weights={"view": 0.3, "other": 1.0})
+
+
+def test_operation_classes_host_weights_are_measured():
+    from calibrate.measure import operation_host_weights
+
+    weights = operation_host_weights("cpu", "fp32", calls=50)
+    assert set(weights) == {"matmul", "attention", "other", "view"} and weights["other"] == 1.0
+    # a view dispatches and allocates nothing: cheaper than a product or an attention
+    assert weights["view"] < weights["matmul"] and weights["view"] < weights["attention"]
 
 
 def test_machine_peaks_are_plausible():

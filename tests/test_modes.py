@@ -32,7 +32,7 @@ GRAPHS = {"graph_host_overhead_s": 120e-6, "graph_launch_overhead_s": 0.0}
 TRUTH = GPU.model_copy(update={**DEVICE, **EAGER, **GRAPHS})
 
 
-def calls(mode: str, noise: float, seed: int) -> list[Observation]:
+def calls(mode: str, noise: float, seed: int, truth: HardwareSpec = TRUTH) -> list[Observation]:
     rng = np.random.default_rng(seed)
     obs = []
     for preset in ("huginn-tiny", "huginn-mid", "huginn-base", "ouro-mid"):
@@ -49,7 +49,9 @@ def calls(mode: str, noise: float, seed: int) -> list[Observation]:
                     obs.append(Observation(spec, rec, 0.0, mode))
         obs.append(Observation(spec, CallRecord(kind="coda", positions=[64], depths=[4],
                                                 contexts=[65], slots=[3]), 0.0, mode))
-    times = predict_calls(TRUTH, obs, "fp32") * np.exp(rng.normal(0, noise, len(obs)))
+        obs.append(Observation(spec, CallRecord(kind="prelude", positions=[64], depths=[0],
+                                                contexts=[65], slots=[0]), 0.0, mode))
+    times = predict_calls(truth, obs, "fp32") * np.exp(rng.normal(0, noise, len(obs)))
     for o, t in zip(obs, times, strict=True):
         o.seconds = float(t)
     return obs
@@ -223,3 +225,46 @@ def test_refit_brings_an_older_profile_to_this_cost_model(tmp_path):
                           str(tmp_path / "x.json")], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "no training calls" in bad.stderr
     assert "Traceback" not in bad.stderr and not (tmp_path / "x.json").exists()
+
+
+# the dispatched operations by class, as a GPU calibration counts them (Ouro-like: a prelude and
+# a coda of a few operations with their own mix), and each class's host time
+CLASSES = {"kernels_per_layer": 83, "part_extra_kernels": {"prelude": 22, "block": 27, "coda": 21},
+           "layer_operations": {"matmul": 7, "attention": 1, "other": 40, "view": 35},
+           "part_extra_operations": {"prelude": {"other": 11, "view": 11},
+                                     "block": {"other": 16, "view": 11},
+                                     "coda": {"matmul": 1, "other": 10, "view": 10}},
+           "operation_host_weights": {"matmul": 1.8, "attention": 3.0, "other": 1.0,
+                                      "view": 0.35}}
+
+
+def test_operation_classes_weigh_the_host_and_views_launch_nothing():
+    truth = TRUTH.model_copy(update=CLASSES)
+    spec = get_model("ouro-mid")
+    coda = call_cost(spec, truth, spec.part("coda"), "fp32", n_positions=1, n_slots=1,
+                     context_sum_positions=64, context_sum_slots=64)
+    assert spec.part("coda").layers == 0 and float(coda.kernels) == 21 - 10
+    assert float(coda.time_s) == pytest.approx(150e-6 + 8e-6 * (1.8 + 10 + 10 * 0.35))
+    block = spec.part("block")
+    graphs = call_cost(spec, truth.in_mode("graphs"), block, "fp32", n_positions=1, n_slots=1,
+                       context_sum_positions=64, context_sum_slots=64)
+    assert float(graphs.kernels) == block.layers * (83 - 35) + 27 - 11  # what a graph replays
+    with pytest.raises(ValueError, match="sum to 82, not its 83"):
+        truth.model_copy(update={"layer_operations": {"other": 47, "view": 35}}).model_validate(
+            {**truth.model_dump(), "layer_operations": {"other": 47, "view": 35}})
+
+
+def test_a_fit_that_weighs_operations_alike_misprices_the_small_calls():
+    """With the classes counted and weighed, the fit recovers the host per operation and prices
+    every call; weighing every operation alike, the prelude and coda (few operations, another
+    mix than the layers') are mispriced beyond the calls' noise (1%: 3 sigma). A small host
+    time per call, as Ouro's on the H200: the operations dominate those calls."""
+    truth = TRUTH.model_copy(update={**CLASSES, "host_overhead_s": 20e-6})
+    obs = calls("eager", 0.01, 0, truth)
+    counted = {k: CLASSES[k] for k in ("kernels_per_layer", "part_extra_kernels")}
+    weighed = fit(GPU.model_copy(update=CLASSES), obs, "fp32")
+    alike = fit(GPU.model_copy(update=counted), obs, "fp32")
+    assert weighed.values["launch_overhead_s"] == pytest.approx(8e-6, rel=0.1)
+    small = [i for i, o in enumerate(obs) if o.record.kind in ("prelude", "coda")]
+    assert np.max(np.abs(weighed.residuals[small])) < 0.03
+    assert np.max(np.abs(alike.residuals[small])) > 0.03
