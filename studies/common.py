@@ -78,3 +78,33 @@ def all_hardware(profile: HardwareSpec | None, small: bool) -> list[HardwareSpec
 
     names: list[HardwareSpec | str] = list(HARDWARE)[:2] if small else list(HARDWARE)
     return names + ([profile] if profile is not None else [])
+
+
+HOST_SPEEDS = [0.5, 1.0, 2.0, 4.0, 8.0, 16.0]
+
+
+def host_speed_sweep(hardware: list[HardwareSpec | str], models: list[str],
+                     launch_gap_s: float | None = None) -> list[dict]:
+    """DtV's (best k) and WFD's speedup over AR as the host gets faster (every host term divided
+    by the speed, as `costmodel predict --host-speed`), eager and with CUDA graphs: whether a
+    schedule's advantage grows or shrinks with a faster host. ``launch_gap_s``: the eager launch
+    gap to start from (None: each hardware's own)."""
+    from costmodel import Workload, get_hardware, predict
+
+    rows = []
+    for hw in hardware:
+        hw = get_hardware(hw) if isinstance(hw, str) else hw
+        for model in models:
+            for mode in ("eager", "graphs"):
+                base = hw.in_mode(mode) if launch_gap_s is None else hw.model_copy(
+                    update={"cuda_graphs": mode == "graphs", "launch_overhead_s": launch_gap_s})
+                for speed in HOST_SPEEDS:
+                    s = predict(model, base.with_host_speed(speed), Workload()).schedules
+                    rows.append({"hardware": hw.name, "model": model, "mode": mode,
+                                 "host_speed": speed, "ar_ms": s["ar"].latency_per_token_s * 1e3,
+                                 "dtv_speedup": s["dtv"].speedup_vs_ar,
+                                 "wfd_speedup": s["wfd"].speedup_vs_ar,
+                                 "wfd_over_dtv": s["wfd"].latency_per_token_s
+                                 and s["dtv"].latency_per_token_s / s["wfd"].latency_per_token_s,
+                                 "ar_bound": s["ar"].bound})
+    return rows

@@ -1,12 +1,13 @@
 """hardware: AR, DtV and WFD per-token latency and speedup on every hardware preset, with the
-term that bounds each (bandwidth, compute or overhead)."""
+term that bounds each (bandwidth, compute or overhead), and each schedule's speedup as the host
+gets faster (eager and CUDA graphs, from each device's own host terms)."""
 
 from __future__ import annotations
 
 from costmodel import Workload, predict
 from costmodel.specs import HardwareSpec
 
-from .common import StudyResult, all_hardware
+from .common import StudyResult, all_hardware, host_speed_sweep
 
 MODELS = ["huginn-3.5b", "ouro-2.6b"]
 
@@ -25,8 +26,25 @@ def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult
                 row[f"{key}_bound"] = r.bound if r else None
             rows.append(row)
 
+    hardware = all_hardware(profile, small)
+    sweep = host_speed_sweep(hardware, MODELS)
+
     def draw(fig) -> None:
-        axes = fig.subplots(1, len(MODELS), squeeze=False)[0]
+        axes, host_axes = fig.subplots(2, len(MODELS), squeeze=False)
+        for ax, model in zip(host_axes, MODELS, strict=True):
+            for i, name in enumerate(dict.fromkeys(r["hardware"] for r in sweep)):
+                for schedule, style in (("wfd", "-"), ("dtv", ":")):
+                    mine = [r for r in sweep if r["hardware"] == name and r["model"] == model
+                            and r["mode"] == "eager"]
+                    ax.plot([r["host_speed"] for r in mine], [r[f"{schedule}_speedup"]
+                                                             for r in mine],
+                            linestyle=style, color=f"C{i % 10}", linewidth=1,
+                            label=f"{name} {schedule.upper()}" if model == MODELS[0] else None)
+            ax.axhline(1.0, color="grey", linewidth=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("host speed (x the device's eager host terms)", fontsize=8)
+            ax.set_ylabel("speedup over AR (x)", fontsize=8)
+        host_axes[0].legend(fontsize=5, ncol=2)
         for ax, model in zip(axes, MODELS, strict=True):
             mine = [r for r in rows if r["model"] == model and r["fits"]]
             x = range(len(mine))
@@ -38,4 +56,5 @@ def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult
             ax.set_ylabel("ms per token")
         axes[0].legend()
 
-    return StudyResult("hardware", "AR, DtV and WFD across hardware", rows, draw)
+    return StudyResult("hardware", "AR, DtV and WFD across hardware", rows, draw,
+                       {"tables": {"Speedup against host speed (eager and CUDA graphs)": sweep}})

@@ -10,7 +10,7 @@ import math
 from costmodel import Workload, predict
 from costmodel.specs import HardwareSpec
 
-from .common import StudyResult
+from .common import StudyResult, host_speed_sweep
 
 MODELS = ["huginn-3.5b", "ouro-2.6b"]
 
@@ -55,7 +55,7 @@ def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult
                          "wfd_speedup_no_overhead": speed["no overhead"][0],
                          "gain_share_from_weights": from_weights})
 
-    sweep = host_speed_sweep(hardware, python_gap)
+    sweep = host_speed_sweep(hardware, MODELS, python_gap)
 
     def draw(fig) -> None:
         ax, ax_host = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
@@ -89,29 +89,3 @@ def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult
 
     return StudyResult("overhead", "WFD speedup with and without launch overhead", rows, draw,
                        {"tables": {"Speedup against host speed (eager and CUDA graphs)": sweep}})
-
-
-HOST_SPEEDS = [0.5, 1.0, 2.0, 4.0, 8.0, 16.0]
-
-
-def host_speed_sweep(hardware: list[HardwareSpec], launch_gap_s: float) -> list[dict]:
-    """DtV's (best k) and WFD's speedup over AR as the host gets faster (every host term divided
-    by the speed, as `costmodel predict --host-speed`), from the Python-heavy eager stack (the
-    paper's, ``launch_gap_s`` per launch) and from CUDA graphs: whether a schedule's advantage
-    grows or shrinks with a faster host."""
-    rows = []
-    for hw in hardware:
-        for model in MODELS:
-            for mode in ("eager", "graphs"):
-                base = hw.model_copy(update={"cuda_graphs": mode == "graphs",
-                                             "launch_overhead_s": launch_gap_s})
-                for speed in HOST_SPEEDS:
-                    s = predict(model, base.with_host_speed(speed), Workload()).schedules
-                    rows.append({"hardware": hw.name, "model": model, "mode": mode,
-                                 "host_speed": speed, "ar_ms": s["ar"].latency_per_token_s * 1e3,
-                                 "dtv_speedup": s["dtv"].speedup_vs_ar,
-                                 "wfd_speedup": s["wfd"].speedup_vs_ar,
-                                 "wfd_over_dtv": s["wfd"].latency_per_token_s
-                                 and s["dtv"].latency_per_token_s / s["wfd"].latency_per_token_s,
-                                 "ar_bound": s["ar"].bound})
-    return rows

@@ -123,6 +123,18 @@ def test_overhead_study_sweeps_host_speed_in_both_modes():
     assert graphs[1] == pytest.approx(graphs[0], rel=0.02)
 
 
+def test_hardware_study_sweeps_host_speed_on_every_device():
+    result, _ = studies.run("hardware", small=True)
+    sweep = result.summary["tables"]["Speedup against host speed (eager and CUDA graphs)"]
+    devices = {r["hardware"] for r in result.rows}
+    assert {(r["hardware"], r["mode"]) for r in sweep} == {(d, m) for d in devices
+                                                           for m in ("eager", "graphs")}
+    for r in sweep:  # each row is what `predict --host-speed` says
+        hw = get_hardware(r["hardware"]).in_mode(r["mode"]).with_host_speed(r["host_speed"])
+        s = predict(r["model"], hw).schedules
+        assert r["wfd_speedup"] == pytest.approx(s["wfd"].speedup_vs_ar)
+
+
 def test_paper_table_sensitivity_changes_one_assumption_at_a_time(tmp_path):
     from studies.common import write_outputs
     from studies.paper_table import counted_kernels
