@@ -83,7 +83,12 @@ def parameters_for(hw: HardwareSpec, modes: Sequence[str] | None = None) -> list
 
 
 EAGER_HELD = {"kernel_device_s": "eager calls cannot tell it from the host's launch cost: held at "
-                                 "its prior"}
+                                 "its prior or the replay microbenchmark's figure"}
+# Microbenchmarks a GPU calibration records (calibrate.measure.graph_replay_costs), by profile
+# coefficient, and the coefficient each starts from in place of its prior: a graphs-mode
+# prediction from an eager fit stands on them.
+MICROBENCHMARKS = {"replay_host_s": "graph_host_overhead_s",
+                   "replay_kernel_device_s": "kernel_device_s"}
 
 
 def prior(name: str) -> float:

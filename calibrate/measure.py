@@ -472,6 +472,42 @@ def operation_host_weights(device: str, dtype: str, calls: int = 400) -> dict[st
     return {kind: t / seconds["other"] for kind, t in seconds.items()}
 
 
+def graph_replay_costs(device: str, kernels: int = 64, replays: int = 200,
+                       capture: bool | None = None) -> tuple[float, float]:
+    """(seconds per replayed call, device seconds per kernel replayed) of tiny captured calls,
+    served as the decoder serves a call (wfd.graphs: inputs copied into the shape's buffers, the
+    graph replayed, the output copied out): a one-kernel call is the host's replay cost; each
+    kernel more adds the device's floor per kernel once the replay is device-bound. The priors
+    of a graphs-mode prediction from an eager calibration. ``capture``: CUDA graphs (default on
+    CUDA; without, the same calls run from the static buffers)."""
+    from wfd.graphs import CallGraphs
+
+    dev = torch.device(device)
+    graphs = CallGraphs(dev.type == "cuda" if capture is None else capture, dev)
+    x = torch.randn(1, 64, device=dev)
+
+    def per_replay(n: int) -> float:
+        def chain(y: torch.Tensor) -> torch.Tensor:
+            for _ in range(n):
+                y = y * 1.0
+            return y
+
+        def call() -> None:
+            graphs.run(("microbenchmark", n), chain, [x], lambda replay: (replay(), 0.0))
+
+        call()  # captured (or prepared) once
+
+        def loop() -> None:
+            for _ in range(replays):
+                call()
+
+        return _best_time(loop, dev, 5) / replays
+
+    with torch.inference_mode():
+        one, many = per_replay(1), per_replay(kernels + 1)
+    return one, max(0.0, (many - one) / kernels)
+
+
 def _median(times: list[float]) -> tuple[float, float]:
     qs = statistics.quantiles(times, n=4) if len(times) >= 4 else [min(times), 0, max(times)]
     return statistics.median(times), qs[2] - qs[0]

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from costmodel.profile import CalibrationProfile, CrossModeCheck, ValidationPoint
+from costmodel.profile import CalibrationProfile, CrossModeCheck, FittedValue, ValidationPoint
 from costmodel.specs import HardwareSpec
 from costmodel.trace import current_commit
 
-from .fit import MODE_TERMS, Observation, fit, parameters_for
+from .fit import MICROBENCHMARKS, MODE_TERMS, Observation, fit, parameters_for
 from .validate import report
 
 
@@ -27,11 +27,16 @@ def observations(points: list[ValidationPoint]) -> list[Observation]:
             for p in points if p.kind == "call"]
 
 
-def with_priors(hw: HardwareSpec) -> HardwareSpec:
+def with_priors(hw: HardwareSpec, coefficients: dict[str, FittedValue] | None = None
+                ) -> HardwareSpec:
     """``hw``'s measurements (peaks, kernel counts, curve) with every fitted coefficient at its
-    prior: a refit owes nothing to the fit it replaces, and a fit on one mode nothing to the
-    other mode's."""
-    return hw.model_copy(update={p[0]: p[3] for p in parameters_for(hw, list(MODE_TERMS))})
+    prior, or at what a microbenchmark among the profile's ``coefficients`` measured for it: a
+    refit owes nothing to the fit it replaces, and a fit on one mode nothing to the other
+    mode's."""
+    start = {p[0]: p[3] for p in parameters_for(hw, list(MODE_TERMS))}
+    start.update({name: coefficients[key].value for key, name in MICROBENCHMARKS.items()
+                  if coefficients and key in coefficients})
+    return hw.model_copy(update=start)
 
 
 def modes_of(profile: CalibrationProfile) -> list[str]:
@@ -46,7 +51,8 @@ def cross_mode(base: HardwareSpec, calls: dict[str, list[Observation]],
     """Fit on ``fit_on``'s training ``calls`` alone; price all of ``predicted``'s ``points``."""
     result = fit(base.in_mode(fit_on), calls[fit_on], dtype)
     held = dict(result.dropped)
-    held.update({name: f"not in the {fit_on} calls: its prior"
+    held.update({name: f"not in the {fit_on} calls: its starting value (a microbenchmark's "
+                       "where the profile has one, else its prior)"
                  for name in MODE_TERMS[predicted]})
     rep = report(points[predicted], result.hardware, dtype)
     return CrossModeCheck(fit_on=fit_on, predicted=predicted, per_call=rep.per_call,
@@ -66,7 +72,7 @@ def refit(profile: CalibrationProfile, note: str | None = None) -> CalibrationPr
     if not any(calls.values()):
         raise ValueError("the profile keeps no training calls (made before they were kept); "
                          "calibrate again")
-    base = with_priors(profile.hardware).in_mode(modes[0])
+    base = with_priors(profile.hardware, profile.coefficients).in_mode(modes[0])
     result = fit(base, [o for m in modes for o in calls[m]], profile.dtype)
     measured = {k: v for k, v in profile.coefficients.items() if v.unit.endswith("(measured)")}
     checks = [c for c in profile.checks if not c.startswith("refitted ")]

@@ -26,7 +26,7 @@ from costmodel.profile import (
 from costmodel.specs import HardwareSpec
 from costmodel.trace import current_commit
 
-from .fit import Observation, fit, prior
+from .fit import MICROBENCHMARKS, Observation, fit, prior
 from .measure import (
     CURVE_ROWS,
     CURVE_ROWS_QUICK,
@@ -39,6 +39,7 @@ from .measure import (
     call_grid,
     contexts_for,
     decoder_operations,
+    graph_replay_costs,
     measure_peaks,
     measure_runs,
     operation_host_weights,
@@ -159,6 +160,15 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
     by_class = {"layer_operations": ops.layer_by_class,
                 "part_extra_operations": ops.extras_by_class,
                 "operation_host_weights": operation_host_weights(device, dtype)} if cuda else {}
+    # what a replayed call costs the host, and a replayed kernel the device: where an eager fit
+    # cannot see them, the starting values (calibrate.fit.MICROBENCHMARKS)
+    replay: dict[str, float] = {}
+    if cuda:
+        try:
+            replay["replay_host_s"], replay["replay_kernel_device_s"] = graph_replay_costs(device)
+        except RuntimeError as exc:  # a device without graph capture: the priors stay
+            peaks.checks.append(f"replay microbenchmark failed ({exc}): priors kept")
+    starts = {field: replay[key] for key, field in MICROBENCHMARKS.items() if key in replay}
     base = HardwareSpec(name=f"{machine_name(device)} ({device}, {dtype}, calibrated)",
                         memory_bandwidth_bytes_per_s=peaks.bandwidth_bytes_per_s,
                         peak_flops_per_s={dtype: peaks.flops_per_s},
@@ -169,7 +179,7 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
                         matmul=peaks.matmul,
                         # an eager fit cannot determine it (calibrate.fit.EAGER_HELD)
                         kernel_device_s=prior("kernel_device_s") if cuda else 0.0,
-                        **by_class)
+                        **by_class, **starts)
 
     plan = []
     for role in roles:
@@ -266,7 +276,8 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
                 **{f"{part}_extra_kernels": (count, "operations")
                    for part, count in extras.items()},
                 **{f"host_weight_{kind}": (w, "x an elementwise operation's host time")
-                   for kind, w in by_class.get("operation_host_weights", {}).items()}}
+                   for kind, w in by_class.get("operation_host_weights", {}).items()},
+                **{key: (value, "s") for key, value in replay.items()}}
     if peaks.matmul is not None:
         measured["cache_knee"] = (peaks.cache_bytes, "B")
         measured["reported_cache"] = (peaks.reported_cache_bytes, "B")

@@ -268,3 +268,25 @@ def test_a_fit_that_weighs_operations_alike_misprices_the_small_calls():
     small = [i for i, o in enumerate(obs) if o.record.kind in ("prelude", "coda")]
     assert np.max(np.abs(weighed.residuals[small])) < 0.03
     assert np.max(np.abs(alike.residuals[small])) > 0.03
+
+
+def test_an_eager_refit_keeps_the_replay_microbenchmarks_for_graphs_mode():
+    """An eager fit cannot see a replayed call's host cost nor the device's per kernel: the
+    profile's replay microbenchmarks are where a graphs-mode prediction starts from."""
+    from calibrate.refit import refit
+    from costmodel.profile import FittedValue
+
+    measured = {"replay_host_s": FittedValue(value=33e-6, stderr=0.0, unit="s (measured)"),
+                "replay_kernel_device_s": FittedValue(value=1.7e-6, stderr=0.0,
+                                                      unit="s (measured)")}
+    profile = _profile("eager", 0).model_copy(update={"coefficients": measured})
+    hw = refit(profile).hardware
+    assert hw.graph_host_overhead_s == 33e-6 and hw.kernel_device_s == 1.7e-6
+    assert refit(_profile("eager", 0)).hardware.kernel_device_s == 2e-6  # none: the prior
+
+
+def test_the_replay_microbenchmark_times_a_call_and_its_kernels():
+    from calibrate.measure import graph_replay_costs
+
+    per_call, per_kernel = graph_replay_costs("cpu", kernels=16, replays=20, capture=False)
+    assert 0 < per_call < 1e-2 and 0 <= per_kernel < per_call
