@@ -27,7 +27,11 @@
 # raven_modeling_minimal.py runs under 4.53.3 (tokenizers 0.21, huggingface-hub < 1), ouro_rl's
 # modeling_ouro.py under 4.57.6 (tokenizers 0.22, huggingface-hub < 1), so run each family
 # with its own PYTHONPATH (FAMILIES=huginn, then FAMILIES=ouro).
-set -euo pipefail
+#
+# A step that fails (a calibration, a join, the benchmark) is reported and the script goes on
+# with the next one that does not need it: on a lent machine one failure must not cost the rest
+# of the lease. It exits 1 at the end, naming the failed steps.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 DEVICE=${DEVICE:-cuda}
 DTYPE=${DTYPE:-bf16}
@@ -37,6 +41,15 @@ SIZES=${SIZES:-real}
 # machines: PYTHON=/opt/torch/.venv/bin/python3, with pydantic carried as wheels and the
 # repository on PYTHONPATH; call it directly: a symlink to a venv's python loses the venv)
 PY=${PYTHON:-python}
+FAILED=()
+step() {  # step NAME COMMAND...: run it; on failure, say so and remember it
+  local name=$1 rc=0; shift
+  "$@" || rc=$?
+  [ "$rc" -eq 0 ] && return 0
+  echo "FAILED: $name (exit $rc)" >&2
+  FAILED+=("$name")
+  return 1
+}
 QUICK_FLAG=$([ "${QUICK:-0}" = "1" ] && echo --quick || true)
 mkdir -p "$OUT"
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
@@ -45,6 +58,13 @@ if [ "${DEVICE%%:*}" = cuda ]; then
 else
   MODES=${MODES:-eager}; BENCH_MODES=${BENCH_MODES:-eager}
 fi
+benchmark() {  # benchmark FAMILY MODEL DRAFT_DEPTH [--reference-FAMILY DIR]
+  "$PY" bench/decode_speed.py schedules --models "$2" --device "$DEVICE" \
+    --dtype "$DTYPE" --modes $BENCH_MODES --context "${BENCH_CONTEXT:-1024}" \
+    --new-tokens "${BENCH_TOKENS:-256}" --repeats "${BENCH_REPEATS:-2}" --prompts 1 \
+    --draft-depth "$3" --block-lengths 2 4 8 --acceptance 0.9 "${@:4}" \
+    --out "$OUT/bench-$1-$DTYPE.json" | tee "$OUT/bench-$1-$DTYPE.md"
+}
 for family in ${FAMILIES:-huginn ouro}; do
   started=$SECONDS
   if [ "$SIZES" = "real" ]; then
@@ -57,37 +77,42 @@ for family in ${FAMILIES:-huginn ouro}; do
     holdout="$family-small:random"
     bench_model="$family-tiny:random"
   fi
+  calibrated=" "
   for mode in $MODES; do
     name="gpu-$family-$DTYPE$([ "$mode" = graphs ] && echo -graphs || true)"
     # --force: an unattended run keeps its profile, flagged if the machine was busy (a GPU's
     # never is; a CPU rehearsal beside other work can be), rather than lose the run
-    "$PY" -m costmodel calibrate --model "$family" --device "$DEVICE" --dtype "$DTYPE" \
-      --mode "$mode" $QUICK_FLAG --fit-models "$fit" --holdout-model "$holdout" --force \
-      ${MACHINE_FROM:+--machine-from "$MACHINE_FROM"} \
-      --acceptances "${ACCEPTANCES:-0.6,0.75,0.9}" \
-      --out "$OUT/$name.json" --json > "$OUT/$name.validation.json"
+    if ! step "$family $mode calibration" "$PY" -m costmodel calibrate --model "$family" \
+        --device "$DEVICE" --dtype "$DTYPE" \
+        --mode "$mode" $QUICK_FLAG --fit-models "$fit" --holdout-model "$holdout" --force \
+        ${MACHINE_FROM:+--machine-from "$MACHINE_FROM"} \
+        --acceptances "${ACCEPTANCES:-0.6,0.75,0.9}" \
+        --out "$OUT/$name.json" --json > "$OUT/$name.validation.json"; then
+      continue
+    fi
     # the machine is measured once per run: later calibrations reuse the first one's peaks
     MACHINE_FROM=${MACHINE_FROM:-$OUT/$name.json}
     "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[1], 'median', round(r['median_rel_error'],3), 'max', round(r['max_rel_error'],3))" "$OUT/$name.validation.json"
     echo "$family $mode calibrated in $((SECONDS - started)) s"
+    calibrated+="$mode "
   done
-  if [[ " $MODES " == *" eager "* && " $MODES " == *" graphs "* ]]; then
+  if [[ "$calibrated" == *" eager "* && "$calibrated" == *" graphs "* ]]; then
     # both modes in one fit (the device's coefficients shared), validated across the modes
     joint="gpu-$family-$DTYPE-modes"
-    "$PY" -m costmodel join-modes "$OUT/gpu-$family-$DTYPE.json" \
-      "$OUT/gpu-$family-$DTYPE-graphs.json" --out "$OUT/$joint.json"
-    "$PY" -m costmodel validate --profile "$OUT/$joint.json" --json \
-      > "$OUT/$joint.validation.json"
+    step "$family join-modes" "$PY" -m costmodel join-modes "$OUT/gpu-$family-$DTYPE.json" \
+      "$OUT/gpu-$family-$DTYPE-graphs.json" --out "$OUT/$joint.json" \
+      && step "$family joint validation" "$PY" -m costmodel validate \
+        --profile "$OUT/$joint.json" --json > "$OUT/$joint.validation.json"
   fi
   if [ "${BENCH:-1}" = "1" ]; then
     draft=$([ "$family" = huginn ] && echo 4 || echo 1)
     ref_var="REF_${family^^}"
     ref_flag=${!ref_var:+--reference-$family ${!ref_var}}
-    "$PY" bench/decode_speed.py schedules --models "$bench_model" --device "$DEVICE" \
-      --dtype "$DTYPE" --modes $BENCH_MODES --context "${BENCH_CONTEXT:-1024}" \
-      --new-tokens "${BENCH_TOKENS:-256}" --repeats "${BENCH_REPEATS:-2}" --prompts 1 \
-      --draft-depth "$draft" --block-lengths 2 4 8 --acceptance 0.9 $ref_flag \
-      --out "$OUT/bench-$family-$DTYPE.json" | tee "$OUT/bench-$family-$DTYPE.md"
+    step "$family benchmark" benchmark "$family" "$bench_model" "$draft" $ref_flag
     echo "$family benchmarked; $((SECONDS - started)) s in all"
   fi
 done
+if [ ${#FAILED[@]} -gt 0 ]; then
+  printf 'failed steps: %s\n' "$(IFS=';'; echo "${FAILED[*]}")" >&2
+  exit 1
+fi

@@ -320,6 +320,21 @@ def test_gpu_script_runs_on_cpu_at_tiny_size(tmp_path):
         assert profile.hardware.matmul == load_profile(machine).hardware.matmul
 
 
+def test_gpu_script_goes_on_past_a_failed_step_and_names_it(tmp_path):
+    """One failed calibration must not cost the rest of a lent machine's time: the script
+    reports it, runs what does not need it, and exits 1 naming it."""
+    import os
+
+    env = {"DEVICE": "cpu", "DTYPE": "fp32", "QUICK": "1", "SIZES": "tiny", "OUT": str(tmp_path),
+           "PYTHON": sys.executable, "FAMILIES": "ouro huginn", "BENCH": "0",
+           "MACHINE_FROM": str(tmp_path / "missing.json")}
+    out = subprocess.run(["bash", "calibrate/gpu.sh"], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, **env})
+    assert out.returncode == 1
+    assert "failed steps: ouro eager calibration;huginn eager calibration" in out.stderr
+    assert "cannot read profile" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_machine_measurements_are_reused_only_from_the_same_setting():
     from calibrate.run import reused_peaks
     from wfd.checkpoint import CheckpointError
