@@ -157,9 +157,15 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
     # are in its curve, and its calibration keeps one cost per operation).
     ops = decoder_operations([m for r, (_, m, _) in loaded.items() if r != "holdout"])
     per_layer, extras = ops.per_layer, ops.extras
-    by_class = {"layer_operations": ops.layer_by_class,
-                "part_extra_operations": ops.extras_by_class,
-                "operation_host_weights": operation_host_weights(device, dtype)} if cuda else {}
+    by_class: dict = {}
+    if cuda:
+        try:
+            by_class = {"layer_operations": ops.layer_by_class,
+                        "part_extra_operations": ops.extras_by_class,
+                        "operation_host_weights": operation_host_weights(device, dtype)}
+        except RuntimeError as exc:  # every operation then costs alike, as on a CPU
+            peaks.checks.append(f"operation class weights not measured ({exc}): one cost per "
+                                "operation")
     # what a replayed call costs the host, and a replayed kernel the device: where an eager fit
     # cannot see them, the starting values (calibrate.fit.MICROBENCHMARKS)
     replay: dict[str, float] = {}
