@@ -77,13 +77,18 @@ def parameters_for(hw: HardwareSpec, modes: Sequence[str] | None = None) -> list
         return CPU_PARAMETERS
     modes = set(modes or [hw.mode])
     other = {t for m, terms in MODE_TERMS.items() if m not in modes for t in terms}
-    if "graphs" not in modes:
-        other |= set(EAGER_HELD)
-    return [p for p in GPU_PARAMETERS if p[0] not in other]
+    return [p for p in GPU_PARAMETERS if p[0] not in other | set(eager_held(hw, modes))]
 
 
 EAGER_HELD = {"kernel_device_s": "eager calls cannot tell it from the host's launch cost: held at "
                                  "its prior or the replay microbenchmark's figure"}
+
+
+def eager_held(hw: HardwareSpec, modes: Sequence[str]) -> dict[str, str]:
+    """What a GPU fit on these modes' calls holds, and why: EAGER_HELD without graphs calls."""
+    return EAGER_HELD if hw.matmul is None and "graphs" not in modes else {}
+
+
 # Microbenchmarks a GPU calibration records (calibrate.measure.graph_replay_costs), by profile
 # coefficient, and the coefficient each starts from in place of its prior: a graphs-mode
 # prediction from an eager fit stands on them.
@@ -260,9 +265,7 @@ def fit(base: HardwareSpec, obs: Sequence[Observation], dtype: str,
     determine are taken out one at a time (module docstring)."""
     modes = sorted({o.mode or base.mode for o in obs})
     free = list(parameters if parameters is not None else parameters_for(base, modes))
-    dropped: dict[str, str] = {}
-    if base.matmul is None and parameters is None and "graphs" not in modes:
-        dropped.update(EAGER_HELD)
+    dropped = dict(eager_held(base, modes)) if parameters is None else {}
     hw = fitted_hw = base
     values, stderr, cost = np.array([]), np.array([]), float("nan")
     if free:

@@ -433,8 +433,7 @@ def decoder_operations(models: list) -> DecoderOperations:
 
     counts = {kind: [(layers(model, kind), count_ops(model, kind)) for model in models]
               for kind in ("prelude", "block", "coda")}
-    blocks = sorted({(n, tuple(c.items())) for n, c in counts["block"]})
-    (l0, c0), (l1, c1) = (blocks[0][0], dict(blocks[0][1])), (blocks[-1][0], dict(blocks[-1][1]))
+    (l0, c0), *_, (l1, c1) = sorted(counts["block"], key=lambda pair: pair[0])
     layer = {k: round((c1[k] - c0[k]) / (l1 - l0)) for k in c1}
     extras = {kind: {k: max(0, round(sum(c[k] - n * layer[k] for n, c in pairs) / len(pairs)))
                      for k in layer}

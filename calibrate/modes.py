@@ -20,17 +20,12 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from costmodel.profile import CalibrationProfile, ProfileError, ValidationPoint
+from costmodel.profile import CalibrationProfile, ProfileError
 
 from .fit import MODE_TERMS
-from .refit import refit
+from .refit import marked, refit
 
 MODES = tuple(MODE_TERMS)
-
-
-def marked(points: list[ValidationPoint], mode: str) -> list[ValidationPoint]:
-    """The points, each marked with the mode it ran in (a per-mode profile leaves it unset)."""
-    return [p if p.mode else p.model_copy(update={"mode": mode}) for p in points]
 
 
 def check_pair(profiles: dict[str, CalibrationProfile]) -> None:

@@ -39,10 +39,14 @@ def with_priors(hw: HardwareSpec, coefficients: dict[str, FittedValue] | None = 
     return hw.model_copy(update=start)
 
 
-def modes_of(profile: CalibrationProfile) -> list[str]:
-    """The execution modes of the profile's training calls, in MODE_TERMS order."""
-    present = {p.mode or profile.hardware.mode for p in profile.training}
-    return [m for m in MODE_TERMS if m in present]
+def marked(points: list[ValidationPoint], mode: str) -> list[ValidationPoint]:
+    """The points, each marked with the mode it ran in (a per-mode profile leaves it unset)."""
+    return [p if p.mode else p.model_copy(update={"mode": mode}) for p in points]
+
+
+def by_mode(points: list[ValidationPoint]) -> dict[str, list[ValidationPoint]]:
+    """Marked points grouped by their mode, in MODE_TERMS order."""
+    return {m: mine for m in MODE_TERMS if (mine := [p for p in points if p.mode == m])}
 
 
 def cross_mode(base: HardwareSpec, calls: dict[str, list[Observation]],
@@ -63,12 +67,12 @@ def refit(profile: CalibrationProfile, note: str | None = None) -> CalibrationPr
     """The profile with its coefficients fitted again on its training calls (both modes
     together when it holds both, with the cross-mode checks); ``note``: the line its checks
     gain (default: when, by which commit, from how many calls)."""
-    modes = modes_of(profile)
-    by_mode = {m: [p for p in profile.training if (p.mode or profile.hardware.mode) == m]
-               for m in modes}
+    own = profile.hardware.mode
+    training = by_mode(marked(profile.training, own))
+    modes = list(training)
     # one observation per training call, shared by the fits (each prices them thousands of
     # times, from features worked out once per observation)
-    calls = {m: observations(points) for m, points in by_mode.items()}
+    calls = {m: observations(points) for m, points in training.items()}
     if not any(calls.values()):
         raise ValueError("the profile keeps no training calls (made before they were kept); "
                          "calibrate again")
@@ -81,8 +85,8 @@ def refit(profile: CalibrationProfile, note: str | None = None) -> CalibrationPr
         f"{sum(len(c) for c in calls.values())} training calls"))
     checks_cross = []
     if len(modes) == 2:
-        every = {m: by_mode[m] + [p for p in profile.validation
-                                  if (p.mode or profile.hardware.mode) == m] for m in modes}
+        validation = by_mode(marked(profile.validation, own))
+        every = {m: training[m] + validation.get(m, []) for m in modes}
         checks_cross = [cross_mode(base, calls, every, a, b, profile.dtype)
                         for a, b in (modes, modes[::-1])]
     return profile.model_copy(update={

@@ -163,11 +163,10 @@ def call_cost(
 
     kernels, host_operations = operations(hw, part, n_slots)
     # eager: every dispatched operation costs the host its class's time; a replay, each kernel
-    per_kernel_host_s = (kernels * hw.graph_launch_overhead_s if hw.cuda_graphs
-                         else host_operations * hw.launch_overhead_s)
+    host_launches = kernels if hw.cuda_graphs else host_operations
     overhead = hw.call_overhead_s + part.layers * (
         hw.layer_host_s + attention_host_s(hw, n_slots if key_sets is None else key_sets,
-                                           n_positions)) + per_kernel_host_s
+                                           n_positions)) + host_launches * hw.kernel_overhead_s
 
     attention_eff = hw.attention_flops_efficiency or hw.flops_efficiency
     attention_s = attention_flops / (flops_peak * attention_eff)

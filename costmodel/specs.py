@@ -199,7 +199,6 @@ class HardwareSpec(Spec):
         """The host's time per layer of a call: eager's dispatch; none in a replayed graph."""
         return 0.0 if self.cuda_graphs else self.layer_overhead_s
 
-
     def achievable_flops_per_s(self, dtype: str) -> float:
         if dtype not in self.peak_flops_per_s:
             known = ", ".join(sorted(self.peak_flops_per_s))
