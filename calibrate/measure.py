@@ -369,7 +369,9 @@ def operation_class(func, args: tuple, out) -> str:
     if "scaled_dot_product" in name:
         return "attention"
     handed_back = isinstance(out, torch.Tensor) and any(out is a for a in args)
-    if func.is_view or (name in METADATA_OPS and (handed_back or name != "to")):
+    if name == "to":  # its schema may alias (so is_view), but a cast to another dtype copies
+        return "view" if handed_back else "other"
+    if func.is_view or name in METADATA_OPS:
         return "view"
     return "other"
 

@@ -256,3 +256,19 @@ def test_parameter_counts_at_real_size(preset):
 def test_tiny_config_round_trips_through_hf_keys(family):
     cfg = TINY_CONFIGS[family]
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_norm_as_one_operation_computes_the_release_formula(dtype):
+    """RMSNorm dispatches one operation where the releases write four; on a CPU it gives exactly
+    what their expression gives."""
+    from wfd.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    for rows in (1, 7, 64):
+        x = (3 * torch.randn(rows, 96, generator=gen)).to(dtype)
+        norm = RMSNorm(96, 1e-6).to(dtype)
+        norm.weight.data = torch.randn(96, generator=gen).to(dtype)
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)
+        assert torch.equal(norm(x), norm.weight * normed.to(dtype))

@@ -37,16 +37,15 @@ class HuginnAttention(nn.Module):
         self.proj = nn.Linear(q, cfg.hidden_size, bias=False)
 
     def forward(self, x, plan: CallPlan, kv: LayerKV | None):
-        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        q, k, v = self.Wqkv(x).split((q_size, kv_size, kv_size), dim=-1)
-        q = q.unflatten(-1, (self.heads, self.head_dim))
-        k = k.unflatten(-1, (self.kv_heads, self.head_dim))
+        # q and k side by side, as heads + kv_heads heads: one bias add and one RoPE for both
+        # (the release rotates them concatenated too; the same values, half the kernels)
+        heads = self.heads + self.kv_heads
+        qk, v = self.Wqkv(x).split((heads * self.head_dim, self.kv_heads * self.head_dim), dim=-1)
+        qk = qk.unflatten(-1, (heads, self.head_dim))
         v = v.unflatten(-1, (self.kv_heads, self.head_dim))
-        if self.qk_bias is not None:
-            q = (q + self.qk_bias[0]).to(q.dtype)
-            k = (k + self.qk_bias[1]).to(k.dtype)
-        q = rope_interleaved(q, plan.cos, plan.sin)
-        k = rope_interleaved(k, plan.cos, plan.sin)
+        if self.qk_bias is not None:  # [2, 1, heads, hd] -> [1, 2 heads, hd]: q's, then k's
+            qk = (qk + self.qk_bias.transpose(0, 1).flatten(1, 2)).to(qk.dtype)
+        q, k = rope_interleaved(qk, plan.cos, plan.sin).split((self.heads, self.kv_heads), dim=-2)
         out = attend(q, k, v, plan, kv)
         return self.proj(out.flatten(-2))
 

@@ -22,8 +22,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # x * rsqrt(mean(x^2) + eps) as one dispatched operation instead of four (on a CPU the
+        # same values; tests/test_models.py checks it); the scale stays outside, after the cast
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
 
@@ -45,9 +46,8 @@ def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 
 def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Ouro (HF Llama style): rotate the two halves; cos/sin cast to the activation dtype."""
-    cos = torch.cat((cos, cos), dim=-1).to(x.dtype)[:, None, :]
-    sin = torch.cat((sin, sin), dim=-1).to(x.dtype)[:, None, :]
+    """Ouro (HF Llama style): rotate the two halves. x: [n, heads, head_dim]; cos, sin: [n, 1,
+    head_dim], already in the activation dtype (CallPlan.rotate_half_tables)."""
     first, second = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-second, first), dim=-1) * sin
 
@@ -103,6 +103,7 @@ class CallPlan:
     slot_range: tuple[int, int, int] | None = None
     descending: bool = False  # a range read in descending slot order: queries flipped to match
     per_group: int = 1  # consecutive positions sharing one key set (see slot_layout)
+    _rotate_half: tuple[torch.Tensor, torch.Tensor] | None = None  # rotate_half_tables' cache
 
     @classmethod
     def make(cls, positions: torch.Tensor, slots: tuple[int, ...] | None,
@@ -118,6 +119,14 @@ class CallPlan:
         return cls(positions=positions, slots=slots, slot_index=slot_index, cos=angles.cos(),
                    sin=angles.sin(), mask=keys[None, :] <= positions[:, None], layout=layout,
                    slot_range=slot_range, descending=descending, per_group=per_group)
+
+    def rotate_half_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin over the whole head ([n, 1, head_dim], both halves) in ``dtype``: what
+        rope_rotate_half multiplies by, made once per call for all its layers."""
+        if self._rotate_half is None or self._rotate_half[0].dtype != dtype:
+            self._rotate_half = tuple(torch.cat((t, t), dim=-1).to(dtype)[:, None, :]
+                                      for t in (self.cos, self.sin))
+        return self._rotate_half
 
     @classmethod
     def uncached(cls, positions: list[int], config, device: torch.device) -> CallPlan:

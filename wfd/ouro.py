@@ -36,8 +36,9 @@ class OuroAttention(nn.Module):
         q = self.q_proj(x).unflatten(-1, (self.heads, self.head_dim))
         k = self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
         v = self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
-        q = rope_rotate_half(q, plan.cos, plan.sin)
-        k = rope_rotate_half(k, plan.cos, plan.sin)
+        cos, sin = plan.rotate_half_tables(x.dtype)
+        q = rope_rotate_half(q, cos, sin)
+        k = rope_rotate_half(k, cos, sin)
         return self.o_proj(attend(q, k, v, plan, kv).flatten(-2))
 
 
