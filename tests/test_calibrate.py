@@ -388,9 +388,9 @@ def test_a_cast_to_another_dtype_is_a_kernel_and_a_cast_to_the_same_is_a_view():
     cfg = TINY_CONFIGS["huginn"]
     fp32 = count_ops(build(cfg), "block")
     bf16 = count_ops(build(cfg, dtype=torch.bfloat16), "block")
-    # the same operations; in bf16 the norms' and RoPE's casts to fp32 and back run kernels
+    # the same operations; in bf16 RoPE's casts to fp32 and back run kernels
     assert sum(bf16.values()) == sum(fp32.values())
-    assert bf16["other"] - fp32["other"] == fp32["view"] - bf16["view"] >= 4 * cfg.core_layers
+    assert bf16["other"] - fp32["other"] == fp32["view"] - bf16["view"] >= 2 * cfg.core_layers
 
 
 def test_operation_classes_host_weights_are_measured():

@@ -259,10 +259,10 @@ def test_tiny_config_round_trips_through_hf_keys(family):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_norm_as_one_operation_computes_the_release_formula(dtype):
-    """RMSNorm dispatches one operation where the releases write four; on a CPU it gives exactly
-    what their expression gives."""
-    from wfd.layers import RMSNorm
+def test_norm_and_rope_as_single_operations_compute_the_release_formulas(dtype):
+    """RMSNorm dispatches one operation where the releases write six, and Huginn's RoPE one
+    complex product where it writes seven; on a CPU both give exactly the releases' values."""
+    from wfd.layers import CallPlan, RMSNorm, rope_interleaved
 
     gen = torch.Generator().manual_seed(0)
     for rows in (1, 7, 64):
@@ -272,3 +272,13 @@ def test_the_norm_as_one_operation_computes_the_release_formula(dtype):
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)
         assert torch.equal(norm(x), norm.weight * normed.to(dtype))
+
+        plan = CallPlan.uncached(list(range(100, 100 + rows)), TINY_CONFIGS["huginn"], "cpu")
+        # q and k side by side, a slice of a wider projection (as the attention rotates them)
+        qk = torch.randn(rows, 5 * 16 + 48, generator=gen).to(dtype)[:, :80].unflatten(-1, (5, 16))
+        pairs = qk.float().unflatten(-1, (-1, 2))
+        cos, sin = plan.cos[:, None, :], plan.sin[:, None, :]
+        x0, x1 = pairs[..., 0], pairs[..., 1]
+        release = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1)
+        assert torch.equal(rope_interleaved(qk, plan.rotations()),
+                           release.flatten(-2).to(dtype))

@@ -45,7 +45,7 @@ class HuginnAttention(nn.Module):
         v = v.unflatten(-1, (self.kv_heads, self.head_dim))
         if self.qk_bias is not None:  # [2, 1, heads, hd] -> [1, 2 heads, hd]: q's, then k's
             qk = (qk + self.qk_bias.transpose(0, 1).flatten(1, 2)).to(qk.dtype)
-        q, k = rope_interleaved(qk, plan.cos, plan.sin).split((self.heads, self.kv_heads), dim=-2)
+        q, k = rope_interleaved(qk, plan.rotations()).split((self.heads, self.kv_heads), dim=-2)
         out = attend(q, k, v, plan, kv)
         return self.proj(out.flatten(-2))
 

@@ -4,7 +4,7 @@ positions that may sit at different depths (each reading its own KV slot)."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -22,10 +22,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x * rsqrt(mean(x^2) + eps) as one dispatched operation instead of four (on a CPU the
-        # same values; tests/test_models.py checks it); the scale stays outside, after the cast
-        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        # one operation for the release's six (cast to fp32, x * rsqrt(mean(x^2) + eps), cast
+        # back): it normalizes in fp32 and rounds to x's dtype once, giving on a CPU exactly the
+        # release's values (tests/test_models.py); the scale stays outside, in x's dtype
+        return self.weight * F.rms_norm(x, self.weight.shape, eps=self.eps)
 
 
 def rope_angles(positions: torch.Tensor, head_dim: int, base: float) -> torch.Tensor:
@@ -35,14 +35,14 @@ def rope_angles(positions: torch.Tensor, head_dim: int, base: float) -> torch.Te
     return torch.outer(positions.float(), inv_freq)
 
 
-def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Huginn: rotate adjacent pairs (2j, 2j+1), computed in fp32. x: [n, heads, head_dim];
-    cos, sin: [n, head_dim / 2] of the RoPE angles."""
-    x32 = x.float().unflatten(-1, (-1, 2))
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    x0, x1 = x32[..., 0], x32[..., 1]
-    out = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1)
-    return out.flatten(-2).to(x.dtype)
+def rope_interleaved(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """Huginn: rotate adjacent pairs (2j, 2j+1) in fp32, as one complex product per pair,
+    (x0 + i x1)(cos + i sin): the release's x0 cos - x1 sin and x1 cos + x0 sin in one kernel
+    instead of seven (on a CPU the same values when head_dim is a multiple of 16, as Huginn's 96
+    is; past the last multiple, pairs may differ in the last bit). x: [..., n, heads,
+    head_dim]; rotations: CallPlan.rotations()."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotations).flatten(-2).to(x.dtype)
 
 
 def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -103,7 +103,7 @@ class CallPlan:
     slot_range: tuple[int, int, int] | None = None
     descending: bool = False  # a range read in descending slot order: queries flipped to match
     per_group: int = 1  # consecutive positions sharing one key set (see slot_layout)
-    _rotate_half: tuple[torch.Tensor, torch.Tensor] | None = None  # rotate_half_tables' cache
+    _tables: dict = field(default_factory=dict)  # the RoPE tables, made on first use
 
     @classmethod
     def make(cls, positions: torch.Tensor, slots: tuple[int, ...] | None,
@@ -120,13 +120,21 @@ class CallPlan:
                    sin=angles.sin(), mask=keys[None, :] <= positions[:, None], layout=layout,
                    slot_range=slot_range, descending=descending, per_group=per_group)
 
+    def rotations(self) -> torch.Tensor:
+        """cos + i sin of each position's angles ([n, 1, head_dim / 2], complex fp32): what
+        rope_interleaved multiplies by, made once per call for all its layers."""
+        if "interleaved" not in self._tables:
+            self._tables["interleaved"] = torch.complex(self.cos, self.sin)[:, None, :]
+        return self._tables["interleaved"]
+
     def rotate_half_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin over the whole head ([n, 1, head_dim], both halves) in ``dtype``: what
         rope_rotate_half multiplies by, made once per call for all its layers."""
-        if self._rotate_half is None or self._rotate_half[0].dtype != dtype:
-            self._rotate_half = tuple(torch.cat((t, t), dim=-1).to(dtype)[:, None, :]
+        key = ("halves", dtype)
+        if key not in self._tables:
+            self._tables[key] = tuple(torch.cat((t, t), dim=-1).to(dtype)[:, None, :]
                                       for t in (self.cos, self.sin))
-        return self._rotate_half
+        return self._tables[key]
 
     @classmethod
     def uncached(cls, positions: list[int], config, device: torch.device) -> CallPlan:

@@ -36,9 +36,9 @@ class OuroAttention(nn.Module):
         q = self.q_proj(x).unflatten(-1, (self.heads, self.head_dim))
         k = self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
         v = self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
-        cos, sin = plan.rotate_half_tables(x.dtype)
-        q = rope_rotate_half(q, cos, sin)
-        k = rope_rotate_half(k, cos, sin)
+        # q and k side by side: one RoPE for both (elementwise: the same values, fewer kernels)
+        qk = rope_rotate_half(torch.cat((q, k), dim=-2), *plan.rotate_half_tables(x.dtype))
+        q, k = qk.split((self.heads, self.kv_heads), dim=-2)
         return self.o_proj(attend(q, k, v, plan, kv).flatten(-2))
 
 
