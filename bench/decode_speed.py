@@ -7,6 +7,7 @@ block call vs the number of positions in it.
         [--reference-ouro DIR] [--out FILE.json]
     python bench/decode_speed.py block-calls [--model huginn-mid:random] [--dtype fp32 bf16]
         [--threads 1 2]
+    python bench/decode_speed.py operations [--models huginn-3.5b ouro-2.6b] [--dtypes fp32 bf16]
 
 Runs are interleaved (each repeat runs every configuration once, in turn) and the median is
 reported. A trained model decodes for real; a random-weight model (PRESET:random) uses the
@@ -22,6 +23,11 @@ mode. Capture and warm-up time (static and graphs modes) is excluded. With --ref
 bench/reference_parity.py), the reference implementation's own cached `generate` runs on the same
 random weights as the baseline (it needs transformers in this environment).
 Prints a Markdown table for docs/ and, with --out, writes its rows as JSON.
+
+`operations` counts what the decoder dispatches per layer and per call of each part, by class, as
+a calibration counts it (calibrate.measure.decoder_operations): matrix products, attention and
+other kernels, and views (no kernel). The counts do not depend on widths, so each preset is
+counted on a narrow copy with its own layers, heads ratio and options.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from costmodel.plans import wave_width
 from costmodel.predict import resolve_draft_depth
 from costmodel.presets import get_hardware
 from costmodel.simulate import price_bytes
-from wfd.checkpoint import DTYPE_NAMES, load_model
+from wfd.checkpoint import DTYPE_NAMES, DTYPES, load_model
 from wfd.generate import generate, make_cache, prefill
 from wfd.runtime import Runner, default_mode
 
@@ -240,6 +246,28 @@ def block_calls(args) -> None:
                       f"{ms / base:.2f} |")
 
 
+def operations(args) -> None:
+    from calibrate.measure import decoder_operations
+    from costmodel.presets import get_model
+    from wfd.checkpoint import build
+    from wfd.config import ModelConfig
+
+    print("| model | dtype | per layer: operations | kernels (matmul, attention, other) | views |"
+          " per call outside the layers (prelude, block, coda) |\n|---|---|---|---|---|---|")
+    for name in args.models:
+        cfg = ModelConfig.from_spec(get_model(name))
+        heads = max(1, cfg.num_heads // cfg.num_kv_heads)  # keep grouped-query attention
+        narrow = cfg.model_copy(update={"hidden_size": 64, "num_heads": 2 * heads,
+                                        "num_kv_heads": 2, "head_dim": 32, "mlp_size": 128})
+        for dtype in args.dtypes:
+            ops = decoder_operations([build(narrow, dtype=DTYPES[dtype])])
+            by = ops.layer_by_class
+            kernels = by["matmul"] + by["attention"] + by["other"]
+            print(f"| {name} | {dtype} | {ops.per_layer} | {kernels} ({by['matmul']}, "
+                  f"{by['attention']}, {by['other']}) | {by['view']} | "
+                  f"{', '.join(str(ops.extras[p]) for p in ('prelude', 'block', 'coda'))} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -272,8 +300,11 @@ def main() -> None:
     b.add_argument("--positions", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     b.add_argument("--context", type=int, default=256)
     b.add_argument("--repeats", type=int, default=9)
+    o = sub.add_parser("operations")
+    o.add_argument("--models", nargs="+", default=["huginn-3.5b", "ouro-2.6b"])
+    o.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
     args = parser.parse_args()
-    schedules(args) if args.what == "schedules" else block_calls(args)
+    {"schedules": schedules, "block-calls": block_calls, "operations": operations}[args.what](args)
 
 
 if __name__ == "__main__":
