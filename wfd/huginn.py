@@ -38,7 +38,7 @@ class HuginnAttention(nn.Module):
 
     def forward(self, x, plan: CallPlan, kv: LayerKV | None):
         # q and k side by side, as heads + kv_heads heads: one bias add and one RoPE for both
-        # (the release rotates them concatenated too; the same values, half the kernels)
+        # (the release rotates them concatenated too)
         heads = self.heads + self.kv_heads
         qk, v = self.Wqkv(x).split((heads * self.head_dim, self.kv_heads * self.head_dim), dim=-1)
         qk = qk.unflatten(-1, (heads, self.head_dim))

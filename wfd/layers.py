@@ -22,9 +22,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one operation for the release's six (cast to fp32, x * rsqrt(mean(x^2) + eps), cast
-        # back): it normalizes in fp32 and rounds to x's dtype once, giving on a CPU exactly the
-        # release's values (tests/test_models.py); the scale stays outside, in x's dtype
+        # one operation where the release casts to fp32, computes x * rsqrt(mean(x^2) + eps) in
+        # four and casts back: it normalizes in fp32 and rounds to x's dtype once, giving on a
+        # CPU exactly the release's values (tests/test_models.py); the scale stays outside, in
+        # x's dtype, as in the release
         return self.weight * F.rms_norm(x, self.weight.shape, eps=self.eps)
 
 
