@@ -29,11 +29,16 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x, self.weight.shape, eps=self.eps)
 
 
-def rope_angles(positions: torch.Tensor, head_dim: int, base: float) -> torch.Tensor:
-    """angle[p, j] = p / base^(2j / head_dim), in fp32: [n, head_dim / 2]."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=positions.device)[
+def rope_frequencies(head_dim: int, base: float, device: torch.device | str) -> torch.Tensor:
+    """1 / base^(2j / head_dim), in fp32: [head_dim / 2]. A constant of the model, made once
+    (by the Runner, outside any captured graph) rather than in every call."""
+    return 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device)[
         : head_dim // 2].float() / head_dim))
-    return torch.outer(positions.float(), inv_freq)
+
+
+def rope_angles(positions: torch.Tensor, frequencies: torch.Tensor) -> torch.Tensor:
+    """angle[p, j] = p * frequencies[j], in fp32: [n, head_dim / 2]."""
+    return torch.outer(positions.float(), frequencies)
 
 
 def rope_interleaved(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
@@ -108,9 +113,9 @@ class CallPlan:
 
     @classmethod
     def make(cls, positions: torch.Tensor, slots: tuple[int, ...] | None,
-             slot_index: torch.Tensor | None, head_dim: int, base: float,
+             slot_index: torch.Tensor | None, frequencies: torch.Tensor,
              span: int | None = None) -> CallPlan:
-        angles = rope_angles(positions, head_dim, base)
+        angles = rope_angles(positions, frequencies)
         if slots is None:
             keys = positions
             layout, slot_range, descending, per_group = "none", None, False, 1
@@ -141,8 +146,8 @@ class CallPlan:
     def uncached(cls, positions: list[int], config, device: torch.device) -> CallPlan:
         """A full forward's plan (``config``: the model's): the positions attend over each other,
         no cache."""
-        return cls.make(torch.tensor(positions, device=device), None, None, config.head_dim,
-                        config.rope_base)
+        return cls.make(torch.tensor(positions, device=device), None, None,
+                        rope_frequencies(config.head_dim, config.rope_base, device))
 
 
 def read_slots(kv: LayerKV, plan: CallPlan) -> tuple[torch.Tensor, torch.Tensor]:

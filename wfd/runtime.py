@@ -16,7 +16,7 @@ from costmodel.trace import CallRecord
 
 from .cache import KVCache, part_slots
 from .graphs import CallGraphs
-from .layers import CallPlan
+from .layers import CallPlan, rope_frequencies
 from .sampling import GenerationError
 
 
@@ -164,7 +164,7 @@ class Runner:
         self.records: list[CallRecord] = []
         self.record = record
         cfg = model.config
-        self._rope = (cfg.head_dim, cfg.rope_base)
+        self._frequencies = rope_frequencies(cfg.head_dim, cfg.rope_base, self.device)
         self._parts = {
             "prelude": lambda plan, ids: model.prelude(ids, plan, cache),
             "block": lambda plan, state, e: model.block(state, e, plan, cache),
@@ -192,7 +192,7 @@ class Runner:
             def call() -> torch.Tensor:
                 pos = torch.tensor(positions, device=self.device)
                 plan = CallPlan.make(pos, tuple(slots), torch.tensor(slots, device=self.device),
-                                     *self._rope, span=max(positions) + 1)
+                                     self._frequencies, span=max(positions) + 1)
                 return part(plan, *inputs)
 
             out, wall = self.timer.measure(call)
@@ -200,8 +200,8 @@ class Runner:
             static_slots, span = tuple(slots), self.cache.max_len
 
             def captured(pos, slot_index, *xs):
-                return part(CallPlan.make(pos, static_slots, slot_index, *self._rope, span=span),
-                            *xs)
+                plan = CallPlan.make(pos, static_slots, slot_index, self._frequencies, span=span)
+                return part(plan, *xs)
 
             out, wall = self.graphs.run((kind, static_slots), captured,
                                         [torch.tensor(positions), torch.tensor(slots), *inputs],
