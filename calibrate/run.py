@@ -55,6 +55,18 @@ DEFAULT_ACCEPTANCE = 0.85
 BUSY_CANARY = 1.5
 
 
+def starting_terms(cuda: bool, replay: dict[str, float]) -> dict[str, float]:
+    """Hardware terms a GPU fit starts from other than their priors, each given once: the
+    device time per kernel (an eager fit cannot determine it, calibrate.fit.EAGER_HELD) and the
+    graph replay's host cost, at what the replay microbenchmarks measured where they ran
+    (calibrate.fit.MICROBENCHMARKS), else the per-kernel time at its prior. A CPU has none."""
+    if not cuda:
+        return {"kernel_device_s": 0.0}
+    starts = {"kernel_device_s": prior("kernel_device_s")}
+    starts.update({field: replay[key] for key, field in MICROBENCHMARKS.items() if key in replay})
+    return starts
+
+
 def too_busy(load: LoadReport | None) -> str | None:
     """Why a calibration's figures are meaningless, or None."""
     if load is None or load.canary_median <= BUSY_CANARY:
@@ -174,7 +186,6 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
             replay["replay_host_s"], replay["replay_kernel_device_s"] = graph_replay_costs(device)
         except RuntimeError as exc:  # a device without graph capture: the priors stay
             peaks.checks.append(f"replay microbenchmark failed ({exc}): priors kept")
-    starts = {field: replay[key] for key, field in MICROBENCHMARKS.items() if key in replay}
     base = HardwareSpec(name=f"{machine_name(device)} ({device}, {dtype}, calibrated)",
                         memory_bandwidth_bytes_per_s=peaks.bandwidth_bytes_per_s,
                         peak_flops_per_s={dtype: peaks.flops_per_s},
@@ -182,10 +193,7 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
                         overhead_overlaps=cuda, cuda_graphs=mode == "graphs",
                         attention_split_by_slot=False, kernels_per_layer=per_layer,
                         attention_kernels_per_slot=0, part_extra_kernels=extras,
-                        matmul=peaks.matmul,
-                        # an eager fit cannot determine it (calibrate.fit.EAGER_HELD)
-                        kernel_device_s=prior("kernel_device_s") if cuda else 0.0,
-                        **by_class, **starts)
+                        matmul=peaks.matmul, **by_class, **starting_terms(cuda, replay))
 
     plan = []
     for role in roles:

@@ -286,6 +286,22 @@ def test_an_eager_refit_keeps_the_replay_microbenchmarks_for_graphs_mode():
     assert refit(_profile("eager", 0)).hardware.kernel_device_s == 2e-6  # none: the prior
 
 
+def test_a_gpu_calibration_starts_from_the_replay_microbenchmarks_given_once():
+    """The per-kernel device time has a prior and a microbenchmark: the calibration's spec
+    takes the measured one (a GPU calibration used to pass both, and could not start)."""
+    from calibrate.fit import prior
+    from calibrate.run import starting_terms
+    from costmodel.specs import HardwareSpec
+
+    measured = starting_terms(True, {"replay_host_s": 33e-6, "replay_kernel_device_s": 1.7e-6})
+    assert measured == {"kernel_device_s": 1.7e-6, "graph_host_overhead_s": 33e-6}
+    hw = HardwareSpec(name="gpu", memory_bandwidth_bytes_per_s=1e12,
+                      peak_flops_per_s={"bf16": 1e14}, memory_capacity_bytes=1e10, **measured)
+    assert hw.kernel_device_s == 1.7e-6 and hw.graph_host_overhead_s == 33e-6
+    assert starting_terms(True, {}) == {"kernel_device_s": prior("kernel_device_s")}
+    assert starting_terms(False, {}) == {"kernel_device_s": 0.0}
+
+
 def test_the_replay_microbenchmark_times_a_call_and_its_kernels():
     from calibrate.measure import graph_replay_costs
 
