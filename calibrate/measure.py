@@ -278,6 +278,11 @@ def measure_peaks(device: str, dtype: str, quiet: Quiet | None = None,
     peaks.cache_bytes, peaks.cache_bandwidth_bytes_per_s = cache_knee(
         peaks.bandwidth_by_working_set, bandwidth)
     peaks.matmul = matmul_curve(dt, dtype, peaks.cache_bytes, quiet, peaks.checks, curve_rows)
+    if peaks.cache_bytes:  # the working set after the knee copied at memory speed: products
+        # stream from there on
+        streamed_from = next(ws for ws, _ in peaks.bandwidth_by_working_set
+                             if ws > peaks.cache_bytes) if peaks.cache_bytes < sets[-1] else None
+        peaks.matmul = peaks.matmul.model_copy(update={"streamed_from_bytes": streamed_from})
     mib = 2**20
     if peaks.cache_bytes:
         cache = (f"copies of up to {peaks.cache_bytes / mib:.1f} MiB run "
@@ -286,9 +291,11 @@ def measure_peaks(device: str, dtype: str, quiet: Quiet | None = None,
         fastest = max(b for _, b in peaks.bandwidth_by_working_set)
         cache = (f"no working set from 0.5 MiB copies {CACHE_SPEEDUP}x faster than memory (at "
                  f"best {fastest / bandwidth:.2f}x)")
+    streamed_from = peaks.matmul.streamed_from_bytes or peaks.matmul.working_sets_bytes[-1]
     peaks.checks.insert(0, f"cache: {cache} (the system reports {reported / mib:.0f} MiB): "
-                           "products stream from memory in working sets of "
-                           f"{peaks.matmul.working_sets_bytes[-1] / mib:.0f} MiB")
+                           "products stream from memory in working sets from "
+                           f"{streamed_from / mib:.0f} MiB (timed at "
+                           f"{peaks.matmul.working_sets_bytes[-1] / mib:.0f} MiB)")
     # the curve's thin products cannot run faster than the square product's peak: if they do,
     # the peak was timed under load, and is timed again
     best_rate = max(2 * (size / dt.itemsize) * rows / t

@@ -39,6 +39,17 @@ def with_priors(hw: HardwareSpec, coefficients: dict[str, FittedValue] | None = 
     return hw.model_copy(update=start)
 
 
+def with_streamed_start(hw: HardwareSpec, coefficients: dict[str, FittedValue]) -> HardwareSpec:
+    """``hw`` with its curve's ``streamed_from_bytes`` where a profile made before it was kept
+    has none: the copy working set after its measured cache knee (the copies' sets double)."""
+    knee = coefficients.get("cache_knee")
+    if hw.matmul is None or hw.matmul.streamed_from_bytes is not None or not knee or not (
+            knee.value):
+        return hw
+    curve = hw.matmul.model_copy(update={"streamed_from_bytes": 2 * knee.value})
+    return hw.model_copy(update={"matmul": curve})
+
+
 def marked(points: list[ValidationPoint], mode: str) -> list[ValidationPoint]:
     """The points, each marked with the mode it ran in (a per-mode profile leaves it unset)."""
     return [p if p.mode else p.model_copy(update={"mode": mode}) for p in points]
@@ -76,7 +87,8 @@ def refit(profile: CalibrationProfile, note: str | None = None) -> CalibrationPr
     if not any(calls.values()):
         raise ValueError("the profile keeps no training calls (made before they were kept); "
                          "calibrate again")
-    base = with_priors(profile.hardware, profile.coefficients).in_mode(modes[0])
+    base = with_priors(with_streamed_start(profile.hardware, profile.coefficients),
+                       profile.coefficients).in_mode(modes[0])
     result = fit(base, [o for m in modes for o in calls[m]], profile.dtype)
     measured = {k: v for k, v in profile.coefficients.items() if v.unit.endswith("(measured)")}
     checks = [c for c in profile.checks if not c.startswith("refitted ")]

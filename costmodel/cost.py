@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .matmul import part_matmul_s
+from .matmul import part_matmul_s, streams
 from .specs import DTYPE_BYTES, HardwareSpec, LoopedModelSpec, PartSpec
 
 ArrayLike = float | np.ndarray
@@ -189,7 +189,7 @@ def call_cost(
         working_set = part.weight_params * width
         # a bandwidth other than the measured one moves the weights' share of products that
         # stream from memory
-        streamed = working_set >= curve.working_sets_bytes[-1]
+        streamed = streams(curve, working_set)
         bw_ratio = hw.memory_bandwidth_bytes_per_s / bw_peak if streamed else 1.0
         products_s = hw.matmul_time_scale * part_matmul_s(curve, matrices, width, n_positions,
                                                           working_set)

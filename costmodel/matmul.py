@@ -6,10 +6,11 @@ follows the two largest sizes' slope, at least proportional to the size; below t
 it is the smallest's time (a small product's time is its dispatch). Between the measured row
 counts, time is linear in the rows; past the last, each added row costs what the last measured
 step added per row (a product's extra rows are compute). Between the measured working sets, log
-time is interpolated in log working set, from the sets that hold the matrix. A matrix that is
-not square takes its aspect's streamed time over the square one's (log time interpolated in log
-aspect, held at the measured extremes). Row counts broadcast, so the cost model's sweeps read it
-too.
+time is interpolated in log working set, from the sets that hold the matrix; from the first
+working set that copies at memory speed (``MatmulCurve.streamed_from_bytes``) on, the weights
+stream. A matrix that is not square takes its aspect's streamed time over the square one's (log
+time interpolated in log aspect, held at the measured extremes). Row counts broadcast, so the
+cost model's sweeps read it too.
 """
 
 from __future__ import annotations
@@ -53,11 +54,18 @@ def _tables(curve: MatmulCurve) -> tuple:
         return hit[1]
     seconds = np.array([[[np.nan if t is None else t for t in line] for line in table]
                         for table in curve.seconds])
+    log_sets = np.log(curve.working_sets_bytes)
+    if curve.streamed_from_bytes is not None:
+        # the working sets from the first one that copies at memory speed are streamed: the
+        # cached tables measured there drop out, and the streamed one starts there
+        cached = log_sets[:-1] < np.log(curve.streamed_from_bytes)
+        seconds = np.concatenate([seconds[:-1][cached], seconds[-1:]])
+        log_sets = np.append(log_sets[:-1][cached],
+                             min(np.log(curve.streamed_from_bytes), log_sets[-1]))
     aspects = sorted([(float(np.log(a)), np.asarray(t, dtype=float))
                       for a, t in zip(curve.aspects, curve.aspect_seconds, strict=True)]
                      + [(0.0, seconds[-1])], key=lambda pair: pair[0])
-    arrays = (np.asarray(curve.rows, dtype=float), np.log(curve.matrix_bytes),
-              np.log(curve.working_sets_bytes), seconds,
+    arrays = (np.asarray(curve.rows, dtype=float), np.log(curve.matrix_bytes), log_sets, seconds,
               np.array([a for a, _ in aspects]), np.stack([t for _, t in aspects]))
     if len(_TABLES) > 64:
         _TABLES.clear()
@@ -86,6 +94,12 @@ def _aspect_factor(curve: MatmulCurve, log_size: float, n: np.ndarray, aspect: f
     low, high, square = (_at_level(rows, log_sizes, tables[k], n, log_size, True)
                          for k in (i, i + 1, int(np.argmin(np.abs(log_aspects)))))
     return np.exp(low + weight * (high - low) - square)
+
+
+def streams(curve: MatmulCurve, working_set_bytes: float) -> bool:
+    """Whether products in this working set read their weights from memory, not a cache."""
+    start = curve.streamed_from_bytes or curve.working_sets_bytes[-1]
+    return working_set_bytes >= min(start, curve.working_sets_bytes[-1])
 
 
 def product_time_s(curve: MatmulCurve, matrix_bytes: float, n_rows,

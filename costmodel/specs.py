@@ -35,6 +35,11 @@ class MatmulCurve(Spec):
     Those matrices are square; ``aspect_seconds[a][i][j]`` times matrices ``aspects[a]`` times
     as many outputs as inputs, streamed, and a product of another shape takes its aspect's
     time over the square one's (a library runs wide and tall products at different speeds).
+
+    ``streamed_from_bytes``: the smallest working set that copies at memory speed (the copy
+    just past the measured cache knee). A working set from there on streams as the last one
+    does, where interpolating towards a streamed set several times larger would price it as
+    partly cached; None (profiles made before it was measured): the last working set.
     """
 
     dtype: str
@@ -45,6 +50,7 @@ class MatmulCurve(Spec):
     aspects: list[Annotated[float, Field(gt=0)]] = Field(default_factory=list)
     aspect_seconds: list[list[list[Annotated[float, Field(gt=0)]]]] = Field(
         default_factory=list)
+    streamed_from_bytes: Annotated[float, Field(gt=0)] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> MatmulCurve:

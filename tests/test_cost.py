@@ -178,6 +178,39 @@ def test_a_call_in_a_cached_working_set_runs_its_products_from_the_cache():
     assert per_byte[1] > 2 * per_byte[0]  # the tiny one's small products: their dispatch too
 
 
+def test_products_stream_from_the_first_working_set_that_copies_at_memory_speed():
+    from costmodel.matmul import product_time_s, streams
+
+    curve = _cpu().matmul  # cached sets of 1 and 16 MiB, streamed at 128 MiB
+    size = 2**20
+    knee_at = curve.model_copy(update={"streamed_from_bytes": 2.0**25})  # 32 MiB
+    # past the start: the streamed time, where the curve alone interpolates towards it
+    assert product_time_s(knee_at, size, 1, 2**26) == pytest.approx(
+        product_time_s(curve, size, 1, None))
+    assert product_time_s(curve, size, 1, 2**26) < product_time_s(curve, size, 1, None)
+    # before it: between the cached and the streamed, never faster in a larger set
+    times = [product_time_s(knee_at, size, 1, ws) for ws in (2**24, 2**24.5, 2**25)]
+    assert times == sorted(times) and times[0] < times[-1]
+    # a start below a cached set drops that set's table: it measured memory, not a cache
+    early = curve.model_copy(update={"streamed_from_bytes": 2.0**22})
+    assert product_time_s(early, size, 1, 2**24) == pytest.approx(
+        product_time_s(curve, size, 1, None))
+    assert not streams(curve, 2**26) and streams(knee_at, 2**26) and streams(curve, 2**27)
+
+
+def test_a_refit_gives_an_older_cpu_profile_the_start_of_streaming_from_its_knee():
+    from calibrate.refit import with_streamed_start
+    from costmodel.profile import FittedValue
+
+    hw = _cpu()
+    knee = {"cache_knee": FittedValue(value=2.0**24, stderr=0.0, unit="B (measured)")}
+    assert with_streamed_start(hw, knee).matmul.streamed_from_bytes == 2.0**25
+    assert with_streamed_start(hw, {}).matmul.streamed_from_bytes is None  # no knee: as it was
+    kept = hw.model_copy(update={"matmul": hw.matmul.model_copy(
+        update={"streamed_from_bytes": 2.0**26})})
+    assert with_streamed_start(kept, knee).matmul.streamed_from_bytes == 2.0**26
+
+
 def test_a_cpu_call_prices_its_products_by_the_curve():
     m = get_model("ouro-mid")
     part = m.part("block")

@@ -282,3 +282,29 @@ def test_norm_and_rope_as_single_operations_compute_the_release_formulas(dtype):
         release = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1)
         assert torch.equal(rope_interleaved(qk, plan.rotations()),
                            release.flatten(-2).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_calls_additive_mask_attends_as_the_boolean_mask_does(dtype):
+    """The mask a call makes once, additive in the queries' dtype, gives bitwise the outputs of
+    the boolean causal mask it stands for, for each way a call reads its slots."""
+    import torch.nn.functional as F
+
+    from wfd.layers import CallPlan, rope_frequencies, slot_layout
+
+    gen = torch.Generator().manual_seed(0)
+    frequencies = rope_frequencies(16, 10000.0, torch.device("cpu"))
+    # one key set (AR), shared by groups of queries (DtV), a descending range (a wave), gathered
+    for slots in ((0,) * 3, (0, 0, 2, 2), (3, 2, 1), (0, 2, 3)):
+        n = len(slots)
+        positions = torch.arange(20, 20 + n)
+        plan = CallPlan.make(positions, slots, torch.tensor(slots), frequencies, span=24)
+        _, _, descending, per_group = slot_layout(slots)
+        q = torch.randn(n // per_group, 4, per_group, 16, generator=gen).to(dtype)
+        k, v = (torch.randn(n // per_group, 4, 24, 16, generator=gen).to(dtype) for _ in "kv")
+        boolean = plan.mask.unflatten(0, (-1, per_group))[:, None]
+        if descending:
+            boolean = boolean.flip(0)
+        assert torch.equal(F.scaled_dot_product_attention(q, k, v, attn_mask=boolean),
+                           F.scaled_dot_product_attention(q, k, v,
+                                                          attn_mask=plan.attention_mask(dtype)))

@@ -133,6 +133,23 @@ class CallPlan:
             self._tables["interleaved"] = torch.complex(self.cos, self.sin)[:, None, :]
         return self._tables["interleaved"]
 
+    def attention_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """The causal mask as an additive one in ``dtype`` (0 where visible, -inf elsewhere),
+        shaped as the call's attention reads it ([groups, 1, per_group, span] with a cache, in
+        the queries' group order; [n, n] without), made once per call for all its layers:
+        scaled-dot-product attention turns a boolean mask into this in every layer otherwise
+        (the same values: a CPU gives bitwise the same outputs)."""
+        key = ("mask", dtype)
+        if key not in self._tables:
+            additive = torch.full(self.mask.shape, float("-inf"), dtype=dtype,
+                                  device=self.mask.device).masked_fill_(self.mask, 0.0)
+            if self.slots is not None:
+                additive = additive.unflatten(0, (-1, self.per_group))[:, None]
+                if self.descending:
+                    additive = additive.flip(0)
+            self._tables[key] = additive
+        return self._tables[key]
+
     def rotate_half_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin over the whole head ([n, 1, head_dim], both halves) in ``dtype``: what
         rope_rotate_half multiplies by, made once per call for all its layers."""
@@ -179,7 +196,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CallPlan,
     gqa = q.shape[-2] != k.shape[-2]
     if kv is None:
         out = F.scaled_dot_product_attention(q.movedim(-3, -2), k.movedim(-3, -2),
-                                             v.movedim(-3, -2), attn_mask=plan.mask,
+                                             v.movedim(-3, -2),
+                                             attn_mask=plan.attention_mask(q.dtype),
                                              enable_gqa=gqa)
         return out.movedim(-2, -3)  # [..., n, heads, hd]
     kv.write(plan.slot_index, plan.positions, k, v)
@@ -187,10 +205,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CallPlan,
     per_group = plan.per_group
     # [groups, heads, per_group, hd] queries, [groups, 1, per_group, span] masks
     q = q.unflatten(0, (-1, per_group)).transpose(1, 2)
-    mask = plan.mask.unflatten(0, (-1, per_group))[:, None]
     if plan.descending:
-        q, mask = q.flip(0), mask.flip(0)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+        q = q.flip(0)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=plan.attention_mask(q.dtype),
+                                         enable_gqa=gqa)
     if plan.descending:
         out = out.flip(0)
     return out.transpose(1, 2).flatten(0, 1)  # [n, heads, hd]
