@@ -3,11 +3,15 @@ product (6 rows, the calibration's canary), of a one-row product (a vector produ
 matrices, and of a memory copy beyond the cache, sampled every --interval seconds.
 
     python bench/machine_noise.py [--seconds 90] [--interval 0.5] [--threads 2] [--tolerance 1.2]
+                                  [--sustained]
 
 Prints a Markdown table of quantiles (each relative to the fastest sample) and the spells during
 which the blocked product ran more than --tolerance slower than its fastest: their count and
 lengths. On a shared VM these spells are what `costmodel calibrate` waits out (calibrate.measure.
-Quiet).
+Quiet). With ``--sustained`` the machine is kept busy between samples (the same products, on all
+threads, instead of sleeping), as during a calibration or a long generation: a VM that runs a
+short burst faster than sustained work shows it here, and the canary's spread (90th over 10th
+percentile) is what `costmodel calibrate` judges a calibration by.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=0.5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tolerance", type=float, default=1.2)
+    parser.add_argument("--sustained", action="store_true",
+                        help="keep the machine busy between samples instead of sleeping")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     weights = [torch.randn(2112, 768) for _ in range(8)]  # 6.5 MB each, 52 MB in all
@@ -51,15 +57,21 @@ def main() -> None:
         series["vector product (1 row)"].append(
             per_call(lambda: [F.linear(rows1, w) for w in weights], 2) / len(weights))
         series["copy 64 MB"].append(per_call(lambda: dst.copy_(src), 2))
-        time.sleep(args.interval)
+        if not args.sustained:
+            time.sleep(args.interval)
+            continue
+        busy_until = time.time() + args.interval
+        while time.time() < busy_until:
+            for w in weights:
+                F.linear(rows6, w)
     print(f"{len(stamps)} samples over {stamps[-1]:.0f} s, {args.threads} threads\n")
-    print("| timed | fastest (us) | median / fastest | 90th pct / fastest | slowest / fastest |\n"
-          "|---|---|---|---|---|")
+    print("| timed | fastest (us) | median / fastest | 90th pct / fastest | slowest / fastest | "
+          "spread: 90th / 10th pct |\n|---|---|---|---|---|---|")
     for name, values in series.items():
         best = min(values)
         q = statistics.quantiles(values, n=10)
         print(f"| {name} | {best * 1e6:.0f} | {statistics.median(values) / best:.2f} | "
-              f"{q[-1] / best:.2f} | {max(values) / best:.2f} |")
+              f"{q[-1] / best:.2f} | {max(values) / best:.2f} | {q[-1] / q[0]:.2f} |")
     blocked = series["blocked product (6 rows)"]
     best = min(blocked)
     spells, current = [], None

@@ -202,13 +202,15 @@ class Quiet:
 
     def report(self) -> dict[str, float]:
         """How busy the machine was: the fractions of measurements taken again and still under
-        load when kept, and the median and 90th percentile of the kept attempts' canaries (over
-        the fastest canary seen)."""
+        load when kept, and the median, 10th and 90th percentiles of the kept attempts'
+        canaries (over the fastest canary seen; their ratio is how far apart in speed the
+        measurements ran)."""
         n = max(self.measurements, 1)
         loads = sorted(self.kept_load) or [1.0]
         return {"measurements": self.measurements, "retaken_fraction": self.retried / n,
                 "loaded_fraction": self.loaded / n, "canary_tolerance": self.tolerance,
                 "canary_median": statistics.median(loads),
+                "canary_p10": loads[int(0.1 * len(loads))],
                 "canary_p90": loads[min(len(loads) - 1, int(0.9 * len(loads)))]}
 
 

@@ -458,7 +458,9 @@ def _print_validation(profile, rep, path: Path, plot_path: Path | None, as_json:
         console.print(f"load: {load.measurements} measurements, {load.retaken_fraction:.0%} "
                       f"taken again, {load.loaded_fraction:.0%} kept with the canary over "
                       f"{load.canary_tolerance}x (median {load.canary_median:.2f}x, 90th "
-                      f"percentile {load.canary_p90:.2f}x)"
+                      f"percentile {load.canary_p90:.2f}x"
+                      + (f", spread {load.canary_p90 / load.canary_p10:.2f}x: 90th over 10th"
+                         if load.canary_p10 else "") + ")"
                       + (": written with --force, too busy to trust" if load.forced else ""))
     table = Table(title="held-out validation", header_style="bold")
     for col in ("group", "points", "median |rel. error|", "max |rel. error|"):

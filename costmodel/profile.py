@@ -57,6 +57,7 @@ class LoadReport(BaseModel):
     canary_tolerance: float
     canary_median: float
     canary_p90: float
+    canary_p10: float | None = None  # None: a profile made before the spread was kept
     forced: bool = False  # written with --force although the machine was too busy
 
 
