@@ -9,9 +9,9 @@ Prints a Markdown table of quantiles (each relative to the fastest sample) and t
 which the blocked product ran more than --tolerance slower than its fastest: their count and
 lengths. On a shared VM these spells are what `costmodel calibrate` waits out (calibrate.measure.
 Quiet). With ``--sustained`` the machine is kept busy between samples (the same products, on all
-threads, instead of sleeping), as during a calibration or a long generation: a VM that runs a
-short burst faster than sustained work shows it here, and the canary's spread (90th over 10th
-percentile) is what `costmodel calibrate` judges a calibration by.
+threads, instead of sleeping), as during a calibration or a long generation. The last column,
+the spread (90th over 10th percentile), is what `costmodel calibrate` judges a calibration's
+canary by.
 """
 
 from __future__ import annotations
