@@ -25,6 +25,8 @@ from pydantic import BaseModel, ConfigDict
 from costmodel.specs import HardwareSpec, MatmulCurve
 from costmodel.trace import CallRecord
 
+from .refit import COPY_WORKING_SETS_BYTES, streamed_start
+
 
 class CallSample(BaseModel):
     """One grid point: the median time of a call shape, with the record the cost model prices."""
@@ -273,18 +275,14 @@ def measure_peaks(device: str, dtype: str, quiet: Quiet | None = None,
         return peaks  # a GPU streams its weights once per call: the roofline prices them
     quiet = quiet or Quiet(device, budget_s=20.0)
     # working sets (source and copy together) from 512 KiB to 128 MiB
-    sets = [float(2**k) for k in range(19, 28)]
     peaks.bandwidth_by_working_set = [
         (ws, quiet.measure(lambda b: -b, copy_bandwidth, device, dtype, ws / 2,
-                           max(1, int(64 * 2**20 // ws)))) for ws in sets]
+                           max(1, int(64 * 2**20 // ws)))) for ws in COPY_WORKING_SETS_BYTES]
     peaks.cache_bytes, peaks.cache_bandwidth_bytes_per_s = cache_knee(
         peaks.bandwidth_by_working_set, bandwidth)
     peaks.matmul = matmul_curve(dt, dtype, peaks.cache_bytes, quiet, peaks.checks, curve_rows)
-    if peaks.cache_bytes:  # the working set after the knee copied at memory speed: products
-        # stream from there on
-        streamed_from = next(ws for ws, _ in peaks.bandwidth_by_working_set
-                             if ws > peaks.cache_bytes) if peaks.cache_bytes < sets[-1] else None
-        peaks.matmul = peaks.matmul.model_copy(update={"streamed_from_bytes": streamed_from})
+    peaks.matmul = peaks.matmul.model_copy(
+        update={"streamed_from_bytes": streamed_start(peaks.cache_bytes)})
     mib = 2**20
     if peaks.cache_bytes:
         cache = (f"copies of up to {peaks.cache_bytes / mib:.1f} MiB run "

@@ -39,14 +39,27 @@ def with_priors(hw: HardwareSpec, coefficients: dict[str, FittedValue] | None = 
     return hw.model_copy(update=start)
 
 
+# the working sets a CPU calibration copies to find where its cache ends: 512 KiB to 128 MiB,
+# doubling (calibrate.measure.measure_peaks)
+COPY_WORKING_SETS_BYTES = [float(2**k) for k in range(19, 28)]
+
+
+def streamed_start(cache_bytes: float) -> float | None:
+    """Where products start to stream (``MatmulCurve.streamed_from_bytes``): the copy working
+    set after the cache knee, the first copied at memory speed; None without a knee, or with the
+    knee at the largest set copied."""
+    if not 0 < cache_bytes < COPY_WORKING_SETS_BYTES[-1]:
+        return None
+    return min(ws for ws in COPY_WORKING_SETS_BYTES if ws > cache_bytes)
+
+
 def with_streamed_start(hw: HardwareSpec, coefficients: dict[str, FittedValue]) -> HardwareSpec:
     """``hw`` with its curve's ``streamed_from_bytes`` where a profile made before it was kept
-    has none: the copy working set after its measured cache knee (the copies' sets double)."""
+    has none, from its measured cache knee."""
     knee = coefficients.get("cache_knee")
-    if hw.matmul is None or hw.matmul.streamed_from_bytes is not None or not knee or not (
-            knee.value):
+    if hw.matmul is None or hw.matmul.streamed_from_bytes is not None or not knee:
         return hw
-    curve = hw.matmul.model_copy(update={"streamed_from_bytes": 2 * knee.value})
+    curve = hw.matmul.model_copy(update={"streamed_from_bytes": streamed_start(knee.value)})
     return hw.model_copy(update={"matmul": curve})
 
 

@@ -97,9 +97,9 @@ def _aspect_factor(curve: MatmulCurve, log_size: float, n: np.ndarray, aspect: f
 
 
 def streams(curve: MatmulCurve, working_set_bytes: float) -> bool:
-    """Whether products in this working set read their weights from memory, not a cache."""
-    start = curve.streamed_from_bytes or curve.working_sets_bytes[-1]
-    return working_set_bytes >= min(start, curve.working_sets_bytes[-1])
+    """Whether products in this working set read their weights from memory, not a cache (where
+    ``product_time_s`` reads the streamed table)."""
+    return working_set_bytes > 0 and float(np.log(working_set_bytes)) >= _tables(curve)[2][-1]
 
 
 def product_time_s(curve: MatmulCurve, matrix_bytes: float, n_rows,
