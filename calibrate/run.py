@@ -55,7 +55,7 @@ DEFAULT_ACCEPTANCE = 0.85
 # over its 10th) measured a machine whose speed kept changing: its figures do not describe one
 # machine, and its profile is refused (--force writes it, flagged). The canary's level against
 # its fastest is reported, not judged: the fastest of hundreds of samples is an extreme, and on
-# this project's VM a calibration's sustained work runs its median canary 1.3-2.0x the fastest
+# this project's VM a calibration's sustained work runs its median canary 1.2-2.0x the fastest
 # in any hour (docs/results/2026-12-02-cpu-sustained-calibration.md), so the level cannot tell a
 # busy machine from a steady one. The committed CPU profiles, usable, ran with their 90th
 # percentile 1.22-1.35x their median.
