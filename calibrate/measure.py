@@ -98,6 +98,7 @@ STREAMED_WORKING_SET_BYTES = 128 * 2**20
 # outputs over inputs of the wide and tall matrices timed besides the square ones (streamed):
 # a layer's projections span about 1/3 to 3 (MLP down and up, fused qkv, fused gate and up)
 CURVE_ASPECTS = [0.25, 4.0]
+CURVE_PASSES = 3  # passes over the curve's lines, each point the median of its passes
 
 
 def cache_size_bytes(device: str) -> float:
@@ -253,7 +254,7 @@ def cache_knee(bandwidths: list[tuple[float, float]], memory_bytes_per_s: float
 
 
 def measure_peaks(device: str, dtype: str, quiet: Quiet | None = None,
-                  curve_rows: list[int] = CURVE_ROWS) -> Peaks:
+                  curve_rows: list[int] = CURVE_ROWS, curve_passes: int = CURVE_PASSES) -> Peaks:
     """Best-of-repeats timings of copies and a large product; on a CPU also copies of growing
     working sets (where the cache ends) and the matrix-product curve."""
     import torch
@@ -280,7 +281,8 @@ def measure_peaks(device: str, dtype: str, quiet: Quiet | None = None,
                            max(1, int(64 * 2**20 // ws)))) for ws in COPY_WORKING_SETS_BYTES]
     peaks.cache_bytes, peaks.cache_bandwidth_bytes_per_s = cache_knee(
         peaks.bandwidth_by_working_set, bandwidth)
-    peaks.matmul = matmul_curve(dt, dtype, peaks.cache_bytes, quiet, peaks.checks, curve_rows)
+    peaks.matmul = matmul_curve(dt, dtype, peaks.cache_bytes, quiet, peaks.checks, curve_rows,
+                                curve_passes)
     peaks.matmul = peaks.matmul.model_copy(
         update={"streamed_from_bytes": streamed_start(peaks.cache_bytes)})
     mib = 2**20
@@ -311,15 +313,32 @@ def measure_peaks(device: str, dtype: str, quiet: Quiet | None = None,
     return peaks
 
 
+def median_over_passes(lines: list, passes: int) -> list[list[float]]:
+    """Each of ``lines`` (callables returning a line of times) timed once per pass, a whole pass
+    apart; each point the median of its passes. A spell of another tenant's load lasts seconds
+    on this project's VM (``bench/machine_noise.py``: 0.5 to 24 s, while a line takes one or
+    two): it slows a run of consecutive lines in one pass, and the median of three passes drops
+    it where a single pass kept it (a 16 MiB line of four times more outputs than inputs timed
+    3.4-3.8x the square's over 8 to 32 rows, against 1.0-1.1x when timed again)."""
+    runs: list[list[list[float]]] = [[] for _ in lines]
+    for _ in range(passes):
+        for times, timed in zip(runs, lines, strict=True):
+            times.append(timed())
+    return [[statistics.median(point) for point in zip(*times, strict=True)] for times in runs]
+
+
 def matmul_curve(dt: torch.dtype, dtype: str, cache_bytes: float, quiet: Quiet,
-                 checks: list[str], rows: list[int] = CURVE_ROWS) -> MatmulCurve:
+                 checks: list[str], rows: list[int] = CURVE_ROWS,
+                 passes: int = CURVE_PASSES) -> MatmulCurve:
     """One product's time against its rows, its matrix's size (``CURVE_SIZES_BYTES``) and its
     working set (``CURVE_WORKING_SETS_BYTES``, then one beyond the cache: streamed from memory),
     in chains of square matrices, and streamed at the aspects ``CURVE_ASPECTS`` (a 5632 x 1024
     product streams 1.3-1.5x slower than a 2400 x 2400 one on this project's VM:
-    ``bench/matmul_paths.py --cold``); the median of five chains, as the grid's calls are
-    timed. A time outside what physics allows (below a single row's, or above
-    one product per row) is taken again, and held within those bounds if it stays outside."""
+    ``bench/matmul_paths.py --cold``). Each line (one chain's times over the rows) is timed in
+    ``passes`` passes over all the lines (``median_over_passes``); each point is the median of
+    its passes, each pass's the median of three chains. A time outside what physics allows
+    (below a single row's, or above one product per row) is taken again, and held within those
+    bounds if it stays outside."""
     import torch
 
     device = torch.device("cpu")
@@ -337,7 +356,7 @@ def matmul_curve(dt: torch.dtype, dtype: str, cache_bytes: float, quiet: Quiet,
         def timed(n: int) -> float:
             x = torch.ones(n, side, dtype=dt)
             return quiet.measure(float, _median_time, lambda: [
-                torch.nn.functional.linear(x, w) for w in weights], device, 5) / len(weights)
+                torch.nn.functional.linear(x, w) for w in weights], device, 3) / len(weights)
 
         times = [timed(n) for n in rows]
         for j, n in enumerate(rows[1:], start=1):
@@ -353,9 +372,16 @@ def matmul_curve(dt: torch.dtype, dtype: str, cache_bytes: float, quiet: Quiet,
         return times
 
     sets = [*CURVE_WORKING_SETS_BYTES, max(STREAMED_WORKING_SET_BYTES, 4 * cache_bytes)]
-    seconds = [[line(chain(size, ws)) if size <= ws else [None] * len(rows)
-                for size in CURVE_SIZES_BYTES] for ws in sets]
-    aspect_seconds = [[line(chain(size, sets[-1], aspect)) for size in CURVE_SIZES_BYTES]
+    # every line's chain, built anew for each pass (a pass over the streamed ones allocates
+    # about 2.7 GB at once otherwise)
+    square = [(size, ws, 1.0) for ws in sets for size in CURVE_SIZES_BYTES if size <= ws]
+    wide = [(size, sets[-1], aspect) for aspect in CURVE_ASPECTS for size in CURVE_SIZES_BYTES]
+    lines = median_over_passes([lambda key=key: line(chain(*key)) for key in square + wide],
+                               passes)
+    timed = dict(zip(square + wide, lines, strict=True))
+    seconds = [[timed.get((size, ws, 1.0), [None] * len(rows)) for size in CURVE_SIZES_BYTES]
+               for ws in sets]
+    aspect_seconds = [[timed[(size, sets[-1], aspect)] for size in CURVE_SIZES_BYTES]
                       for aspect in CURVE_ASPECTS]
     return MatmulCurve(dtype=dtype, rows=rows, matrix_bytes=CURVE_SIZES_BYTES,
                        working_sets_bytes=sets, seconds=seconds, aspects=CURVE_ASPECTS,

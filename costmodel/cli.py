@@ -309,7 +309,7 @@ def calibrate_cmd(
         help="a checkpoint folder of that family (default: the shipped tiny model)")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
     dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp16")] = "fp32",
-    quick: Annotated[bool, typer.Option(help="a small grid (about 2 minutes on a CPU)")] = False,
+    quick: Annotated[bool, typer.Option(help="a small grid (about 7 minutes on a CPU)")] = False,
     threads: Annotated[int | None, typer.Option(help="CPU threads (default: torch's)")] = None,
     fit_models: Annotated[str | None, typer.Option(
         help="comma-separated models to fit on (default: the tiny model, FAMILY-small:random "
