@@ -316,8 +316,8 @@ def measure_peaks(device: str, dtype: str, quiet: Quiet | None = None,
 def median_over_passes(lines: list, passes: int) -> list[list[float]]:
     """Each of ``lines`` (callables returning a line of times) timed once per pass, a whole pass
     apart; each point the median of its passes. A spell of another tenant's load lasts seconds
-    on this project's VM (``bench/machine_noise.py``: 0.5 to 24 s, while a line takes one or
-    two): it slows a run of consecutive lines in one pass, and the median of three passes drops
+    on this project's VM (``bench/machine_noise.py``: 0.5 to 24 s, while a line takes about
+    a second): it slows a run of consecutive lines in one pass, and the median of three passes drops
     it where a single pass kept it (a 16 MiB line of four times more outputs than inputs timed
     3.4-3.8x the square's over 8 to 32 rows, against 1.0-1.1x when timed again)."""
     runs: list[list[list[float]]] = [[] for _ in lines]
@@ -372,16 +372,16 @@ def matmul_curve(dt: torch.dtype, dtype: str, cache_bytes: float, quiet: Quiet,
         return times
 
     sets = [*CURVE_WORKING_SETS_BYTES, max(STREAMED_WORKING_SET_BYTES, 4 * cache_bytes)]
-    # every line's chain, built anew for each pass (a pass over the streamed ones allocates
-    # about 2.7 GB at once otherwise)
+    # each line's chain is built anew in every pass: kept, the streamed lines' chains would
+    # hold 21 x 128 MiB at once
     square = [(size, ws, 1.0) for ws in sets for size in CURVE_SIZES_BYTES if size <= ws]
     wide = [(size, sets[-1], aspect) for aspect in CURVE_ASPECTS for size in CURVE_SIZES_BYTES]
-    lines = median_over_passes([lambda key=key: line(chain(*key)) for key in square + wide],
-                               passes)
-    timed = dict(zip(square + wide, lines, strict=True))
-    seconds = [[timed.get((size, ws, 1.0), [None] * len(rows)) for size in CURVE_SIZES_BYTES]
+    keys = square + wide
+    by_key = dict(zip(keys, median_over_passes(
+        [lambda key=key: line(chain(*key)) for key in keys], passes), strict=True))
+    seconds = [[by_key.get((size, ws, 1.0), [None] * len(rows)) for size in CURVE_SIZES_BYTES]
                for ws in sets]
-    aspect_seconds = [[timed[(size, sets[-1], aspect)] for size in CURVE_SIZES_BYTES]
+    aspect_seconds = [[by_key[(size, sets[-1], aspect)] for size in CURVE_SIZES_BYTES]
                       for aspect in CURVE_ASPECTS]
     return MatmulCurve(dtype=dtype, rows=rows, matrix_bytes=CURVE_SIZES_BYTES,
                        working_sets_bytes=sets, seconds=seconds, aspects=CURVE_ASPECTS,
