@@ -9,6 +9,7 @@ import typer
 
 from .clitools import UserError, print_json, run
 from .figures import NO_PLOTS
+from .memory import does_not_fit
 from .predict import Prediction, predict
 from .presets import UnknownPresetError, get_hardware, get_model
 from .profile import ProfileError, load_profile, save_profile
@@ -115,7 +116,8 @@ def _print_table(p: Prediction) -> None:
         f"memory: {fit}: weights {format_bytes(mem.weights_bytes)} + KV "
         f"{format_bytes(mem.kv_bytes)} + activations {format_bytes(mem.activation_bytes)} = "
         f"{format_bytes(mem.total_bytes)} of {format_bytes(mem.capacity_bytes)}; the longest "
-        f"sequence that fits is {mem.max_context:,} tokens")
+        f"sequence that fits is {mem.max_context:,} tokens"
+        + (f", the largest batch of this length {mem.max_batch:,}" if wl.batch_size > 1 else ""))
     if not mem.fits:
         return
     table = Table(show_header=True, header_style="bold")
@@ -199,9 +201,7 @@ def predict_cmd(
         _print_table(result)
         _note_undetermined(loose)
     if not result.memory.fits:
-        typer.echo(f"error: {context} + {new_tokens} tokens do not fit in "
-                   f"{format_bytes(result.memory.capacity_bytes)} (at most "
-                   f"{result.memory.max_context:,} fit)", err=True)
+        typer.echo(f"error: {does_not_fit(result.memory, workload)}", err=True)
         raise typer.Exit(1)
 
 

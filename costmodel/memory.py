@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .cost import activation_elements_per_position
 from .specs import DTYPE_BYTES, HardwareSpec, LoopedModelSpec, Workload
+from .units import format_bytes
 
 
 class MemoryReport(BaseModel):
@@ -28,6 +29,9 @@ class MemoryReport(BaseModel):
     # The longest sequence (prompt + generated tokens) whose KV fits beside the weights; 0 when the
     # weights alone do not fit.
     max_context: int
+    # The most sequences of this length (KV and decode activations both grow with the batch) that
+    # fit beside the weights; 0 when not even one does.
+    max_batch: int
 
 
 def kv_cache_bytes(model: LoopedModelSpec, workload: Workload, *, depth: int,
@@ -55,7 +59,29 @@ def memory_report(model: LoopedModelSpec, hw: HardwareSpec, workload: Workload, 
     capacity = int(hw.memory_capacity_bytes)
     room = capacity - weights - activations
     max_context = max(0, room // (workload.batch_size * per_token) - lookahead)
+    per_sequence = kv // workload.batch_size + positions_per_call * per_position
+    max_batch = max(0, (capacity - weights) // per_sequence)
     return MemoryReport(fits=total <= capacity, weights_bytes=weights, kv_bytes=kv,
                         activation_bytes=activations, total_bytes=total,
                         capacity_bytes=capacity, kv_bytes_per_token=per_token,
-                        max_context=max_context)
+                        max_context=max_context, max_batch=max_batch)
+
+
+def does_not_fit(memory: MemoryReport, workload: Workload) -> str:
+    """One line for a workload that does not fit: what it needs, and what would fit."""
+    batch = workload.batch_size
+    sequence = f"{workload.context_length:,} + {workload.new_tokens:,} tokens"
+    what = sequence if batch == 1 else f"{batch:,} sequences of {sequence}"
+    needs = (f"{what} need {format_bytes(memory.total_bytes)} (weights "
+             f"{format_bytes(memory.weights_bytes)}, KV {format_bytes(memory.kv_bytes)}, "
+             f"activations {format_bytes(memory.activation_bytes)}) of "
+             f"{format_bytes(memory.capacity_bytes)}")
+    fits = [f"at most {memory.max_context:,} tokens of sequence"
+            + (f" at batch {batch:,}" if batch > 1 else "")] if memory.max_context else []
+    if batch > 1 and memory.max_batch:
+        fits.append(f"{memory.max_batch:,} sequences of this length")
+    if fits:
+        return f"{needs}: {' or '.join(fits)} fit"
+    if memory.weights_bytes > memory.capacity_bytes:
+        return f"{needs}: the weights alone do not fit"
+    return f"{needs}: not even one sequence of one token fits"

@@ -15,7 +15,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from .memory import memory_report
+from .memory import does_not_fit, memory_report
 from .plans import wave_width
 from .predict import MAX_BLOCK_LENGTH, _bound, _Pricer
 from .presets import get_hardware, get_model
@@ -125,9 +125,7 @@ def recommend(model: str | LoopedModelSpec, hardware: str | HardwareSpec,
     memory = memory_report(spec, hw, wl, depth=depth, readout_depths=2,
                            positions_per_call=max(depth, MAX_BLOCK_LENGTH + 1))
     if not memory.fits:
-        raise ValueError(f"the context does not fit: {memory.total_bytes / 1e9:.1f} GB needed, "
-                         f"{memory.capacity_bytes / 1e9:.1f} GB on {hw.name} (at most "
-                         f"{memory.max_context:,} tokens of sequence)")
+        raise ValueError(f"on {hw.name}: {does_not_fit(memory, wl)}")
     pricer = _Pricer(spec, hw, wl.dtype, np.asarray(wl.mean_context()),
                      np.asarray(float(wl.batch_size)), None)
 

@@ -128,9 +128,12 @@ def test_kv_cache_is_what_the_cost_model_predicts(family, schedule):
 
 
 def test_a_batch_that_does_not_fit_is_refused_up_front(monkeypatch):
-    monkeypatch.setattr(runtime, "free_memory_bytes", lambda device: 10_000)
     model = model_for("ouro", False)
-    with pytest.raises(GenerationError, match=r"4 sequences of \d+ positions needs .* GB"):
+    one = decode_batch(model, [Request(0, [1, 2, 3], 8)], schedule="ar",
+                       batch_size=1).stats["kv_bytes_allocated"]
+    monkeypatch.setattr(runtime, "free_memory_bytes", lambda device: 2 * one + one // 2)
+    with pytest.raises(GenerationError, match=r"4 sequences of \d+ positions needs .* GB.*"
+                                              r"at most 2 such sequences fit"):
         decode_batch(model, [Request(i, [1, 2, 3], 8) for i in range(6)], schedule="ar",
                      batch_size=4)
 

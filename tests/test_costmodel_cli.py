@@ -29,7 +29,7 @@ def test_json_has_the_documented_shape():
     payload = json.loads(run("predict", "--model", "ouro-2.6b", "--json").stdout)
     assert payload["model"] == "ouro-2.6b" and payload["hardware"] == "a6000"
     assert set(payload["memory"]) >= {"fits", "weights_bytes", "kv_bytes", "total_bytes",
-                                      "capacity_bytes", "max_context"}
+                                      "capacity_bytes", "max_context", "max_batch"}
     for key in ("ar", "dtv", "wfd"):
         entry = payload["schedules"][key]
         assert set(entry) >= {"latency_per_token_s", "tokens_per_s", "speedup_vs_ar",
@@ -74,9 +74,24 @@ def test_context_that_does_not_fit_is_reported_not_priced():
     assert out.returncode == 1
     payload = json.loads(out.stdout)
     assert payload["memory"]["fits"] is False and payload["schedules"] == {}
-    assert "do not fit" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert (f"at most {payload['memory']['max_context']:,} tokens of sequence fit"
+            in out.stderr)
     table = run("predict", "--context", "100000")
     assert "DOES NOT FIT" in table.stdout and "ms/token" not in table.stdout
+
+
+def test_a_batch_that_does_not_fit_says_how_many_sequences_would():
+    out = run("predict", "--batch", "64", "--json")
+    assert out.returncode == 1
+    memory = json.loads(out.stdout)["memory"]
+    assert 1 <= memory["max_batch"] < 64
+    assert f"or {memory['max_batch']:,} sequences of this length fit" in out.stderr
+    # the largest batch fits, one more does not
+    fits = run("predict", "--batch", str(memory["max_batch"]), "--json")
+    over = run("predict", "--batch", str(memory["max_batch"] + 1), "--json")
+    assert fits.returncode == 0 and over.returncode == 1
+    assert "the weights alone do not fit" in run("predict", "--memory", "4GB").stderr
 
 
 def test_kv_sharing_lets_longer_contexts_fit():

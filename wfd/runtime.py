@@ -61,7 +61,8 @@ def make_cache(model: nn.Module, *, prompt_len: int, max_new_tokens: int, depth:
                    + cfg.coda_layers * slots["coda"])
     per_position = 2 * layer_slots * cfg.num_kv_heads * cfg.head_dim * param.element_size()
     check_fits(sequences * (total + lookahead) * per_position, param.device,
-               f"{sequences} sequence{'s' * (sequences > 1)} of {total + lookahead} positions")
+               f"{sequences} sequence{'s' * (sequences > 1)} of {total + lookahead} positions",
+               per_sequence_bytes=(total + lookahead) * per_position)
     return KVCache(prelude_layers=cfg.prelude_layers, core_layers=cfg.core_layers,
                    coda_layers=cfg.coda_layers, depth=depth, kv_sharing=kv_sharing,
                    readout_depths=list(readout_depths), kv_heads=cfg.num_kv_heads,
@@ -88,14 +89,16 @@ def free_memory_bytes(device: torch.device) -> int:
         os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
-def check_fits(kv_bytes: int, device: torch.device, what: str) -> None:
+def check_fits(kv_bytes: int, device: torch.device, what: str,
+               per_sequence_bytes: int | None = None) -> None:
     """Refuse, before allocating, a KV cache larger than the device's free memory (the weights
-    are already loaded there)."""
+    are already loaded there), saying how many such sequences would fit."""
     free = free_memory_bytes(device)
     if kv_bytes > free:
+        room = (f"at most {free // per_sequence_bytes:,} such sequences fit"
+                if per_sequence_bytes else "fewer sequences or shorter ones")
         raise GenerationError(f"the KV cache of {what} needs {kv_bytes / 1e9:.2f} GB and the "
-                              f"{device.type} has {free / 1e9:.2f} GB free: fewer sequences "
-                              f"or shorter ones")
+                              f"{device.type} has {free / 1e9:.2f} GB free: {room}")
 
 
 PROFILES_DIR = Path(__file__).resolve().parents[1] / "data" / "profiles"
