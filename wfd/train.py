@@ -92,8 +92,10 @@ def sample_depth(mean: float, cap: int, gen: torch.Generator) -> int:
 
 
 def forward_losses(model, x, y, depth: int, backprop: int, gen: torch.Generator,
-                   family: str) -> list[torch.Tensor]:
-    """Cross-entropy at the readouts that carry gradient, last one = the final depth."""
+                   family: str, intermediate: bool = True) -> list[torch.Tensor]:
+    """Cross-entropy at the readouts that carry gradient, last one = the final depth; without
+    ``intermediate``, at the final depth only (a readout weighted zero would still cost its coda
+    forward and backward, for nothing)."""
     positions = list(range(x.shape[1]))
     plan = CallPlan.uncached(positions, model.config, x.device)
     e = model.prelude(x, plan, None)
@@ -110,8 +112,10 @@ def forward_losses(model, x, y, depth: int, backprop: int, gen: torch.Generator,
             state = model.block(state, e, plan, None)
     if no_grad_steps:
         state = state.detach()
-    for _ in range(no_grad_steps, depth):
+    for step in range(no_grad_steps, depth):
         state = model.block(state, e, plan, None)
+        if not intermediate and step < depth - 1:
+            continue
         logits = model.coda(state, plan, None)
         losses.append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)))
     return losses
@@ -196,7 +200,8 @@ def main() -> None:
             loss = sum(losses) / len(losses)
         else:
             depth = sample_depth(args.mean_depth, args.max_depth, gen)
-            losses = forward_losses(model, x, y, depth, args.backprop_depth, gen, "huginn")
+            losses = forward_losses(model, x, y, depth, args.backprop_depth, gen, "huginn",
+                                    intermediate=args.intermediate_weight != 0)
             loss = losses[-1]
             if len(losses) > 1:
                 loss = loss + args.intermediate_weight * sum(losses[:-1]) / (len(losses) - 1)
