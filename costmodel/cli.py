@@ -37,7 +37,7 @@ DtypeOption = Annotated[str | None, typer.Option(
 JsonOption = Annotated[bool, typer.Option("--json", help="print one JSON object")]
 
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
                   help="Predict and explain the decoding speed of looped language models.")
 
 

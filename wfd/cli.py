@@ -10,7 +10,7 @@ import typer
 
 from costmodel.clitools import UserError, print_json, run
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
                   help="Decode looped language models (Huginn, Ouro) with AR, DtV or WFD.")
 
 DEFAULT_MODEL = "huginn-tiny"
