@@ -4,17 +4,20 @@ machine's calibration profile.
 
     python bench/batch_decode.py [--model huginn-small:random] [--profile FILE]
         [--batches 1 2 4 8 16] [--block-lengths 2 4 8] [--context 32] [--new-tokens 32]
-        [--acceptance 0.9] [--repeats 3] [--threads 2] [--device cpu] [--mode MODE]
+        [--acceptance 0.9] [--repeats 3] [--retries 2] [--threads 2] [--device cpu] [--mode MODE]
         [--out FILE.json] [--figure FILE.png] [--measured FILE.json]
 
 Each batch decodes B synthetic prompts of --context tokens, --new-tokens each, admitted together;
 a random-weight model times the schedule with forced acceptance (each sequence its own seeded
 outcomes). Throughput is the decode's: tokens after each sequence's first, over the time outside
 the prefills, as the cost model's per-token latency counts it. Runs are interleaved (each repeat
-runs every configuration once) and medians reported. The prediction uses the acceptance the
-forced outcomes actually gave (a few dozen draws per sequence wander from --acceptance), DtV's
-best k among --block-lengths on both sides, and WFD at the model's default draft depth. The
-KV cache each batch allocates is checked against the prediction's.
+runs every configuration once) and medians reported. As the calibration measures, a run whose
+canary product (timed before and after it) ran more than 1.2x its fastest is run again, at most
+--retries times, keeping the fastest; the output says how much of the bench ran under load. The
+prediction uses the acceptance the forced outcomes actually gave (a few dozen draws per sequence
+wander from --acceptance), DtV's best k among --block-lengths on both sides, and WFD at the
+model's default draft depth. The KV cache each batch allocates is checked against the
+prediction's.
 
 Prints Markdown tables: the measured speedups over AR at each batch; the predicted ones
 (`costmodel predict --batch B`: B copies of one sequence's steady state) and the simulated ones
@@ -29,12 +32,14 @@ without measuring.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
 
 import torch
 
+from calibrate.measure import Quiet
 from costmodel.figures import batch_speedup_axes, save_figure
 from costmodel.profile import load_profile
 from costmodel.simulate import acceptance_draws, price_records, simulate_batch
@@ -112,6 +117,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--acceptance", type=float, default=0.9)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--retries", type=int, default=2,
+                    help="times a run under load is run again (CPU; the fastest is kept)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="fp32")
@@ -129,9 +136,12 @@ def main() -> None:
     if args.measured:
         with open(args.measured) as f:
             saved = json.load(f)
-        for key in ("context", "new_tokens", "acceptance"):
-            setattr(args, key, saved[key])
+        for key in ("context", "new_tokens", "acceptance", "repeats"):
+            if key in saved:  # repeats: saved since the load guard came in
+                setattr(args, key, saved[key])
         args.batches = sorted({r["batch"] for r in saved["runs"]})
+        args.block_lengths = sorted({int(r["label"][6:]) for r in saved["runs"]
+                                     if r["label"].startswith("dtv k=")})
     profile = load_profile(args.profile or PROFILES_DIR / f"cpu-{family}-{args.dtype}.json")
     hw = profile.hardware
     d = spec.default_draft_depth
@@ -142,16 +152,21 @@ def main() -> None:
 
     if args.measured:  # price saved measurements with another profile
         runs = {(r["batch"], r["label"]): r["runs"] for r in saved["runs"]}
+        load = saved.get("load")
     else:
         measure(model, "ar", 1, argparse.Namespace(**{**vars(args), "new_tokens": 4}))
+        # a GPU is not shared: a slow canary there is launch jitter, not load
+        quiet = Quiet(args.device, retries=0 if args.device.startswith("cuda") else args.retries)
         runs: dict[tuple[int, str], list[dict]] = {}
         for _ in range(args.repeats):
             for batch in args.batches:
                 for label, (schedule, kw) in configs.items():
-                    runs.setdefault((batch, label), []).append(
-                        measure(model, schedule, batch, args, hw, **kw))
+                    runs.setdefault((batch, label), []).append(quiet.measure(
+                        lambda r: 1 / r["tokens_per_s"],
+                        functools.partial(measure, model, schedule, batch, args, hw, **kw)))
                     print(f"B={batch} {label}: {runs[batch, label][-1]['tokens_per_s']:.2f} "
                           "tokens/s", file=sys.stderr, flush=True)
+        load = quiet.report()
 
     rows = []
     for batch in args.batches:
@@ -196,7 +211,13 @@ def main() -> None:
     ar1 = rows[0]["ar_tokens_per_s"]
     print(f"\n{args.model} ({args.dtype}, {args.threads} threads), context {args.context}, "
           f"{args.new_tokens} new tokens per sequence, forced acceptance {args.acceptance}, "
-          f"medians of {args.repeats}; profile {profile.machine} {profile.created[:10]}\n")
+          f"medians of {args.repeats}; profile {profile.machine} {profile.created[:10]}")
+    if load:
+        print(f"Load: {load['retaken_fraction']:.0%} of runs taken again, "
+              f"{load['loaded_fraction']:.0%} still over {load['canary_tolerance']}x when kept; "
+              f"the kept runs' canary {load['canary_median']:.2f}x its fastest (median; "
+              f"{load['canary_p10']:.2f}-{load['canary_p90']:.2f}x, 10th-90th percentile)")
+    print()
     print("Speedups over AR at the same batch: measured; predicted by `costmodel predict --batch "
           "B` (steady state); simulated (this finite batch call by call, priced by the profile)."
           "\n")
@@ -234,7 +255,8 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"model": args.model, "dtype": args.dtype, "context": args.context,
                        "new_tokens": args.new_tokens, "acceptance": args.acceptance,
-                       "profile": str(args.profile), "rows": rows,
+                       "repeats": args.repeats,
+                       "profile": str(args.profile), "rows": rows, "load": load,
                        "runs": [{"batch": b, "label": label, "runs": r}
                                 for (b, label), r in runs.items()],
                        "crossover": {"measured": measured_x, "predicted": predicted_x,
