@@ -72,15 +72,28 @@ class ValidationReport(BaseModel):
     per_token: dict[str, float | int] | None = None
     # the same two figures per execution mode, when the points come from more than one
     per_mode: dict[str, dict[str, dict[str, float | int] | None]] = {}
+    # how far apart each held-out point's own measurements ran (slowest over fastest, less 1),
+    # over the calls ("per_call") and the runs ("per_token"): an error near these is the
+    # machine's noise in that hour, not the model's. None where the points were measured once
+    # (profiles that predate repeats_s).
+    repeat_spread: dict[str, dict[str, float | int] | None] = {}
     points: list[dict]
 
 
-def _summary(errors: list[float]) -> dict[str, float | int] | None:
-    if not errors:
+def _summary(values: list[float], name: str = "rel_error") -> dict[str, float | int] | None:
+    if not values:
         return None
-    magnitudes = np.abs(errors)
-    return {"median_rel_error": float(np.median(magnitudes)),
-            "max_rel_error": float(magnitudes.max()), "points": len(magnitudes)}
+    magnitudes = np.abs(values)
+    return {f"median_{name}": float(np.median(magnitudes)),
+            f"max_{name}": float(magnitudes.max()), "points": len(magnitudes)}
+
+
+def repeat_spread(points: list[ValidationPoint]) -> dict[str, dict[str, float | int] | None]:
+    """Over the calls and the runs measured more than once: slowest over fastest, less 1."""
+    return {figure: _summary([max(p.repeats_s) / min(p.repeats_s) - 1 for p in points
+                              if p.kind == kind and p.repeats_s and len(p.repeats_s) > 1],
+                             "spread")
+            for figure, kind in (("per_call", "call"), ("per_token", "run"))}
 
 
 def report(points: list[ValidationPoint], hw: HardwareSpec, dtype: str) -> ValidationReport:
@@ -105,7 +118,7 @@ def report(points: list[ValidationPoint], hw: HardwareSpec, dtype: str) -> Valid
                             max_rel_error=every["max_rel_error"], per_schedule=per,
                             **by_kind(None),
                             per_mode={m: by_kind(m) for m in modes} if len(modes) > 1 else {},
-                            points=rows)
+                            repeat_spread=repeat_spread(points), points=rows)
 
 
 def plot(rep: ValidationReport, path: str | Path, title: str) -> bool:

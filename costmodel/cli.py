@@ -476,6 +476,15 @@ def _print_validation(profile, rep, path: Path, plot_path: Path | None, as_json:
             table.add_row(label, str(int(stats["points"])), f"{stats['median_rel_error']:.1%}",
                           f"{stats['max_rel_error']:.1%}")
     console.print(table)
+    spreads = [(what, s) for what, s in (("calls", rep.repeat_spread.get("per_call")),
+                                        ("runs", rep.repeat_spread.get("per_token"))) if s]
+    if spreads:
+        console.print("each held-out point measured again: its slowest over its fastest "
+                      "measurement, less 1, is " + " and ".join(
+                          f"{s['median_spread']:.1%} for the {what} (median; max "
+                          f"{s['max_spread']:.1%})" for what, s in spreads)
+                      + ". Errors near these are the machine's noise in that hour, not the "
+                      "model's.")
 
     def cells(*figures) -> list[str]:
         return [f"{f['median_rel_error']:.1%} / {f['max_rel_error']:.1%}" if f else "-"

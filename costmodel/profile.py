@@ -81,6 +81,10 @@ class ValidationPoint(BaseModel):
     accept: list[bool] | None = None
     # the decoder's execution mode it ran in (None: the profile's hardware's)
     mode: Literal["eager", "graphs"] | None = None
+    # every measurement taken of the point (a call's median in each pass over the grid, a
+    # run's figure in each round); measured_s is the least. How far apart they are is how well
+    # the machine repeated itself in that hour: the floor under the point's error.
+    repeats_s: list[float] | None = None
 
 
 class CrossModeCheck(BaseModel):

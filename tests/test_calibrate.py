@@ -186,6 +186,36 @@ def test_validate_reports_calls_and_runs_apart(tmp_path):
         assert report[key]["max_rel_error"] == pytest.approx(max(errors))
     table = subprocess.run(args, capture_output=True, text=True, timeout=60)
     assert "runs, per token" in table.stdout and "calls" in table.stdout
+    # this profile predates repeats_s: no spread is claimed for it
+    assert report["repeat_spread"] == {"per_call": None, "per_token": None}
+    assert "measured again" not in table.stdout
+
+
+def test_validate_reports_how_far_apart_each_points_measurements_ran(tmp_path):
+    """The floor under the errors, from the profile itself: each point's slowest measurement
+    over its fastest (the calls' two passes, the runs' rounds), as median and max per kind."""
+    path = Path(__file__).parents[1] / "data" / "profiles" / "cpu-ouro-fp32.json"
+    profile = load_profile(path)
+    calls = [p for p in profile.validation if p.kind == "call"]
+    runs = [p for p in profile.validation if p.kind == "run"]
+    spreads = {"call": [0.1 * i for i in range(len(calls))], "run": [0.5] * len(runs)}
+    for points, kind in ((calls, "call"), (runs, "run")):
+        for point, spread in zip(points, spreads[kind], strict=True):
+            point.repeats_s = [point.measured_s * (1 + spread), point.measured_s]
+    calls[0].repeats_s = None  # a point measured once counts in neither figure
+    save_profile(profile, tmp_path / "p.json")
+    args = [sys.executable, "-m", "costmodel", "validate", "--profile", str(tmp_path / "p.json"),
+            "--plot", str(tmp_path / "plot.png")]
+    out = subprocess.run(args + ["--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    spread = json.loads(out.stdout)["repeat_spread"]
+    assert spread["per_call"]["points"] == len(calls) - 1
+    assert spread["per_call"]["median_spread"] == pytest.approx(np.median(spreads["call"][1:]))
+    assert spread["per_call"]["max_spread"] == pytest.approx(spreads["call"][-1])
+    assert spread["per_token"] == {"median_spread": pytest.approx(0.5),
+                                   "max_spread": pytest.approx(0.5), "points": len(runs)}
+    table = subprocess.run(args, capture_output=True, text=True, timeout=60).stdout
+    assert "each held-out point measured again" in table and "50.0% for the runs" in table
 
 
 def test_predict_says_what_a_profile_does_not_determine():
@@ -322,6 +352,10 @@ def test_gpu_script_runs_on_cpu_at_tiny_size(tmp_path):
         runs = [p.label for p in profile.validation if p.kind == "run"]
         assert len(runs) == 5 and sum(label.endswith(" a=0.6") for label in runs) == 2
         assert report["per_token"]["points"] >= 3 and report["per_call"]["points"] > 20
+        # every held-out point keeps each of its measurements, the least as its figure
+        assert all(len(p.repeats_s) == 2 and  # quick: two passes, runs in two rounds
+                   p.measured_s == min(p.repeats_s) for p in profile.validation)
+        assert report["repeat_spread"]["per_call"]["points"] == report["per_call"]["points"]
         assert profile.threads >= 1  # the CPU threads the decoder ran on
         assert (tmp_path / f"gpu-{family}-fp32.png").stat().st_size > 0
         assert profile.checks[0].startswith("machine: the measurements of cpu-ouro-fp32-quick")
