@@ -280,7 +280,6 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
     samples: list[tuple[str, CallSample]] = [
         (plan[i][0], min(passes[0][i], passes[1][i], key=lambda s: s.median_s))
         for i in range(len(plan))]
-    pass_times = [[passes[0][i].median_s, passes[1][i].median_s] for i in range(len(plan))]
 
     def obs(role: str, s: CallSample) -> Observation:
         return Observation(model=loaded[role][2], record=s.record, seconds=s.median_s)
@@ -293,15 +292,17 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
     train = [obs(r, s) for r, s in samples if in_training(r, s)]
     result = fit(base, train, dtype)
 
-    def call_point(role: str, s: CallSample, repeats_s: list[float]) -> ValidationPoint:
+    def call_point(i: int) -> ValidationPoint:
+        """Grid point i, kept at its faster pass, with both passes' medians."""
+        role, s = samples[i]
         return ValidationPoint(
             kind="call", model=s.model, spec=loaded[role][2], group=s.record.kind,
-            measured_s=s.median_s, record=s.record, repeats_s=repeats_s,
+            measured_s=s.median_s, record=s.record,
+            repeats_s=[each[i].median_s for each in passes],
             label=f"{s.record.kind} n={len(s.record.positions)} "
                   f"context={min(s.record.contexts) - 1} slots={len(s.record.slot_contexts())}")
 
-    points = [call_point(r, s, times) for (r, s), times in zip(samples, pass_times, strict=True)
-              if not in_training(r, s)]
+    points = [call_point(i) for i, (r, s) in enumerate(samples) if not in_training(r, s)]
     run_measurements.append(holdout_runs())
     points += [min(each, key=lambda point: point.measured_s).model_copy(
         update={"repeats_s": [point.measured_s for point in each]})
@@ -334,9 +335,7 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
         coefficients=fitted, held=result.held(), checks=peaks.checks,
         load=None if cuda else LoadReport(**quiet.report()),
         fit_stats=result.stats(),
-        training=[call_point(r, s, times) for (r, s), times in zip(samples, pass_times,
-                                                                    strict=True)
-                  if in_training(r, s)],
+        training=[call_point(i) for i, (r, s) in enumerate(samples) if in_training(r, s)],
         validation=points,
     )
     return profile

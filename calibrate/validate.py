@@ -80,6 +80,10 @@ class ValidationReport(BaseModel):
     points: list[dict]
 
 
+# the targets' two figures and the kind of point each is taken over
+FIGURES = (("per_call", "call"), ("per_token", "run"))
+
+
 def _summary(values: list[float], name: str = "rel_error") -> dict[str, float | int] | None:
     if not values:
         return None
@@ -93,7 +97,7 @@ def repeat_spread(points: list[ValidationPoint]) -> dict[str, dict[str, float | 
     return {figure: _summary([max(p.repeats_s) / min(p.repeats_s) - 1 for p in points
                               if p.kind == kind and p.repeats_s and len(p.repeats_s) > 1],
                              "spread")
-            for figure, kind in (("per_call", "call"), ("per_token", "run"))}
+            for figure, kind in FIGURES}
 
 
 def report(points: list[ValidationPoint], hw: HardwareSpec, dtype: str) -> ValidationReport:
@@ -111,7 +115,7 @@ def report(points: list[ValidationPoint], hw: HardwareSpec, dtype: str) -> Valid
         """Over the calls and per token of the runs (of one mode, or all)."""
         mine = [r for r in rows if mode is None or r["mode"] == mode]
         return {figure: _summary([r["rel_error"] for r in mine if r["kind"] == kind])
-                for figure, kind in (("per_call", "call"), ("per_token", "run"))}
+                for figure, kind in FIGURES}
 
     modes = sorted({r["mode"] for r in rows})
     return ValidationReport(median_rel_error=every["median_rel_error"],
