@@ -470,14 +470,17 @@ def _print_validation(profile, rep, path: Path, plot_path: Path | None, as_json:
                       f"{stats['max_rel_error']:.1%}")
     table.add_row("all", str(len(rep.points)), f"{rep.median_rel_error:.1%}",
                   f"{rep.max_rel_error:.1%}")
+    from calibrate.validate import FIGURE_POINTS, FIGURES
+
     # the calibration targets' two figures: per call, and per decoded token of the runs
-    for label, stats in (("calls", rep.per_call), ("runs, per token", rep.per_token)):
-        if stats:
+    for figure, _ in FIGURES:
+        if stats := getattr(rep, figure):
+            label = FIGURE_POINTS[figure] + (", per token" if figure == "per_token" else "")
             table.add_row(label, str(int(stats["points"])), f"{stats['median_rel_error']:.1%}",
                           f"{stats['max_rel_error']:.1%}")
     console.print(table)
-    spreads = [(what, s) for what, s in (("calls", rep.repeat_spread.get("per_call")),
-                                        ("runs", rep.repeat_spread.get("per_token"))) if s]
+    spreads = [(FIGURE_POINTS[figure], s) for figure, _ in FIGURES
+               if (s := rep.repeat_spread.get(figure))]
     if spreads:
         console.print("each held-out point measured again: its slowest over its fastest "
                       "measurement, less 1, is " + " and ".join(
