@@ -292,7 +292,11 @@ def fit(base: HardwareSpec, obs: Sequence[Observation], dtype: str,
         dropped[row[0]] = (f"{weak[row[0]]}: dropped (0)" if row[5] == "overhead"
                            else f"{weak[row[0]]}: held at its prior {held:g}")
     measured = np.array([o.seconds for o in obs])
-    rel = predict_calls(fitted_hw, obs, dtype) / measured - 1
+    predicted = predict_calls(fitted_hw, obs, dtype)
+    rel = predicted / measured - 1
+    if not free:  # nothing left to fit: the loss the fit would minimize, at the held values
+        z = (np.log(predicted / measured) / F_SCALE) ** 2
+        cost = float(F_SCALE**2 * np.sum(np.sqrt(1 + z) - 1))  # least_squares' soft-L1 cost
     return FitResult(hardware=fitted_hw,
                      values={p[0]: float(v) for p, v in zip(free, values, strict=True)},
                      stderr={p[0]: float(v) for p, v in zip(free, stderr, strict=True)},

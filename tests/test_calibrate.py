@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 from conftest import cpu_like_product_s, synthetic_curve
 
-from calibrate.fit import CPU_PARAMETERS, PARAMETERS, Observation, fit, predict_calls, undetermined
+from calibrate.fit import (
+    CPU_PARAMETERS,
+    F_SCALE,
+    PARAMETERS,
+    Observation,
+    fit,
+    predict_calls,
+    undetermined,
+)
 from calibrate.validate import predict_point
 from costmodel import get_model
 from costmodel.profile import (
@@ -75,6 +83,20 @@ def test_fit_frees_only_the_coefficients_it_is_given():
     assert "attention_flops_efficiency" not in result.values
     assert result.hardware.attention_flops_efficiency == 0.1
     assert result.values["matmul_time_scale"] == pytest.approx(1.3, rel=0.05)
+
+
+def test_a_fit_with_nothing_left_free_reports_its_loss():
+    """Every coefficient held (or taken out): the profile still gets a number for its loss,
+    the one the fit minimizes (a NaN would be written as null and the profile not load)."""
+    from scipy.optimize import least_squares
+
+    obs = synthetic(CPU.model_copy(update=TRUTH), noise=0.05)
+    result = fit(CPU, obs, "fp32", [])
+    assert not result.values and np.isfinite(result.stats()["cost"])
+    logs = np.log(predict_calls(CPU, obs, "fp32")) - np.log([o.seconds for o in obs])
+    same = least_squares(lambda x: logs + 0 * x, [0.0], loss="soft_l1", f_scale=F_SCALE,
+                         max_nfev=1)
+    assert result.cost == pytest.approx(same.cost)
 
 
 def test_a_term_the_calls_cannot_tell_apart_is_taken_out():
