@@ -152,7 +152,12 @@ def test_bad_requests_are_refused():
 def test_slot_layouts_of_batched_calls():
     assert slot_layout((5, 37, 69)) == ("range", (5, 69, 32), False, 1)  # AR over 3 sequences
     assert slot_layout((7, 7, 39, 39, 71, 71)) == ("range", (7, 71, 32), False, 2)  # DtV verify
-    assert slot_layout((7, 5, 3, 38, 36)) == ("gather", None, False, 1)  # two WFD waves
+    # two WFD waves (each descending the depths of its sequence's region): a view each
+    assert slot_layout((7, 5, 3, 38, 36)) == (
+        "ranges", ((0, 3, 3, 2, True), (3, 2, 36, 2, True)), False, 1)
+    assert slot_layout((3, 5, 7, 40)) == ("ranges", ((0, 3, 3, 2, False), (3, 1, 40, 1, False)),
+                                          False, 1)
+    assert slot_layout((1, 9, 4, 30, 2)) == ("gather", None, False, 1)  # no progression to read
     assert slot_layout((7, 7, 8)) == ("gather", None, False, 1)  # uneven groups
 
 

@@ -59,15 +59,23 @@ def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 
 @functools.lru_cache(maxsize=4096)
-def slot_layout(slots: tuple[int, ...]) -> tuple[str, tuple[int, int, int] | None, bool, int]:
+def slot_layout(slots: tuple[int, ...], progressions: bool = True
+                ) -> tuple[str, tuple | None, bool, int]:
     """How a call's positions read their slots, as (access, slot range, descending, queries per
     group). Positions form groups: runs of equal slots, each run one group of queries over one key
     set (AR and the prefill: one group; DtV's verification: one group per sequence; a WFD wave: one
     position per group). When the groups' slots are distinct and the runs equally long, the key
     sets are read as ("one", None, False, q) for a single group, ("range", (first, last, step),
     descending, q) when the slots form an arithmetic progression (a strided view of the cache),
-    or ("gather", None, False, q) otherwise (one gathered key set per group); any other mix reads
-    one gathered key set per position ("gather", None, False, 1)."""
+    ("ranges", ((first group, groups, first slot, step, descending), ...), False, q) when they
+    form a few such progressions (a batch of WFD waves: one per sequence), read as one view and
+    one attention kernel each, or ("gather", None, False, q) otherwise (one gathered key set per
+    group); any other mix reads one gathered key set per position ("gather", None, False, 1).
+
+    Gathering copies every key set the call reads: on a CPU, for a batch of 16 waves of 8, the
+    copy's read and write cost more than attention itself, and more than a kernel per
+    progression. A GPU copies at its bandwidth but pays the host for each kernel it launches:
+    ``progressions=False`` (CallPlan on a GPU) gathers there instead."""
     runs: list[list[int]] = []
     for slot in slots:
         if runs and runs[-1][0] == slot:
@@ -85,7 +93,24 @@ def slot_layout(slots: tuple[int, ...]) -> tuple[str, tuple[int, int, int] | Non
     if len(steps) == 1:
         step = steps.pop()
         return "range", (min(heads), max(heads), abs(step)), step < 0, per_group
+    runs = arithmetic_runs(heads)
+    if progressions and len(runs) <= len(heads) // 2:
+        return "ranges", runs, False, per_group
     return "gather", None, False, per_group
+
+
+def arithmetic_runs(heads: list[int]) -> tuple[tuple[int, int, int, int, bool], ...]:
+    """``heads`` cut into maximal arithmetic progressions, each as (index of its first element,
+    its length, its least slot, its step's magnitude, whether it descends)."""
+    runs: list[list[int]] = []  # [start, length, step]
+    for i, slot in enumerate(heads):
+        if runs and (runs[-1][1] == 1 or slot - heads[i - 1] == runs[-1][2]):
+            runs[-1][2] = slot - heads[i - 1]
+            runs[-1][1] += 1
+        else:
+            runs.append([i, 1, 0])
+    return tuple((start, length, min(heads[start], heads[start + length - 1]), abs(step) or 1,
+                  step < 0) for start, length, step in runs)
 
 
 @dataclass
@@ -105,8 +130,8 @@ class CallPlan:
     cos: torch.Tensor  # [n, head_dim / 2] of the RoPE angles
     sin: torch.Tensor
     mask: torch.Tensor  # [n, span]: key j visible to position i iff j <= p_i
-    layout: str = "none"  # "none" (no cache), "one", "range", "gather": see slot_layout
-    slot_range: tuple[int, int, int] | None = None
+    layout: str = "none"  # "none" (no cache), "one", "range", "ranges", "gather": slot_layout
+    slot_range: tuple | None = None  # "range": (first, last, step); "ranges": the progressions
     descending: bool = False  # a range read in descending slot order: queries flipped to match
     per_group: int = 1  # consecutive positions sharing one key set (see slot_layout)
     _tables: dict = field(default_factory=dict)  # the RoPE tables, made on first use
@@ -121,7 +146,8 @@ class CallPlan:
             layout, slot_range, descending, per_group = "none", None, False, 1
         else:
             keys = torch.arange(span, device=positions.device)
-            layout, slot_range, descending, per_group = slot_layout(slots)
+            layout, slot_range, descending, per_group = slot_layout(
+                slots, progressions=positions.device.type == "cpu")
         return cls(positions=positions, slots=slots, slot_index=slot_index, cos=angles.cos(),
                    sin=angles.sin(), mask=keys[None, :] <= positions[:, None], layout=layout,
                    slot_range=slot_range, descending=descending, per_group=per_group)
@@ -201,10 +227,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CallPlan,
                                              enable_gqa=gqa)
         return out.movedim(-2, -3)  # [..., n, heads, hd]
     kv.write(plan.slot_index, plan.positions, k, v)
-    keys, values = read_slots(kv, plan)
     per_group = plan.per_group
     # [groups, heads, per_group, hd] queries, [groups, 1, per_group, span] masks
     q = q.unflatten(0, (-1, per_group)).transpose(1, 2)
+    if plan.layout == "ranges":
+        return attend_progressions(q, kv, plan, gqa).transpose(1, 2).flatten(0, 1)
+    keys, values = read_slots(kv, plan)
     if plan.descending:
         q = q.flip(0)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=plan.attention_mask(q.dtype),
@@ -212,3 +240,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CallPlan,
     if plan.descending:
         out = out.flip(0)
     return out.transpose(1, 2).flatten(0, 1)  # [n, heads, hd]
+
+
+def attend_progressions(q: torch.Tensor, kv: LayerKV, plan: CallPlan, gqa: bool) -> torch.Tensor:
+    """Attention of the groups of a "ranges" plan: each progression of slots a strided view of
+    the cache and one kernel (q: [groups, heads, per_group, hd]; out: the same shape)."""
+    span = plan.mask.shape[-1]
+    mask = plan.attention_mask(q.dtype)
+    outs = []
+    for start, length, first, step, descending in plan.slot_range:
+        last = first + (length - 1) * step
+        queries, masks = q[start:start + length], mask[start:start + length]
+        if descending:  # the view runs up the cache: the queries and masks turned to match
+            queries, masks = queries.flip(0), masks.flip(0)
+        out = F.scaled_dot_product_attention(queries, kv.keys[first:last + 1:step, :, :span],
+                                             kv.values[first:last + 1:step, :, :span],
+                                             attn_mask=masks, enable_gqa=gqa)
+        outs.append(out.flip(0) if descending else out)
+    return torch.cat(outs)
