@@ -89,11 +89,10 @@ def slot_layout(slots: tuple[int, ...], progressions: bool = True
     per_group = sizes.pop()
     if len(heads) == 1:
         return "one", None, False, per_group
-    steps = {b - a for a, b in zip(heads, heads[1:], strict=False)}
-    if len(steps) == 1:
-        step = steps.pop()
-        return "range", (min(heads), max(heads), abs(step)), step < 0, per_group
     runs = arithmetic_runs(heads)
+    if len(runs) == 1:
+        _, length, first, step, descending = runs[0]
+        return "range", (first, first + (length - 1) * step, step), descending, per_group
     if progressions and len(runs) <= len(heads) // 2:
         return "ranges", runs, False, per_group
     return "gather", None, False, per_group
@@ -193,6 +192,13 @@ class CallPlan:
                         rope_frequencies(config.head_dim, config.rope_base, device))
 
 
+def progression(kv: LayerKV, first: int, last: int, step: int, span: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the slots first, first + step, ..., last: a strided view of the cache
+    ([slots, kv_heads, span, head_dim]), nothing copied."""
+    return kv.keys[first:last + 1:step, :, :span], kv.values[first:last + 1:step, :, :span]
+
+
 def read_slots(kv: LayerKV, plan: CallPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values each group of positions attends over: [groups, kv_heads, span,
     head_dim]."""
@@ -201,9 +207,7 @@ def read_slots(kv: LayerKV, plan: CallPlan) -> tuple[torch.Tensor, torch.Tensor]
         s = plan.slots[0]
         return kv.keys[s, :, :span].unsqueeze(0), kv.values[s, :, :span].unsqueeze(0)
     if plan.layout == "range":
-        first, last, step = plan.slot_range
-        return (kv.keys[first:last + 1:step, :, :span],
-                kv.values[first:last + 1:step, :, :span])
+        return progression(kv, *plan.slot_range, span)
     groups = plan.slot_index[::plan.per_group]
     return kv.keys[groups, :, :span], kv.values[groups, :, :span]
 
@@ -249,12 +253,11 @@ def attend_progressions(q: torch.Tensor, kv: LayerKV, plan: CallPlan, gqa: bool)
     mask = plan.attention_mask(q.dtype)
     outs = []
     for start, length, first, step, descending in plan.slot_range:
-        last = first + (length - 1) * step
         queries, masks = q[start:start + length], mask[start:start + length]
         if descending:  # the view runs up the cache: the queries and masks turned to match
             queries, masks = queries.flip(0), masks.flip(0)
-        out = F.scaled_dot_product_attention(queries, kv.keys[first:last + 1:step, :, :span],
-                                             kv.values[first:last + 1:step, :, :span],
-                                             attn_mask=masks, enable_gqa=gqa)
+        keys, values = progression(kv, first, first + (length - 1) * step, step, span)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=masks,
+                                             enable_gqa=gqa)
         outs.append(out.flip(0) if descending else out)
     return torch.cat(outs)
