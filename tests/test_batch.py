@@ -161,6 +161,17 @@ def test_slot_layouts_of_batched_calls():
     assert slot_layout((7, 7, 8)) == ("gather", None, False, 1)  # uneven groups
 
 
+def test_each_sequences_wave_reads_its_own_context():
+    """A batch's waves read each sequence's keys up to its own latest position, not the longest
+    sequence's (the rest are masked anyway)."""
+    from wfd.layers import CallPlan, rope_frequencies
+
+    positions = torch.tensor([40, 41, 42, 90, 91])  # two sequences' waves, 50 positions apart
+    plan = CallPlan.make(positions, (7, 5, 3, 38, 36), torch.tensor([7, 5, 3, 38, 36]),
+                         rope_frequencies(8, 10000.0, "cpu"), span=92)
+    assert plan.layout == "ranges" and plan.progression_spans == (43, 92)
+
+
 def test_batched_calls_are_priced_per_sequence_slot():
     """Sequences share kernels (distinct slots) but each reads its own KV (distinct (sequence,
     slot) pairs)."""

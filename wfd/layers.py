@@ -133,6 +133,9 @@ class CallPlan:
     slot_range: tuple | None = None  # "range": (first, last, step); "ranges": the progressions
     descending: bool = False  # a range read in descending slot order: queries flipped to match
     per_group: int = 1  # consecutive positions sharing one key set (see slot_layout)
+    # "ranges": the keys each progression reads, its own positions' latest + 1 (a sequence of a
+    # batch reads its own context, not the batch's longest); None otherwise
+    progression_spans: tuple[int, ...] | None = None
     _tables: dict = field(default_factory=dict)  # the RoPE tables, made on first use
 
     @classmethod
@@ -147,9 +150,16 @@ class CallPlan:
             keys = torch.arange(span, device=positions.device)
             layout, slot_range, descending, per_group = slot_layout(
                 slots, progressions=positions.device.type == "cpu")
+        spans = None
+        if layout == "ranges":  # a CPU's: reading its positions costs nothing
+            latest = positions.tolist()
+            spans = tuple(min(len(keys), 1 + max(latest[start * per_group:
+                                                         (start + length) * per_group]))
+                          for start, length, *_ in slot_range)
         return cls(positions=positions, slots=slots, slot_index=slot_index, cos=angles.cos(),
                    sin=angles.sin(), mask=keys[None, :] <= positions[:, None], layout=layout,
-                   slot_range=slot_range, descending=descending, per_group=per_group)
+                   slot_range=slot_range, descending=descending, per_group=per_group,
+                   progression_spans=spans)
 
     def rotations(self) -> torch.Tensor:
         """cos + i sin of each position's angles ([n, 1, head_dim / 2], complex fp32): what
@@ -248,12 +258,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CallPlan,
 
 def attend_progressions(q: torch.Tensor, kv: LayerKV, plan: CallPlan, gqa: bool) -> torch.Tensor:
     """Attention of the groups of a "ranges" plan: each progression of slots a strided view of
-    the cache and one kernel (q: [groups, heads, per_group, hd]; out: the same shape)."""
-    span = plan.mask.shape[-1]
+    the cache and one kernel over that progression's own span (q: [groups, heads, per_group,
+    hd]; out: the same shape)."""
     mask = plan.attention_mask(q.dtype)
     outs = []
-    for start, length, first, step, descending in plan.slot_range:
-        queries, masks = q[start:start + length], mask[start:start + length]
+    for (start, length, first, step, descending), span in zip(plan.slot_range,
+                                                              plan.progression_spans, strict=True):
+        queries, masks = q[start:start + length], mask[start:start + length, ..., :span]
         if descending:  # the view runs up the cache: the queries and masks turned to match
             queries, masks = queries.flip(0), masks.flip(0)
         keys, values = progression(kv, first, first + (length - 1) * step, step, span)
