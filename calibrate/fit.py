@@ -41,6 +41,7 @@ PARAMETERS = [
     ("layer_overhead_s", 0.0, 5e-3, 1e-5, "s per layer", "overhead"),
     ("attention_one_set_host_s", 0.0, 5e-3, 5e-6, "s per layer", "overhead"),
     ("attention_grouped_host_s", 0.0, 5e-3, 5e-6, "s per layer", "overhead"),
+    ("attention_key_set_s", 0.0, 1e-4, 1e-6, "s per key set and head, per layer", "overhead"),
     ("launch_overhead_s", 0.0, 5e-4, 5e-6, "s", "overhead"),
     ("graph_host_overhead_s", 0.0, 5e-3, 1e-5, "s", "overhead"),
     ("graph_launch_overhead_s", 0.0, 5e-5, 1e-6, "s", "overhead"),
@@ -64,7 +65,8 @@ CPU_PARAMETERS = [p for p in PARAMETERS
                   if p[0] not in ("kv_bandwidth_efficiency", "flops_efficiency", "kernel_device_s",
                                   "attention_one_set_host_s", "attention_grouped_host_s",
                                   *MODE_TERMS["graphs"])]
-GPU_PARAMETERS = [p for p in PARAMETERS if p[0] not in ("matmul_time_scale", "layer_overhead_s")]
+GPU_PARAMETERS = [p for p in PARAMETERS if p[0] not in ("matmul_time_scale", "layer_overhead_s",
+                                                       "attention_key_set_s")]
 
 
 def parameters_for(hw: HardwareSpec, modes: Sequence[str] | None = None) -> list[tuple]:

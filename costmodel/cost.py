@@ -26,8 +26,12 @@ per-kernel overhead leaves them out (the curve includes their dispatch); the res
 (norms, attention, activations, KV) costs its roofline:
 
     t = overheads + scale * sum(curve(product, n)) + max(other bytes / BW_eff, attention / F_att)
+        + layers * heads * key sets * t_key_set
 
-The products' one-row time is reported as weights, what more rows add as compute.
+The products' one-row time is reported as weights, what more rows add as compute. The last term
+is the attention kernel's fixed cost per (key set, head) pair it works through, reported with
+the KV: a batch of B WFD waves of W positions reads B * W short key sets, and at B = 16, W = 8
+that cost was the largest part of what the rest left unpriced (docs/costmodel.md).
 
 Every argument may be a numpy array (they broadcast), so one formula serves single predictions,
 the event simulator and sweeps of 10^5 points.
@@ -205,6 +209,13 @@ def call_cost(
         kv_s = np.where(rest_memory_bound, kv_mem_s, 0.0)
         compute_s = products_s - one_row_s + np.where(rest_memory_bound, 0.0, attention_s)
         roofline_s = weights_s + kv_s + compute_s
+    # a CPU's attention works through its (key set, head) pairs one by one, each at a fixed
+    # cost beside its keys' bytes: part of reading the cache, and what many short key sets
+    # (a batch of WFD waves) add
+    key_sets_s = part.layers * model.num_heads * hw.attention_key_set_s * (
+        n_slots if key_sets is None else key_sets)
+    kv_s = kv_s + key_sets_s
+    roofline_s = roofline_s + key_sets_s
     device_kernels_s = kernels * hw.kernel_device_s
     if hw.overhead_overlaps:  # the call costs the larger of the host's time and the device's
         overhead = np.maximum(overhead, roofline_s + device_kernels_s) - roofline_s

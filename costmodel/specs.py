@@ -103,6 +103,11 @@ class HardwareSpec(Spec):
     # dispatch count does not see; 0 on a CPU, where it is not seen.
     attention_one_set_host_s: Annotated[float, Field(ge=0)] = 0.0
     attention_grouped_host_s: Annotated[float, Field(ge=0)] = 0.0
+    # Per key set and query head of each layer's attention, in the attention itself: a CPU's
+    # kernel works through (key set, head) pairs one after another, and each costs a fixed time
+    # beside its keys' bytes (many short key sets: a batch of WFD waves). 0 on a GPU, whose
+    # kernel runs the pairs in parallel.
+    attention_key_set_s: Annotated[float, Field(ge=0)] = 0.0
     # Per kernel launched eagerly (the gap a Python-driven framework leaves between kernels).
     launch_overhead_s: Annotated[float, Field(ge=0)] = 5e-6
     # Per kernel replayed from a CUDA graph, when ``cuda_graphs``.

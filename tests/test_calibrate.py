@@ -39,7 +39,7 @@ CPU = HardwareSpec(name="synthetic cpu", memory_bandwidth_bytes_per_s=20e9,
                    matmul=synthetic_curve(cpu_like_product_s))
 TRUTH = {"host_overhead_s": 40e-6, "launch_overhead_s": 6e-6, "layer_overhead_s": 30e-6,
          "bandwidth_efficiency": 0.55, "attention_flops_efficiency": 0.1,
-         "matmul_time_scale": 1.3}
+         "matmul_time_scale": 1.3, "attention_key_set_s": 3e-6}
 
 
 def synthetic(hw: HardwareSpec, noise: float, seed: int = 0) -> list[Observation]:
@@ -70,7 +70,9 @@ def test_fit_recovers_known_coefficients():
     result = fit(CPU, synthetic(truth, noise=0.01), "fp32")
     assert set(result.values) == set(TRUTH) and not result.dropped  # the CPU's set, all kept
     for name, value in TRUTH.items():
-        assert result.values[name] == pytest.approx(value, rel=0.1), name
+        # the per-call, per-layer and per-key-set terms all grow with a call's layers, so the
+        # calls tell them apart less sharply: each within three of its standard errors
+        assert abs(result.values[name] - value) < 3 * result.stderr[name], name
         assert result.stderr[name] < 0.2 * value, name
     assert np.median(np.abs(result.residuals)) < 0.02
 

@@ -260,3 +260,25 @@ def test_each_layer_adds_its_host_overhead():
     assert float(call_cost(ouro, per_layer, ouro.part("prelude"), "fp32", 1, 1, 1, 1).overhead_s) \
         == pytest.approx(float(call_cost(ouro, hw, ouro.part("prelude"), "fp32", 1, 1, 1,
                                          1).overhead_s))
+
+
+def test_a_cpu_attention_pays_for_each_key_set_and_head():
+    """Each (key set, head) pair the attention works through costs a fixed time, with the KV:
+    a batch of 16 waves of 8 reads 128 key sets over the same 8 slots."""
+    m = get_model("huginn-mid")
+    part = m.part("block")
+    per_pair = _cpu(attention_key_set_s=2e-6)
+
+    def cost(hw, key_sets):
+        return call_cost(m, hw, part, "fp32", 128, 8, 128 * 100, key_sets * 100,
+                         key_sets=key_sets)
+
+    for key_sets in (8, 128):
+        base, more = cost(_cpu(), key_sets), cost(per_pair, key_sets)
+        extra = part.layers * m.num_heads * key_sets * 2e-6
+        assert float(more.time_s - base.time_s) == pytest.approx(extra)
+        assert float(more.kv_s - base.kv_s) == pytest.approx(extra)
+        assert float(more.ideal_s) == float(base.ideal_s)  # not bytes or flops
+    assert float(call_cost(m, get_hardware("a6000"), part, "bf16", 1, 1, 100, 100).kv_s) == \
+        float(call_cost(m, get_hardware("a6000").model_copy(update={"attention_key_set_s": 0.0}),
+                        part, "bf16", 1, 1, 100, 100).kv_s)  # 0 unless calibrated
