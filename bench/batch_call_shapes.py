@@ -1,0 +1,172 @@
+"""Batched block calls, one shape at a time, against their price: where a batch's calls leave
+the cost model.
+
+    python bench/batch_call_shapes.py [--model huginn-small:random] [--profile FILE]
+        [--context 80] [--batches 1 2 4 8 16] [--ragged 0 7] [--repeats 3] [--threads 2]
+        [--kernel] [--json]
+
+Each shape is one block call of the decoder over B sequences (``wfd.runtime.Runner`` on a
+batched cache, eager): B AR steps (one position each), B DtV verifications of k = 4 positions,
+or B WFD waves of 8 positions (each at its own depth). Sequence b sits at context
+``--context`` + (b x RAGGED mod 40), so a ragged batch's sequences read key sets of different
+lengths. Every shape is timed as the median of 5 calls, bracketed by the calibration's canary
+product and taken again while the machine is busy, over ``--repeats`` interleaved rounds (the
+median of the rounds is reported), and priced by the profile (``price_records``). Prints a
+Markdown table: the call's key sets (distinct (sequence, slot) pairs), measured and predicted
+milliseconds, and their ratio.
+
+``--kernel`` first times the attention kernel alone on this machine: the same keys' bytes (128
+x 96 keys of 8 heads of 64, fp32, from memory: each repeat reads another copy) split into 1 to
+256 key sets, with the time each (key set, head) pair adds over a single key set's rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from calibrate.measure import Quiet
+from costmodel.profile import load_profile
+from costmodel.simulate import price_records
+from wfd.checkpoint import load_model
+from wfd.runtime import PROFILES_DIR, Runner, make_cache
+
+SCHEDULES = ("ar", "dtv", "wfd")
+SPREAD = 40  # the most a ragged batch's contexts differ by
+
+
+def call_shape(schedule: str, batch: int, context: int, ragged: int
+               ) -> tuple[list[int], list[int], list[int]]:
+    """(positions, depths, sequences) of one batched block call of ``schedule``."""
+    positions, depths, sequences = [], [], []
+    for b in range(batch):
+        start = context + (b * ragged) % SPREAD
+        if schedule == "ar":
+            pos, dep = [start], [1]
+        elif schedule == "dtv":
+            pos, dep = list(range(start, start + 4)), [1] * 4
+        else:
+            pos, dep = list(range(start, start + 8)), list(range(8, 0, -1))
+        positions += pos
+        depths += dep
+        sequences += [b] * len(pos)
+    return positions, depths, sequences
+
+
+def median_of_five(runner: Runner, positions: list[int], depths: list[int],
+                   inputs: list[torch.Tensor], sequences: list[int]) -> float:
+    runner.records.clear()
+    for _ in range(5):
+        runner.run("block", positions, depths, inputs, sequences)
+    return statistics.median(r.wall_s for r in runner.records)
+
+
+def kernel_split(threads: int) -> list[dict]:
+    """The attention kernel over the same bytes in 1 to 256 key sets."""
+    torch.set_num_threads(threads)
+    heads, head_dim, total_keys, copies = 8, 64, 128 * 96, 8
+    rows = []
+    base = None
+    for sets in (1, 4, 16, 32, 64, 128, 256):
+        span = total_keys // sets
+        keys = torch.randn(copies, sets, heads, span, head_dim)
+        values = torch.randn_like(keys)
+        query = torch.randn(sets, heads, 1, head_dim)
+        times = []
+        for i in range(8 * copies):
+            t0 = time.perf_counter()
+            torch.nn.functional.scaled_dot_product_attention(query, keys[i % copies],
+                                                             values[i % copies])
+            times.append(time.perf_counter() - t0)
+        t = statistics.median(times[copies:])
+        base = base if base is not None else t
+        rows.append({"key_sets": sets, "keys_per_set": span, "us": t * 1e6,
+                     "gb_per_s": 2 * keys[0].numel() * 4 / t / 1e9,
+                     "us_per_pair": (t - base) / (sets * heads) * 1e6 if sets > 1 else None})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="huginn-small:random")
+    ap.add_argument("--profile", default=None,
+                    help="a calibration profile (default: this machine's for the family)")
+    ap.add_argument("--context", type=int, default=80)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--ragged", type=int, nargs="+", default=[0, 7])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kernel", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.context < 1 or min(args.batches) < 1 or args.repeats < 1:
+        raise SystemExit("context, batches and repeats must be at least 1")
+    torch.set_num_threads(args.threads)
+    model = load_model(args.model, dtype="fp32")
+    cfg = model.config
+    profile_path = args.profile or PROFILES_DIR / f"cpu-{cfg.family}-fp32.json"
+    hw = load_profile(profile_path).hardware
+    out: dict = {"model": args.model, "profile": str(profile_path), "context": args.context}
+    if args.kernel:
+        out["kernel"] = kernel_split(args.threads)
+
+    batches = sorted(set(args.batches))
+    cache = make_cache(model, prompt_len=args.context + SPREAD + 8, max_new_tokens=8,
+                       depth=cfg.depth, kv_sharing=0, readout_depths=sorted({1, cfg.depth}),
+                       sequences=max(batches))
+    cache.fill(args.context + SPREAD + 16)
+    runner = Runner(model, cache, record=True, mode="eager")
+    quiet = Quiet("cpu")
+    points = [(s, b, r) for s in SCHEDULES for b in batches for r in sorted(set(args.ragged))
+              if not (b == 1 and r)]
+    measured: dict[tuple, list[float]] = {p: [] for p in points}
+    records = {}
+    with torch.inference_mode():
+        for _ in range(args.repeats):
+            for point in points:
+                positions, depths, sequences = call_shape(point[0], point[1], args.context,
+                                                          point[2])
+                state = torch.randn(len(positions), cfg.hidden_size)
+                call = (runner, positions, depths, [state, torch.randn_like(state)], sequences)
+                median_of_five(*call)  # warm
+                measured[point].append(quiet.measure(lambda t: t, median_of_five, *call))
+                records[point] = runner.records[0]
+    rows = []
+    for point in points:
+        record = records[point].model_copy()
+        price_records(cfg, hw, [record], dtype="fp32")
+        t = statistics.median(measured[point])
+        rows.append({"schedule": point[0], "batch": point[1], "ragged": point[2],
+                     "key_sets": len(record.slot_contexts()), "measured_ms": t * 1e3,
+                     "predicted_ms": record.wall_s * 1e3, "ratio": t / record.wall_s})
+    out.update(rows=rows, load=quiet.report())
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return
+    if args.kernel:
+        print("Attention kernel alone, the same bytes in more key sets:\n\n"
+              "| key sets | keys each | us | GB/s | us per (key set, head) beyond one set's rate |"
+              "\n|---|---|---|---|---|")
+        for k in out["kernel"]:
+            extra = "-" if k["us_per_pair"] is None else f"{k['us_per_pair']:.2f}"
+            print(f"| {k['key_sets']} | {k['keys_per_set']} | {k['us']:.0f} | "
+                  f"{k['gb_per_s']:.1f} | {extra} |")
+        print()
+    load = out["load"]
+    print(f"{args.model} block calls at context {args.context}, profile {profile_path}; "
+          f"canary {load['canary_median']:.2f}x its fastest (median), "
+          f"{load['retaken_fraction']:.0%} of measurements taken again\n")
+    print("| schedule | batch | contexts apart | key sets | measured ms | predicted ms | "
+          "measured / predicted |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['schedule']} | {r['batch']} | {r['ragged'] and 'ragged' or 'equal'} | "
+              f"{r['key_sets']} | {r['measured_ms']:.2f} | {r['predicted_ms']:.2f} | "
+              f"{r['ratio']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
