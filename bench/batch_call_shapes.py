@@ -1,19 +1,20 @@
-"""Batched block calls, one shape at a time, against their price: where a batch's calls leave
-the cost model.
+"""A batch's calls, one shape at a time, against their price: where a batch's calls leave the
+cost model.
 
     python bench/batch_call_shapes.py [--model huginn-small:random] [--profile FILE]
-        [--context 80] [--batches 1 2 4 8 16] [--ragged 0 7] [--repeats 3] [--threads 2]
-        [--kernel] [--json]
+        [--part block|prelude|coda] [--context 80] [--batches 1 2 4 8 16] [--ragged 0 7]
+        [--repeats 3] [--threads 2] [--kernel] [--json]
 
-Each shape is one block call of the decoder over B sequences (``wfd.runtime.Runner`` on a
-batched cache, eager): B AR steps (one position each), B DtV verifications of k = 4 positions,
-or B WFD waves of 8 positions (each at its own depth). Sequence b sits at context
-``--context`` + (b x RAGGED mod 40), so a ragged batch's sequences read key sets of different
-lengths. Every shape is timed as the median of 5 calls, bracketed by the calibration's canary
-product and taken again while the machine is busy, over ``--repeats`` interleaved rounds (the
-median of the rounds is reported), and priced by the profile (``price_records``). Prints a
-Markdown table: the call's key sets (distinct (sequence, slot) pairs), measured and predicted
-milliseconds, and their ratio.
+Each shape is one call of the decoder's ``--part`` over B sequences (``wfd.runtime.Runner`` on a
+batched cache, eager). Block calls: B AR steps (one position each), B DtV verifications of k = 4
+positions, or B WFD waves of 8 positions (each at its own depth); prelude calls: one position or
+four per sequence; coda calls: a readout at R per sequence, or at d and R (a WFD tick's). Sequence
+b sits at context ``--context`` + (b x RAGGED mod 40), so a ragged batch's sequences read key
+sets of different lengths. Every shape is timed as the median of 5 calls, bracketed by the
+calibration's canary product and taken again while the machine is busy, over ``--repeats``
+interleaved rounds (the median of the rounds is reported), and priced by the profile
+(``price_records``). Prints a Markdown table: the call's key sets (distinct (sequence, slot)
+pairs), measured and predicted milliseconds, and their ratio.
 
 ``--kernel`` first times the attention kernel alone on this machine: the same keys' bytes (128
 x 96 keys of 8 heads of 64, fp32, from memory: each repeat reads another copy) split into 1 to
@@ -35,33 +36,44 @@ from costmodel.simulate import price_records
 from wfd.checkpoint import load_model
 from wfd.runtime import PROFILES_DIR, Runner, make_cache
 
-SCHEDULES = ("ar", "dtv", "wfd")
 SPREAD = 40  # the most a ragged batch's contexts differ by
 
 
-def call_shape(schedule: str, batch: int, context: int, ragged: int
+def shapes(part: str, depth: int, draft_depth: int) -> dict[str, tuple[int, list[int]]]:
+    """Each shape of one sequence's share of a call of ``part``: (positions, their depths)."""
+    if part == "block":  # AR's step, DtV's verification (k = 4), a WFD wave of 8
+        return {"ar": (1, [1]), "dtv": (4, [1] * 4), "wfd": (8, list(range(8, 0, -1)))}
+    if part == "prelude":  # a new token (AR, WFD), a DtV round's k tokens
+        return {"1 position": (1, [0]), "4 positions": (4, [0] * 4)}
+    # a readout at R (AR), and at d and R together (WFD's draft and verification)
+    return {"1 readout": (1, [depth]), "2 readouts": (2, [draft_depth, depth])}
+
+
+def call_shape(share: tuple[int, list[int]], batch: int, context: int, ragged: int
                ) -> tuple[list[int], list[int], list[int]]:
-    """(positions, depths, sequences) of one batched block call of ``schedule``."""
+    """(positions, depths, sequences) of one batched call: B sequences' shares."""
+    count, share_depths = share
     positions, depths, sequences = [], [], []
     for b in range(batch):
         start = context + (b * ragged) % SPREAD
-        if schedule == "ar":
-            pos, dep = [start], [1]
-        elif schedule == "dtv":
-            pos, dep = list(range(start, start + 4)), [1] * 4
-        else:
-            pos, dep = list(range(start, start + 8)), list(range(8, 0, -1))
-        positions += pos
-        depths += dep
-        sequences += [b] * len(pos)
+        positions += list(range(start, start + count))
+        depths += share_depths
+        sequences += [b] * count
     return positions, depths, sequences
 
 
-def median_of_five(runner: Runner, positions: list[int], depths: list[int],
+def call_inputs(part: str, n: int, hidden: int, vocab: int) -> list[torch.Tensor]:
+    if part == "prelude":
+        return [torch.tensor([(7 * i) % vocab for i in range(n)])]
+    state = torch.randn(n, hidden)
+    return [state, torch.randn_like(state)] if part == "block" else [state]
+
+
+def median_of_five(runner: Runner, part: str, positions: list[int], depths: list[int],
                    inputs: list[torch.Tensor], sequences: list[int]) -> float:
     runner.records.clear()
     for _ in range(5):
-        runner.run("block", positions, depths, inputs, sequences)
+        runner.run(part, positions, depths, inputs, sequences)
     return statistics.median(r.wall_s for r in runner.records)
 
 
@@ -95,6 +107,7 @@ def main() -> None:
     ap.add_argument("--model", default="huginn-small:random")
     ap.add_argument("--profile", default=None,
                     help="a calibration profile (default: this machine's for the family)")
+    ap.add_argument("--part", choices=("block", "prelude", "coda"), default="block")
     ap.add_argument("--context", type=int, default=80)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--ragged", type=int, nargs="+", default=[0, 7])
@@ -110,28 +123,33 @@ def main() -> None:
     cfg = model.config
     profile_path = args.profile or PROFILES_DIR / f"cpu-{cfg.family}-fp32.json"
     hw = load_profile(profile_path).hardware
-    out: dict = {"model": args.model, "profile": str(profile_path), "context": args.context}
+    out: dict = {"model": args.model, "part": args.part, "profile": str(profile_path),
+                 "context": args.context}
     if args.kernel:
         out["kernel"] = kernel_split(args.threads)
 
     batches = sorted(set(args.batches))
+    draft_depth = min(cfg.default_draft_depth or 1, cfg.depth - 1) if cfg.depth > 1 else 1
+    part_shapes = shapes(args.part, cfg.depth, draft_depth)
     cache = make_cache(model, prompt_len=args.context + SPREAD + 8, max_new_tokens=8,
-                       depth=cfg.depth, kv_sharing=0, readout_depths=sorted({1, cfg.depth}),
+                       depth=cfg.depth, kv_sharing=0,
+                       readout_depths=sorted({draft_depth, cfg.depth}),
                        sequences=max(batches))
     cache.fill(args.context + SPREAD + 16)
     runner = Runner(model, cache, record=True, mode="eager")
     quiet = Quiet("cpu")
-    points = [(s, b, r) for s in SCHEDULES for b in batches for r in sorted(set(args.ragged))
-              if not (b == 1 and r)]
+    points = [(name, b, r) for name in part_shapes for b in batches
+              for r in sorted(set(args.ragged)) if not (b == 1 and r)]
     measured: dict[tuple, list[float]] = {p: [] for p in points}
     records = {}
     with torch.inference_mode():
         for _ in range(args.repeats):
             for point in points:
-                positions, depths, sequences = call_shape(point[0], point[1], args.context,
-                                                          point[2])
-                state = torch.randn(len(positions), cfg.hidden_size)
-                call = (runner, positions, depths, [state, torch.randn_like(state)], sequences)
+                positions, depths, sequences = call_shape(part_shapes[point[0]], point[1],
+                                                          args.context, point[2])
+                inputs = call_inputs(args.part, len(positions), cfg.hidden_size,
+                                     cfg.vocab_size)
+                call = (runner, args.part, positions, depths, inputs, sequences)
                 median_of_five(*call)  # warm
                 measured[point].append(quiet.measure(lambda t: t, median_of_five, *call))
                 records[point] = runner.records[0]
@@ -140,7 +158,7 @@ def main() -> None:
         record = records[point].model_copy()
         price_records(cfg, hw, [record], dtype="fp32")
         t = statistics.median(measured[point])
-        rows.append({"schedule": point[0], "batch": point[1], "ragged": point[2],
+        rows.append({"call": point[0], "batch": point[1], "ragged": point[2],
                      "key_sets": len(record.slot_contexts()), "measured_ms": t * 1e3,
                      "predicted_ms": record.wall_s * 1e3, "ratio": t / record.wall_s})
     out.update(rows=rows, load=quiet.report())
@@ -157,13 +175,13 @@ def main() -> None:
                   f"{k['gb_per_s']:.1f} | {extra} |")
         print()
     load = out["load"]
-    print(f"{args.model} block calls at context {args.context}, profile {profile_path}; "
+    print(f"{args.model} {args.part} calls at context {args.context}, profile {profile_path}; "
           f"canary {load['canary_median']:.2f}x its fastest (median), "
           f"{load['retaken_fraction']:.0%} of measurements taken again\n")
-    print("| schedule | batch | contexts apart | key sets | measured ms | predicted ms | "
+    print("| call | batch | contexts apart | key sets | measured ms | predicted ms | "
           "measured / predicted |\n|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['schedule']} | {r['batch']} | {r['ragged'] and 'ragged' or 'equal'} | "
+        print(f"| {r['call']} | {r['batch']} | {r['ragged'] and 'ragged' or 'equal'} | "
               f"{r['key_sets']} | {r['measured_ms']:.2f} | {r['predicted_ms']:.2f} | "
               f"{r['ratio']:.2f} |")
 
