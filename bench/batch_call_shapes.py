@@ -77,9 +77,8 @@ def median_of_five(runner: Runner, part: str, positions: list[int], depths: list
     return statistics.median(r.wall_s for r in runner.records)
 
 
-def kernel_split(threads: int) -> list[dict]:
+def kernel_split() -> list[dict]:
     """The attention kernel over the same bytes in 1 to 256 key sets."""
-    torch.set_num_threads(threads)
     heads, head_dim, total_keys, copies = 8, 64, 128 * 96, 8
     rows = []
     base = None
@@ -126,7 +125,7 @@ def main() -> None:
     out: dict = {"model": args.model, "part": args.part, "profile": str(profile_path),
                  "context": args.context}
     if args.kernel:
-        out["kernel"] = kernel_split(args.threads)
+        out["kernel"] = kernel_split()
 
     batches = sorted(set(args.batches))
     draft_depth = min(cfg.default_draft_depth or 1, cfg.depth - 1) if cfg.depth > 1 else 1

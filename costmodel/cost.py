@@ -147,6 +147,7 @@ def call_cost(
         one sequence).
     """
     width = DTYPE_BYTES[dtype]
+    key_sets = n_slots if key_sets is None else key_sets
     bw_peak = hw.memory_bandwidth_bytes_per_s if bandwidth_bytes_per_s is None else (
         bandwidth_bytes_per_s)
     kv_eff = hw.kv_bandwidth_efficiency or hw.bandwidth_efficiency
@@ -169,8 +170,8 @@ def call_cost(
     # eager: every dispatched operation costs the host its class's time; a replay, each kernel
     host_launches = kernels if hw.cuda_graphs else host_operations
     overhead = hw.call_overhead_s + part.layers * (
-        hw.layer_host_s + attention_host_s(hw, n_slots if key_sets is None else key_sets,
-                                           n_positions)) + host_launches * hw.kernel_overhead_s
+        hw.layer_host_s + attention_host_s(hw, key_sets, n_positions)
+    ) + host_launches * hw.kernel_overhead_s
 
     attention_eff = hw.attention_flops_efficiency or hw.flops_efficiency
     attention_s = attention_flops / (flops_peak * attention_eff)
@@ -212,8 +213,7 @@ def call_cost(
     # a CPU's attention works through its (key set, head) pairs one by one, each at a fixed
     # cost beside its keys' bytes: part of reading the cache, and what many short key sets
     # (a batch of WFD waves) add
-    key_sets_s = part.layers * model.num_heads * hw.attention_key_set_s * (
-        n_slots if key_sets is None else key_sets)
+    key_sets_s = part.layers * model.num_heads * hw.attention_key_set_s * key_sets
     kv_s = kv_s + key_sets_s
     roofline_s = roofline_s + key_sets_s
     device_kernels_s = kernels * hw.kernel_device_s
