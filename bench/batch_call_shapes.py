@@ -3,7 +3,7 @@ cost model.
 
     python bench/batch_call_shapes.py [--model huginn-small:random] [--profile FILE]
         [--part block|prelude|coda] [--context 80] [--batches 1 2 4 8 16] [--ragged 0 7]
-        [--repeats 3] [--threads 2] [--kernel] [--json]
+        [--repeats 3] [--threads 2] [--kernel] [--cold] [--json]
 
 Each shape is one call of the decoder's ``--part`` over B sequences (``wfd.runtime.Runner`` on a
 batched cache, eager). Block calls: B AR steps (one position each), B DtV verifications of k = 4
@@ -15,6 +15,11 @@ calibration's canary product and taken again while the machine is busy, over ``-
 interleaved rounds (the median of the rounds is reported), and priced by the profile
 (``price_records``). Prints a Markdown table: the call's key sets (distinct (sequence, slot)
 pairs), measured and predicted milliseconds, and their ratio.
+
+``--cold`` times each call as a decode loop runs it after another part's call: before each of
+the five, a buffer the size of the model's weights is read and written (the other parts' weights
+pass through the cache), and prices it so (``call_cost``'s ``after_other_part``): the table then
+shows each shape warm and cold, each against its own price.
 
 ``--kernel`` first times the attention kernel alone on this machine: the same keys' bytes (128
 x 96 keys of 8 heads of 64, fp32, from memory: each repeat reads another copy) split into 1 to
@@ -70,9 +75,13 @@ def call_inputs(part: str, n: int, hidden: int, vocab: int) -> list[torch.Tensor
 
 
 def median_of_five(runner: Runner, part: str, positions: list[int], depths: list[int],
-                   inputs: list[torch.Tensor], sequences: list[int]) -> float:
+                   inputs: list[torch.Tensor], sequences: list[int],
+                   evict: torch.Tensor | None = None) -> float:
+    """The median of five calls; with ``evict``, each after that buffer is read and written."""
     runner.records.clear()
     for _ in range(5):
+        if evict is not None:
+            evict.add_(1.0)
         runner.run(part, positions, depths, inputs, sequences)
     return statistics.median(r.wall_s for r in runner.records)
 
@@ -113,6 +122,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kernel", action="store_true")
+    ap.add_argument("--cold", action="store_true",
+                    help="also time each call after the model's weights' worth of other bytes")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.context < 1 or min(args.batches) < 1 or args.repeats < 1:
@@ -137,8 +148,10 @@ def main() -> None:
     cache.fill(args.context + SPREAD + 16)
     runner = Runner(model, cache, record=True, mode="eager")
     quiet = Quiet("cpu")
-    points = [(name, b, r) for name in part_shapes for b in batches
-              for r in sorted(set(args.ragged)) if not (b == 1 and r)]
+    evict = (torch.ones(sum(p.numel() for p in model.parameters())) if args.cold else None)
+    points = [(name, b, r, cold) for name in part_shapes for b in batches
+              for r in sorted(set(args.ragged)) if not (b == 1 and r)
+              for cold in ([False, True] if args.cold else [False])]
     measured: dict[tuple, list[float]] = {p: [] for p in points}
     records = {}
     with torch.inference_mode():
@@ -148,16 +161,19 @@ def main() -> None:
                                                           args.context, point[2])
                 inputs = call_inputs(args.part, len(positions), cfg.hidden_size,
                                      cfg.vocab_size)
-                call = (runner, args.part, positions, depths, inputs, sequences)
+                call = (runner, args.part, positions, depths, inputs, sequences,
+                        evict if point[3] else None)
                 median_of_five(*call)  # warm
                 measured[point].append(quiet.measure(lambda t: t, median_of_five, *call))
                 records[point] = runner.records[0]
     rows = []
     for point in points:
         record = records[point].model_copy()
-        price_records(cfg, hw, [record], dtype="fp32")
+        # cold: after another part's call
+        before = ("coda" if args.part == "prelude" else "prelude") if point[3] else None
+        price_records(cfg, hw, [record], dtype="fp32", before=before)
         t = statistics.median(measured[point])
-        rows.append({"call": point[0], "batch": point[1], "ragged": point[2],
+        rows.append({"call": point[0], "batch": point[1], "ragged": point[2], "cold": point[3],
                      "key_sets": len(record.slot_contexts()), "measured_ms": t * 1e3,
                      "predicted_ms": record.wall_s * 1e3, "ratio": t / record.wall_s})
     out.update(rows=rows, load=quiet.report())
@@ -177,12 +193,12 @@ def main() -> None:
     print(f"{args.model} {args.part} calls at context {args.context}, profile {profile_path}; "
           f"canary {load['canary_median']:.2f}x its fastest (median), "
           f"{load['retaken_fraction']:.0%} of measurements taken again\n")
-    print("| call | batch | contexts apart | key sets | measured ms | predicted ms | "
-          "measured / predicted |\n|---|---|---|---|---|---|---|")
+    print("| call | batch | contexts apart | cache | key sets | measured ms | predicted ms | "
+          "measured / predicted |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['call']} | {r['batch']} | {r['ragged'] and 'ragged' or 'equal'} | "
-              f"{r['key_sets']} | {r['measured_ms']:.2f} | {r['predicted_ms']:.2f} | "
-              f"{r['ratio']:.2f} |")
+              f"{'cold' if r['cold'] else 'warm'} | {r['key_sets']} | {r['measured_ms']:.2f} | "
+              f"{r['predicted_ms']:.2f} | {r['ratio']:.2f} |")
 
 
 if __name__ == "__main__":

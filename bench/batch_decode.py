@@ -64,14 +64,15 @@ def measure(model, schedule: str, batch: int, args, hw=None, **kw) -> dict:
                        schedule=schedule, batch_size=batch, mode=args.mode, record=hw is not None,
                        force_acceptance=args.acceptance if schedule != "ar" else None, **kw)
     accepted = [r.acceptance for r in run.results if r.acceptance is not None]
-    blocks = [r for r in run.records if r.kind == "block" and min(r.positions) >= args.context]
-    priced = [r.model_copy() for r in blocks]
+    # priced in the order they ran: a call after another part's reads its weights from memory
+    priced = [r.model_copy() for r in run.records]
     if hw is not None:
         price_records(model.config, hw, priced, dtype=args.dtype)
+    decode = [(m, p) for m, p in zip(run.records, priced, strict=True)
+              if m.kind == "block" and min(m.positions) >= args.context]
     return {"tokens_per_s": run.decode_tokens_per_s, "kv_bytes": run.stats["kv_bytes_allocated"],
             "acceptance": statistics.mean(accepted) if accepted else None,
-            "block_call_ratio": statistics.median(m.wall_s / p.wall_s for m, p in
-                                                  zip(blocks, priced, strict=True))
+            "block_call_ratio": statistics.median(m.wall_s / p.wall_s for m, p in decode)
             if hw is not None else None}
 
 

@@ -28,6 +28,10 @@ per-kernel overhead leaves them out (the curve includes their dispatch); the res
     t = overheads + scale * sum(curve(product, n)) + max(other bytes / BW_eff, attention / F_att)
         + layers * heads * key sets * t_key_set
 
+The working set is the part's own weights when the call repeats its part (as a calibration times
+it, or as AR's R block calls run back to back) and the whole model's when it follows a call of
+another part (``after_other_part``): between two calls of the prelude, the block and the coda
+read theirs, and a prelude whose weights alone fit in the cache still reads them from memory.
 The products' one-row time is reported as weights, what more rows add as compute. The last term
 is the attention kernel's fixed cost per (key set, head) pair it works through, reported with
 the KV: a batch of B WFD waves of W positions reads B * W short key sets, and at B = 16, W = 8
@@ -135,6 +139,7 @@ def call_cost(
     context_sum_slots: ArrayLike,
     bandwidth_bytes_per_s: ArrayLike | None = None,
     key_sets: ArrayLike | None = None,
+    after_other_part: ArrayLike = False,
 ) -> CallCost:
     """Price one call.
 
@@ -145,6 +150,10 @@ def call_cost(
     bandwidth_bytes_per_s: overrides the hardware's peak bandwidth (for sweeps).
     key_sets: distinct (sequence, slot) pairs read, the attention call's batch (None: n_slots,
         one sequence).
+    after_other_part: the call follows a call of another part, whose weights took this part's
+        out of a CPU's cache: its products read from a working set of the whole model's
+        weights (False: the call repeats its part's, as a calibration times it, or as AR's R
+        block calls run back to back).
     """
     width = DTYPE_BYTES[dtype]
     key_sets = n_slots if key_sets is None else key_sets
@@ -191,22 +200,36 @@ def call_cost(
         matrices = [(shape, part.layers) for shape in part.layer_matrices] + [
             (shape, 1) for shape in part.extra_matrices]
         matrix_bytes = sum(out * inner * count for (out, inner), count in matrices) * width
-        working_set = part.weight_params * width
-        # a bandwidth other than the measured one moves the weights' share of products that
-        # stream from memory
-        streamed = streams(curve, working_set)
-        bw_ratio = hw.memory_bandwidth_bytes_per_s / bw_peak if streamed else 1.0
-        products_s = hw.matmul_time_scale * part_matmul_s(curve, matrices, width, n_positions,
-                                                          working_set)
-        one_row_s = np.minimum(hw.matmul_time_scale * part_matmul_s(curve, matrices, width, 1,
-                                                                    working_set), products_s)
+
+        def products(working_set: float) -> tuple[ArrayLike, ArrayLike, ArrayLike]:
+            """(the products' time, their one-row time, that time as the weights' time: a
+            bandwidth other than the measured one moves it where the products stream from
+            memory) in a working set"""
+            streamed = streams(curve, working_set)
+            ratio = hw.memory_bandwidth_bytes_per_s / bw_peak if streamed else 1.0
+            total = hw.matmul_time_scale * part_matmul_s(curve, matrices, width, n_positions,
+                                                         working_set)
+            one_row = np.minimum(hw.matmul_time_scale * part_matmul_s(
+                curve, matrices, width, 1, working_set), total)
+            return total, one_row, one_row * ratio
+
+        products_s, one_row_s, row_weights_s = products(part.weight_params * width)
+        cold = np.asarray(after_other_part, dtype=bool)
+        if cold.any():
+            # between two calls of this part the others read their weights: the cache holds
+            # what is left of the whole model's
+            whole = sum(p.weight_params for p in model.parts.values()) * width
+            products_s, one_row_s, row_weights_s = (
+                np.where(cold, after, before)
+                for after, before in zip(products(whole), (products_s, one_row_s, row_weights_s),
+                                         strict=True))
         # the curve's products include their own dispatch
         overhead = np.maximum(overhead - part.matrix_products * hw.kernel_overhead_s,
                               hw.call_overhead_s)
         other_mem_s = (weight_bytes - matrix_bytes + activation_bytes) / (
             bw_peak * hw.bandwidth_efficiency)
         rest_memory_bound = other_mem_s + kv_mem_s >= attention_s
-        weights_s = one_row_s * bw_ratio + np.where(rest_memory_bound, other_mem_s, 0.0)
+        weights_s = row_weights_s + np.where(rest_memory_bound, other_mem_s, 0.0)
         kv_s = np.where(rest_memory_bound, kv_mem_s, 0.0)
         compute_s = products_s - one_row_s + np.where(rest_memory_bound, 0.0, attention_s)
         roofline_s = weights_s + kv_s + compute_s

@@ -72,16 +72,18 @@ class _Pricer:
         self.model, self.hw, self.dtype = model, hw, dtype
         self.context, self.batch, self.bandwidth = mean_context, batch, bandwidth
         self.parts = model.parts
-        self._memo: dict[tuple[str, int, int], tuple[np.ndarray, ...]] = {}
+        self._memo: dict[tuple[str, int, int, bool], tuple[np.ndarray, ...]] = {}
 
-    def shape_cost(self, part: str, positions: int, slots: int) -> tuple[np.ndarray, ...]:
-        key = (part, positions, slots)
+    def shape_cost(self, part: str, positions: int, slots: int, after_other_part: bool
+                   ) -> tuple[np.ndarray, ...]:
+        key = (part, positions, slots, after_other_part)
         if key not in self._memo:
             n = self.batch * positions
             c = call_cost(self.model, self.hw, self.parts[part], self.dtype, n_positions=n,
                           n_slots=slots, context_sum_positions=n * self.context,
                           context_sum_slots=self.batch * slots * self.context,
-                          bandwidth_bytes_per_s=self.bandwidth, key_sets=self.batch * slots)
+                          bandwidth_bytes_per_s=self.bandwidth, key_sets=self.batch * slots,
+                          after_other_part=after_other_part)
             self._memo[key] = (c.weights_s, c.kv_s, c.compute_s, c.overhead_s, c.ideal_s)
         return self._memo[key]
 
@@ -93,8 +95,9 @@ class _Pricer:
             if g.basis not in bases:
                 bases[g.basis] = basis_value(g.basis, alpha)
             w = g.count * bases[g.basis]
-            for key, value in zip((*_TERMS, "ideal_s"), self.shape_cost(g.part, g.positions,
-                                                                        g.slots), strict=True):
+            for key, value in zip((*_TERMS, "ideal_s"),
+                                  self.shape_cost(g.part, g.positions, g.slots,
+                                                  g.after_other_part), strict=True):
                 totals[key] = totals[key] + w * value
         totals["latency_s"] = sum(totals[k] for k in _TERMS)
         return totals

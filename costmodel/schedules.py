@@ -47,6 +47,9 @@ class CallGroup:
     slots: int  # distinct KV slots read, per sequence
     count: float
     basis: Basis = ("const",)
+    # the calls follow a call of another part (a CPU's cache then holds what is left of the
+    # whole model's weights, not this part's: cost.call_cost); only block calls ever repeat
+    after_other_part: bool = True
 
     def weight(self, alpha: np.ndarray) -> np.ndarray:
         return self.count * basis_value(self.basis, np.asarray(alpha, dtype=float))
@@ -80,7 +83,8 @@ def basis_value(basis: Basis, alpha: np.ndarray) -> np.ndarray:
 
 
 def ar_groups(depth: int) -> list[CallGroup]:
-    return [CallGroup("prelude", 1, 1, 1), CallGroup("block", 1, 1, depth),
+    return [CallGroup("prelude", 1, 1, 1), CallGroup("block", 1, 1, 1),
+            CallGroup("block", 1, 1, depth - 1, after_other_part=False),
             CallGroup("coda", 1, 1, 1)]
 
 
@@ -90,9 +94,11 @@ def dtv_groups(schedule: DtV, depth: int) -> list[CallGroup]:
     per_round = ("dtv", k)
     return [
         CallGroup("prelude", 1, 1, drafted, per_round),
-        CallGroup("block", 1, 1, drafted * d, per_round),
+        CallGroup("block", 1, 1, drafted, per_round),  # each draft's first, after its prelude
+        CallGroup("block", 1, 1, drafted * (d - 1), per_round, after_other_part=False),
         CallGroup("coda", 1, 1, drafted, per_round),
-        CallGroup("block", drafted, 1, depth - d, per_round),
+        CallGroup("block", drafted, 1, 1, per_round),  # the continuation's first, after C
+        CallGroup("block", drafted, 1, depth - d - 1, per_round, after_other_part=False),
         CallGroup("coda", drafted, 1, 1, per_round),
     ]
 
@@ -159,9 +165,14 @@ def wfd_groups(schedule: WFD, depth: int, kv_sharing: int) -> list[CallGroup]:
         raise ValueError(f"draft depth {schedule.draft_depth} must be below R = {depth}")
     _, verifies = wfd_period(depth, schedule)
     groups = []
-    for tick in wfd_ticks(depth, schedule, kv_sharing):
+    ticks = wfd_ticks(depth, schedule, kv_sharing)
+    for before, tick in zip([None, *ticks[:-1]], ticks, strict=True):
         basis = wfd_tick_basis(tick, depth, verifies)
-        groups.append(CallGroup("block", tick.block_positions, tick.block_slots, 1, basis))
+        # a tick's block call follows its prelude call, or the last tick's coda call (a wave's
+        # first tick has both), or else the last tick's block call
+        after_other = bool(tick.prelude_positions or before is None or before.readouts)
+        groups.append(CallGroup("block", tick.block_positions, tick.block_slots, 1, basis,
+                                after_other))
         if tick.prelude_positions:
             groups.append(CallGroup("prelude", tick.prelude_positions, 1, 1, basis))
         if tick.readouts:
@@ -184,10 +195,11 @@ def merge_groups(groups: list[CallGroup]) -> list[CallGroup]:
     """Add up the counts of groups with the same shape and basis."""
     merged: dict[tuple, float] = {}
     for g in groups:
-        key = (g.part, g.positions, g.slots, g.basis)
-        merged[key] = merged.get(key, 0.0) + g.count
-    return [CallGroup(part, n, slots, count, basis)
-            for (part, n, slots, basis), count in merged.items()]
+        if g.count:
+            key = (g.part, g.positions, g.slots, g.basis, g.after_other_part)
+            merged[key] = merged.get(key, 0.0) + g.count
+    return [CallGroup(part, n, slots, count, basis, after)
+            for (part, n, slots, basis, after), count in merged.items()]
 
 
 def block_calls_per_token(groups: list[CallGroup], alpha: np.ndarray) -> np.ndarray:

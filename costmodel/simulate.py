@@ -61,7 +61,8 @@ class _Simulator(Executor):
         self.result = SimulationResult([], committed_tokens=0)
         self.start = plan.prompt_length
         self.records = records
-        self.shapes: dict[str, list[tuple[int, int, int, int, int]]] = {}  # without records
+        self.shapes: dict[str, list[tuple[int, ...]]] = {}  # without records: shapes_by_part's
+        self.previous = "coda"  # the part of the call before: decoding follows the prefill's
 
     @property
     def done(self) -> bool:
@@ -78,7 +79,9 @@ class _Simulator(Executor):
                 contexts=[p + 1 for p in call.positions], slots=slots, wall_s=0.0))
         else:
             self.shapes.setdefault(call.kind, []).append(
-                call_shape(slots, [p + 1 for p in call.positions]))
+                (*call_shape(slots, [p + 1 for p in call.positions]),
+                 call.kind != self.previous))
+        self.previous = call.kind
 
     def verify(self, position: int) -> bool:
         ok = bool(self.accept[position - self.start])
@@ -150,20 +153,25 @@ def simulate(
     if prefill:
         price_records(model, hw, res.records[:len(res.records) - len(decode)], dtype=dtype,
                       batch_size=batch_size)
-    res.breakdown_s = price_records(model, hw, decode, dtype=dtype, batch_size=batch_size)
+    res.breakdown_s = price_records(model, hw, decode, dtype=dtype, batch_size=batch_size,
+                                    before="coda")
     res.latency_s = sum(r.wall_s for r in decode)
     return res
 
 
 def price_records(model: LoopedModelSpec, hw: HardwareSpec, records: list[CallRecord], *,
-                  dtype: str, batch_size: int = 1) -> dict[str, float]:
+                  dtype: str, batch_size: int = 1, before: str | None = None
+                  ) -> dict[str, float]:
     """Set each record's ``wall_s`` to its predicted time; return the summed breakdown.
 
+    The records are calls in the order they ran (``before``: the part of the call before the
+    first; None: the first stands alone, timed as a calibration times a call, over and over);
+    a call that follows another part's is priced so (``call_cost``'s ``after_other_part``).
     Records are priced together, one vectorized ``call_cost`` per part."""
     mine: dict[str, list[CallRecord]] = {}
     for r in records:
         mine.setdefault(r.kind, []).append(r)
-    totals, times = price_shapes(model, hw, _shapes_by_part(records), dtype=dtype,
+    totals, times = price_shapes(model, hw, _shapes_by_part(records, before), dtype=dtype,
                                  batch_size=batch_size)
     for kind, recs in mine.items():
         for record, t in zip(recs, times[kind], strict=True):
@@ -180,10 +188,17 @@ def price_bytes(model: LoopedModelSpec, hw: HardwareSpec, records: list[CallReco
                                                  batch_size))
 
 
-def _shapes_by_part(records: list[CallRecord]) -> dict[str, list[tuple[int, int, int, int, int]]]:
-    shapes: dict[str, list[tuple[int, int, int, int, int]]] = {}
+def _shapes_by_part(records: list[CallRecord], before: str | None = None
+                    ) -> dict[str, list[tuple[int, ...]]]:
+    """Each part's calls: their ``call_shape`` and whether each follows another part's call
+    (``before``: the part before the first record; None: the first follows none)."""
+    shapes: dict[str, list[tuple[int, ...]]] = {}
+    previous = before
     for r in records:
-        shapes.setdefault(r.kind, []).append(call_shape(r.slots, r.contexts, r.sequences))
+        shapes.setdefault(r.kind, []).append(
+            (*call_shape(r.slots, r.contexts, r.sequences),
+             previous is not None and r.kind != previous))
+        previous = r.kind
     return shapes
 
 
@@ -198,10 +213,10 @@ def call_shape(slots: Sequence[int], contexts: Sequence[int],
 
 
 def price_shapes(model: LoopedModelSpec, hw: HardwareSpec,
-                 shapes: dict[str, list[tuple[int, int, int, int, int]]], *, dtype: str,
+                 shapes: dict[str, list[tuple[int, ...]]], *, dtype: str,
                  batch_size: int = 1) -> tuple[dict[str, float], dict[str, np.ndarray]]:
-    """Calls given by their ``call_shape`` per part: the summed breakdown, and each call's
-    time."""
+    """Calls given by their ``call_shape`` and whether they follow another part's call, per
+    part: the summed breakdown, and each call's time."""
     totals = {"weights_s": 0.0, "kv_s": 0.0, "compute_s": 0.0, "overhead_s": 0.0}
     times: dict[str, np.ndarray] = {}
     for kind, cost, count in _part_costs(model, hw, shapes, dtype, batch_size):
@@ -212,15 +227,15 @@ def price_shapes(model: LoopedModelSpec, hw: HardwareSpec,
 
 
 def _part_costs(model: LoopedModelSpec, hw: HardwareSpec,
-                shapes: dict[str, list[tuple[int, int, int, int, int]]], dtype: str,
-                batch_size: int):
+                shapes: dict[str, list[tuple[int, ...]]], dtype: str, batch_size: int):
     """(part, its calls' vectorized CallCost, number of calls) for each part."""
     for kind, rows in shapes.items():
-        n, slots, ctx_positions, ctx_slots, key_sets = np.array(rows, dtype=float).T
+        n, slots, ctx_positions, ctx_slots, key_sets, after = np.array(rows, dtype=float).T
         yield kind, call_cost(model, hw, model.part(kind), dtype, n_positions=batch_size * n,
                               n_slots=slots, context_sum_positions=batch_size * ctx_positions,
                               context_sum_slots=batch_size * ctx_slots,
-                              key_sets=batch_size * key_sets), len(rows)
+                              key_sets=batch_size * key_sets,
+                              after_other_part=after.astype(bool)), len(rows)
 
 
 @dataclass
@@ -292,7 +307,8 @@ def simulate_batch(
     run_batch(list(sequences), min(batch_size, len(sequences)), start, run_call, lambda _: None)
     price_records(model, hw, [r for r, p in zip(calls, prefill, strict=True) if p], dtype=dtype)
     decode = [r for r, p in zip(calls, prefill, strict=True) if not p]
-    breakdown = price_records(model, hw, decode, dtype=dtype)
+    # a newcomer's prefill between two decode calls is not counted as coming between them
+    breakdown = price_records(model, hw, decode, dtype=dtype, before="coda")
     return BatchSimulation(calls=calls, prefill=prefill,
                            decode_tokens=sum(new - 1 for _, new, _ in sequences),
                            latency_s=sum(r.wall_s for r in decode), breakdown_s=breakdown)

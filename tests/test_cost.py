@@ -282,3 +282,29 @@ def test_a_cpu_attention_pays_for_each_key_set_and_head():
     assert float(call_cost(m, get_hardware("a6000"), part, "bf16", 1, 1, 100, 100).kv_s) == \
         float(call_cost(m, get_hardware("a6000").model_copy(update={"attention_key_set_s": 0.0}),
                         part, "bf16", 1, 1, 100, 100).kv_s)  # 0 unless calibrated
+
+
+def test_a_cpu_call_after_another_parts_reads_its_weights_from_the_whole_models_working_set():
+    # each part's weights fit the synthetic 16 MiB cache, the three together do not
+    model = get_model("huginn-tiny").model_copy(update={"hidden_size": 384, "mlp_size": 1024,
+                                                        "num_heads": 6, "num_kv_heads": 6})
+    sizes = [p.weight_params * 4 for p in model.parts.values()]
+    assert max(sizes) < 2**24 < sum(sizes)
+    hw = _cpu()
+    for name in ("prelude", "block", "coda"):
+        part = model.part(name)
+        warm, cold = (call_cost(model, hw, part, "fp32", 1, 1, 64, 64, after_other_part=after)
+                      for after in (False, True))
+        # 20 GB/s from memory, 200 from the cache: the whole model's 29 MiB lie between the
+        # curve's cached 16 MiB and streamed 128 MiB
+        assert cold.weights_s > 1.3 * warm.weights_s
+        assert cold.overhead_s == warm.overhead_s and cold.kv_s == warm.kv_s
+        mixed = call_cost(model, hw, part, "fp32", np.array([1, 1]), 1, 64, 64,
+                          after_other_part=np.array([False, True]))
+        assert list(mixed.time_s) == pytest.approx([warm.time_s, cold.time_s])
+    # a model that fits the cache whole, and a GPU (no curve), price both alike
+    tiny = get_model("huginn-tiny")
+    for m, h in ((tiny, hw), (model, get_hardware("a6000"))):
+        assert call_cost(m, h, m.part("block"), "fp32", 1, 1, 64, 64,
+                         after_other_part=True).time_s == pytest.approx(
+            call_cost(m, h, m.part("block"), "fp32", 1, 1, 64, 64).time_s)

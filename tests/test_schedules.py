@@ -153,3 +153,45 @@ def test_simulating_without_records_prices_the_same(schedule, alpha, sharing, ba
     assert lean.records == [] and lean.block_calls == full.block_calls
     assert lean.latency_s == pytest.approx(full.latency_s, rel=1e-12)
     assert lean.breakdown_s == pytest.approx(full.breakdown_s, rel=1e-12)
+
+
+def _cpu_and_model():
+    """A CPU (a matrix-product curve with a 16 MiB cache) and a model each of whose parts fits
+    that cache while the three together do not: a call after another part's streams its
+    weights, a block call after a block call reads them from the cache."""
+    from conftest import cpu_like_product_s, synthetic_curve
+
+    hw = A6000.model_copy(update={"overhead_overlaps": False,
+                                  "peak_flops_per_s": {"bf16": 100e9},
+                                  "matmul": synthetic_curve(cpu_like_product_s, "bf16")})
+    model = get_model("huginn-tiny").model_copy(update={"hidden_size": 512, "mlp_size": 1408,
+                                                        "num_heads": 8, "num_kv_heads": 8})
+    sizes = [p.weight_params * 2 for p in model.parts.values()]
+    assert max(sizes) < 2**24 < sum(sizes)
+    return hw, model
+
+
+def test_on_a_cpu_the_closed_form_knows_which_calls_follow_another_part():
+    hw, model = _cpu_and_model()
+    depth = model.default_depth
+    sim = simulate(model, hw, AR(), context_length=100, new_tokens=3)
+    latency, _ = closed_form(model, hw, AR(), 0.0, 100, 3)
+    assert sim.latency_per_token_s == pytest.approx(latency, rel=1e-3)
+    # every call priced as its part repeating would be faster: the flags matter, most in a
+    # schedule whose parts take turns call by call
+    pricer = _Pricer(model, hw, "bf16", np.asarray(100.5), np.asarray(1.0), None)
+    for schedule, margin in ((AR(), 0.98), (WFD(draft_depth=2), 0.9)):
+        groups = call_groups(schedule, depth)
+        warm = [g.__class__(g.part, g.positions, g.slots, g.count, g.basis, False)
+                for g in groups]
+        assert (float(pricer.per_token(warm, np.asarray(0.9))["latency_s"])
+                < margin * float(pricer.per_token(groups, np.asarray(0.9))["latency_s"]))
+    for schedule in (WFD(draft_depth=1), WFD(draft_depth=2), DtV(block_length=3, draft_depth=2)):
+        for alpha in (1.0, 0.7):
+            sims = [simulate(model, hw, schedule, context_length=100, new_tokens=400,
+                             acceptance=alpha, seed=s, records=records)
+                    for s in range(3) for records in (True, False)]
+            assert sims[0].latency_s == pytest.approx(sims[1].latency_s, rel=1e-12)
+            mean = np.mean([s.latency_per_token_s for s in sims])
+            latency, _ = closed_form(model, hw, schedule, alpha, 100, 400)
+            assert mean == pytest.approx(latency, rel=0.05)
