@@ -19,14 +19,14 @@ wander from --acceptance), DtV's best k among --block-lengths on both sides, and
 model's default draft depth. The KV cache each batch allocates is checked against the
 prediction's.
 
-Prints Markdown tables: the measured speedups over AR at each batch; the predicted ones
-(`costmodel predict --batch B`: B copies of one sequence's steady state) and the simulated ones
-(this finite batch replayed call by call with the same outcomes by
-`costmodel.simulate.simulate_batch`, each call priced by the profile), with their relative
-errors; the crossover batch where WFD stops beating DtV on each side; and, per configuration,
-the median of measured over priced time of the decode's block calls (how far the per-call prices
-are off). --measured FILE re-prices a previous --out file's measurements (another profile)
-without measuring.
+Prints Markdown tables: the measured speedups over AR at each batch; the predicted ones, for a
+batch kept full (`costmodel predict --batch B`: B copies of one sequence's steady state) and for
+this run (`costmodel predict --batch B --prompts B`: these B prompts decoded to their end, the
+batch emptying as they finish, simulated call by call with the draws the decoder's forced
+acceptance made), with their relative errors; the crossover batch where WFD stops beating DtV
+on each side; and, per configuration, the median of measured over priced time of the decode's
+block calls (how far the per-call prices are off). --measured FILE re-prices a previous --out
+file's measurements (another profile) without measuring.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ import torch
 from calibrate.measure import Quiet
 from costmodel.figures import batch_speedup_axes, save_figure
 from costmodel.profile import load_profile
-from costmodel.simulate import acceptance_draws, price_records, simulate_batch
-from costmodel.specs import AR, WFD, DtV, Workload
+from costmodel.simulate import price_records
+from costmodel.specs import Workload
 from wfd.batch import Request, decode_batch
 from wfd.checkpoint import load_model
 from wfd.runtime import PROFILES_DIR
@@ -69,10 +69,17 @@ def measure(model, schedule: str, batch: int, args, hw=None, **kw) -> dict:
     if hw is not None:
         price_records(model.config, hw, priced, dtype=args.dtype)
     decode = [(m, p) for m, p in zip(run.records, priced, strict=True)
-              if m.kind == "block" and min(m.positions) >= args.context]
+              if min(m.positions) >= args.context]
+    blocks = [(m, p) for m, p in decode if m.kind == "block"]
+    calls_s = sum(m.wall_s for m, _ in decode)
     return {"tokens_per_s": run.decode_tokens_per_s, "kv_bytes": run.stats["kv_bytes_allocated"],
             "acceptance": statistics.mean(accepted) if accepted else None,
-            "block_call_ratio": statistics.median(m.wall_s / p.wall_s for m, p in decode)
+            "block_call_ratio": statistics.median(m.wall_s / p.wall_s for m, p in blocks)
+            if hw is not None else None,
+            # the decode's calls (every part) over their price, and the decode's time outside
+            # its calls: the host's work between them, which no call's price covers
+            "calls_ratio": calls_s / sum(p.wall_s for _, p in decode) if hw is not None else None,
+            "between_calls_fraction": 1 - calls_s / (run.wall_s - run.prefill_s)
             if hw is not None else None}
 
 
@@ -84,15 +91,12 @@ def predicted(spec, hw, batch: int, args, acceptance: float | None, **kw):
     return predict(spec, hw, wl, **kw).schedules
 
 
-def simulated(spec, hw, batch: int, args, schedule: str, **kw) -> float:
-    """Decode tokens/s of the same batch simulated call by call: the same sequences, forced
-    outcomes and merged calls as the measured run, each call priced by the profile."""
-    kind = {"ar": AR, "dtv": DtV, "wfd": WFD}[schedule](**kw)
-    sequences = [(args.context, args.new_tokens, None if schedule == "ar" else
-                  acceptance_draws(args.acceptance, args.new_tokens + 1, i))
-                 for i in range(batch)]
-    return simulate_batch(spec, hw, kind, sequences, batch_size=batch,
-                          dtype=args.dtype).tokens_per_s
+def this_run(spec, hw, batch: int, args, schedule: str, **kw) -> float:
+    """Decode tokens/s that `costmodel predict --batch B --prompts B` predicts for this run: the
+    same prompts and (forced, seeded) draft outcomes, to the end of the last sequence."""
+    wl = Workload(context_length=args.context, new_tokens=args.new_tokens, batch_size=batch,
+                  acceptance=args.acceptance, dtype=args.dtype, prompts=batch)
+    return predict(spec, hw, wl, **kw).schedules[schedule].tokens_per_s
 
 
 def check_kv(batch: int, label: str, run: dict, prediction) -> None:
@@ -190,7 +194,7 @@ def main() -> None:
             check_kv(batch, label, runs[batch, label][0], s[label])
         pred_best = max(dtv_labels, key=dtv_pred.__getitem__)
         ar_pred = s["ar"].tokens_per_s
-        sim = {label: simulated(spec, hw, batch, args, configs[label][0], **configs[label][1])
+        sim = {label: this_run(spec, hw, batch, args, configs[label][0], **configs[label][1])
                for label in configs}
         sim_best = max(dtv_labels, key=sim.__getitem__)
         rows.append({
@@ -204,9 +208,9 @@ def main() -> None:
             "simulated_wfd": sim["wfd"] / sim["ar"], "simulated_ar_tokens_per_s": sim["ar"],
             "wfd_acceptance": wfd_acc, "dtv_acceptance": runs[batch, best][0]["acceptance"],
             "wfd_width": s["wfd"].width, "kv_bytes_checked": True,
-            "block_call_ratio": {label: statistics.median(
-                r["block_call_ratio"] for r in runs[batch, label])
-                for label in configs if runs[batch, label][0].get("block_call_ratio")},
+            **{key: {label: statistics.median(r[key] for r in runs[batch, label])
+                     for label in configs if runs[batch, label][0].get(key)}
+               for key in ("block_call_ratio", "calls_ratio", "between_calls_fraction")},
             "rates": rate, "spreads": spread})
 
     ar1 = rows[0]["ar_tokens_per_s"]
@@ -220,11 +224,11 @@ def main() -> None:
               f"{load['canary_p10']:.2f}-{load['canary_p90']:.2f}x, 10th-90th percentile)")
     print()
     print("Speedups over AR at the same batch: measured; predicted by `costmodel predict --batch "
-          "B` (steady state); simulated (this finite batch call by call, priced by the profile)."
-          "\n")
-    print("| batch | AR tokens/s (range) | AR vs batch 1 | AR predicted / simulated | "
-          "DtV measured (k) | predicted (k) | simulated (k) | WFD measured | predicted | "
-          "simulated |\n|---|---|---|---|---|---|---|---|---|---|")
+          "B` (a batch kept full) and for this run (`--prompts B`: the batch empties as its "
+          "sequences finish).\n")
+    print("| batch | AR tokens/s (range) | AR vs batch 1 | AR predicted: full / this run | "
+          "DtV measured (k) | full batch (k) | this run (k) | WFD measured | full batch | "
+          "this run |\n|---|---|---|---|---|---|---|---|---|---|")
 
     def err(value: float, measured: float) -> str:
         return f"{value:.2f}x ({value / measured - 1:+.0%})"
@@ -247,11 +251,21 @@ def main() -> None:
         for r in rows:
             print(f"| {r['batch']} | " + " | ".join(
                 f"{r['block_call_ratio'][label]:.2f}" for label in labels) + " |")
+    if rows[0]["calls_ratio"]:
+        shown = ["ar", *sorted({r["dtv_best"] for r in rows}), "wfd"]
+        print("\nThe decode's calls (every part), measured over priced, and its time between "
+              "calls (the host's work, unpriced), median over repeats\n")
+        print("| batch | " + " | ".join(f"{label}: calls / between" for label in shown)
+              + " |\n|---|" + "---|" * len(shown))
+        for r in rows:
+            print(f"| {r['batch']} | " + " | ".join(
+                f"{r['calls_ratio'][label]:.2f} / {r['between_calls_fraction'][label]:.1%}"
+                for label in shown) + " |")
     measured_x, predicted_x = crossover(rows, "measured"), crossover(rows, "predicted")
     simulated_x = crossover(rows, "simulated")
     print(f"\ncrossover (smallest batch where WFD < DtV): measured {measured_x}, predicted "
-          f"{predicted_x}, simulated {simulated_x}; the KV cache allocated at every batch "
-          "equals the prediction's")
+          f"{predicted_x} (full batch), {simulated_x} (this run); the KV cache allocated at "
+          "every batch equals the prediction's")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"model": args.model, "dtype": args.dtype, "context": args.context,
@@ -272,9 +286,9 @@ def main() -> None:
                 ax.plot(batches, [r[f"measured_{name}"] for r in rows], marker="o",
                         color=f"C{i}", label=f"{name.upper()} measured")
                 ax.plot(batches, [r[f"predicted_{name}"] for r in rows], linestyle="--",
-                        marker="x", color=f"C{i}", label=f"{name.upper()} predicted")
+                        marker="x", color=f"C{i}", label=f"{name.upper()} predicted, full batch")
                 ax.plot(batches, [r[f"simulated_{name}"] for r in rows], linestyle=":",
-                        marker="+", color=f"C{i}", label=f"{name.upper()} simulated")
+                        marker="+", color=f"C{i}", label=f"{name.upper()} predicted, this run")
             batch_speedup_axes(ax, f"{args.model} {args.dtype} on {profile.machine}",
                                "decode speedup over AR at the same batch (x)")
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from .clitools import UserError, print_json, run
+from .clitools import UserError, print_json, run, spinner
 from .figures import NO_PLOTS
 from .memory import does_not_fit
 from .predict import Prediction, predict
@@ -73,9 +73,9 @@ def _override(hw: HardwareSpec, bandwidth: str | None, flops: str | None, memory
 
 
 
-def _at_least_one(**values: int) -> None:
+def _at_least_one(**values: int | None) -> None:
     for name, value in values.items():
-        if value < 1:
+        if value is not None and value < 1:
             raise UserError(f"{name.replace('_', ' ')} must be at least 1, got {value}")
 
 
@@ -106,7 +106,9 @@ def _print_table(p: Prediction) -> None:
         f"[bold]{p.model}[/] on [bold]{hw.name}[/] ({hw.memory_bandwidth_bytes_per_s / 1e9:.0f} "
         f"GB/s, {_flops_text(hw.peak_flops_per_s.get(wl.dtype, 0))} {wl.dtype}, "
         f"{format_bytes(hw.memory_capacity_bytes)}), R = {p.depth}, context {wl.context_length}"
-        f" + {wl.new_tokens} new, batch {wl.batch_size}, "
+        f" + {wl.new_tokens} new, batch {wl.batch_size}"
+        + (f" (a run of {wl.prompts} prompts to its end), " if wl.prompts
+           else " (steady state), " if wl.batch_size > 1 else ", ")
         + ("recurrence-specific KV" if wl.kv_sharing == 0 else f"KV shared over "
            f"{wl.kv_sharing} slot(s)")
         + (f", acceptance {alpha:.2f}" if alpha is not None else "")
@@ -162,6 +164,10 @@ def predict_cmd(
     kv_sharing: Annotated[int, typer.Option(
         help="0: one KV slot per depth; S >= 1: S shared slots")] = 0,
     batch: BatchOption = 1,
+    prompts: Annotated[int | None, typer.Option(
+        help="a run of N prompts decoded --batch at a time, to its end (the batch empties as "
+             "its last sequences finish), simulated call by call; default: the steady state of "
+             "a full batch")] = None,
     dtype: DtypeOption = None,
     mode: Annotated[str | None, typer.Option(
         help="eager (kernels launched one by one) or graphs (replayed from CUDA graphs); "
@@ -174,7 +180,7 @@ def predict_cmd(
     """Per-token latency, speedup and its breakdown for AR, DtV and WFD."""
     if acceptance is not None and not 0 <= acceptance <= 1:
         raise UserError(f"acceptance must be in [0, 1], got {acceptance}")
-    _at_least_one(context=context, new_tokens=new_tokens, batch=batch)
+    _at_least_one(context=context, new_tokens=new_tokens, batch=batch, prompts=prompts)
     if kv_sharing < 0:
         raise UserError(f"KV sharing must be 0 (per-depth slots) or a slot count >= 1, "
                         f"got {kv_sharing}")
@@ -185,9 +191,13 @@ def predict_cmd(
     spec = get_model(model)
     workload = Workload(context_length=context, new_tokens=new_tokens, acceptance=acceptance,
                         depth_trace=str(depth_trace) if depth_trace else None,
-                        batch_size=batch, dtype=dtype, kv_sharing=kv_sharing, depth=depth)
-    result = predict(spec, hw, workload, width=width, draft_depth=draft_depth,
-                     block_length=block_length)
+                        batch_size=batch, dtype=dtype, kv_sharing=kv_sharing, depth=depth,
+                        prompts=prompts)
+    # a run of prompts is simulated call by call: seconds, where the closed forms take a blink
+    with spinner(f"simulating {prompts} prompts x {new_tokens} tokens, batch {batch}, for AR, "
+                 "DtV and WFD", disable=as_json or prompts is None):
+        result = predict(spec, hw, workload, width=width, draft_depth=draft_depth,
+                         block_length=block_length)
     loose = _undetermined(prof) if prof is not None else []
     if as_json:
         payload = result.model_dump(mode="json")
@@ -284,11 +294,7 @@ def study_cmd(
         _note_machine(prof, profile)
     hw = prof.hardware if prof is not None else None
     loose = _undetermined(prof) if prof is not None else []
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                  transient=True, disable=as_json) as progress:
-        progress.add_task(f"study {name}", total=None)
+    with spinner(f"study {name}", disable=as_json):
         result, paths = studies.run(name, profile=hw, out=out)
     if as_json:
         print_json({"name": name, "outputs": paths, "rows": result.rows, **result.summary,

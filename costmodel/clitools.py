@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import typer
 from pydantic import ValidationError
@@ -80,3 +81,15 @@ def run(app: typer.Typer, user_errors: tuple[type[BaseException], ...] = ()) -> 
 
 def print_json(payload: object) -> None:
     typer.echo(json.dumps(payload, indent=2))
+
+
+@contextmanager
+def spinner(description: str, disable: bool = False) -> Iterator[None]:
+    """A transient spinner with the elapsed time, for a step that takes seconds and has no
+    count to show (rich imported only here: the CLI starts fast)."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  transient=True, disable=disable) as progress:
+        progress.add_task(description, total=None)
+        yield

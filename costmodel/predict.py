@@ -1,5 +1,12 @@
 """Per-token latency of AR, DtV and WFD from the closed forms, for one point (``predict``) or for
-arrays of points (``sweep``). Both price the same call groups with the same per-call cost."""
+arrays of points (``sweep``). Both price the same call groups with the same per-call cost.
+
+A batch's closed form is its steady state: B sequences, each in its own schedule's steady
+state, every call serving all B. A finite run of prompts (``Workload.prompts``) ends with the
+batch emptying: its last sequences decode in ever smaller batches, and a batch of DtV or WFD
+sequences waits for its unluckiest. ``predict`` then simulates the run call by call
+(``simulate.simulate_batch``), with each prompt's draft outcomes drawn as a forced-acceptance
+decode draws them (prompt i: seed i), and reports the run's figures."""
 
 from __future__ import annotations
 
@@ -19,9 +26,14 @@ from .schedules import (
     call_groups,
     merge_groups,
 )
+from .simulate import acceptance_draws, simulate_batch
 from .specs import AR, WFD, DtV, HardwareSpec, LoopedModelSpec, Workload
 
 MAX_BLOCK_LENGTH = 32
+# the most tokens a finite run may simulate (prompts x new tokens), for the three schedules:
+# about 100 s on the project's 2-core CPU (64 prompts x 512 tokens of Huginn-3.5B at batch 8:
+# 31-32 s); a run longer than this is near enough its steady state
+MAX_SIMULATED_TOKENS = 100_000
 _TERMS = ("weights_s", "kv_s", "compute_s", "overhead_s")
 
 
@@ -240,11 +252,41 @@ def predict(
     results["wfd"] = result("wfd", groups, pricer.per_token(groups, alpha), draft_depth=d,
                             width=width_used, width_cap=width_cap, block_length=None,
                             acceptance=float(alpha))
+    if wl.prompts is not None:
+        for kind, schedule in (("ar", AR()),
+                               ("dtv", DtV(block_length=k, draft_depth=d)), ("wfd", wfd)):
+            _finite_run(spec, hw, wl, depth, schedule, float(alpha), results[kind])
     ar_latency = results["ar"].latency_per_token_s
     for r in results.values():
         r.speedup_vs_ar = ar_latency / r.latency_per_token_s
     return Prediction(model=spec.name, hardware=hw, workload=wl, depth=depth, memory=memory,
                       schedules=results)
+
+
+def _finite_run(spec: LoopedModelSpec, hw: HardwareSpec, wl: Workload, depth: int,
+                schedule: AR | DtV | WFD, alpha: float, result: ScheduleResult) -> None:
+    """Replace a schedule's steady-state figures with those of the workload's finite run of
+    prompts, simulated call by call (DtV at the steady state's best k)."""
+    tokens = wl.prompts * wl.new_tokens
+    if tokens > MAX_SIMULATED_TOKENS:
+        raise ValueError(f"{wl.prompts} prompts x {wl.new_tokens} new tokens = {tokens:,} "
+                         f"tokens to simulate, more than {MAX_SIMULATED_TOKENS:,}; a run this "
+                         "long is the steady state (leave out the prompts)")
+    sequences = [(wl.context_length, wl.new_tokens,
+                  None if schedule.kind == "ar" else acceptance_draws(alpha, wl.new_tokens + 1, i))
+                 for i in range(wl.prompts)]
+    run = simulate_batch(spec, hw, schedule, sequences, batch_size=wl.batch_size, depth=depth,
+                         kv_sharing=wl.kv_sharing, dtype=wl.dtype)
+    # per token of one sequence, as the steady state counts: the batch's time over its tokens,
+    # times the batch
+    per_token = wl.batch_size / run.decode_tokens
+    breakdown = {k: run.breakdown_s[k] * per_token for k in _TERMS}
+    result.latency_per_token_s = run.latency_s * per_token
+    result.tokens_per_s = run.tokens_per_s
+    result.block_calls_per_token = run.block_calls * per_token
+    result.breakdown = Breakdown(**breakdown)
+    result.roofline_fraction = run.ideal_s / run.latency_s
+    result.bound = _bound(breakdown)
 
 
 def sweep(

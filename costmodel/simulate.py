@@ -168,11 +168,17 @@ def price_records(model: LoopedModelSpec, hw: HardwareSpec, records: list[CallRe
     first; None: the first stands alone, timed as a calibration times a call, over and over);
     a call that follows another part's is priced so (``call_cost``'s ``after_other_part``).
     Records are priced together, one vectorized ``call_cost`` per part."""
+    return _price(model, hw, records, _shapes_by_part(records, before), dtype, batch_size)
+
+
+def _price(model: LoopedModelSpec, hw: HardwareSpec, records: list[CallRecord],
+           shapes: dict[str, list[tuple[int, ...]]], dtype: str, batch_size: int = 1
+           ) -> dict[str, float]:
+    """``price_records`` with the records' shapes already worked out (``_shapes_by_part``)."""
     mine: dict[str, list[CallRecord]] = {}
     for r in records:
         mine.setdefault(r.kind, []).append(r)
-    totals, times = price_shapes(model, hw, _shapes_by_part(records, before), dtype=dtype,
-                                 batch_size=batch_size)
+    totals, times = price_shapes(model, hw, shapes, dtype=dtype, batch_size=batch_size)
     for kind, recs in mine.items():
         for record, t in zip(recs, times[kind], strict=True):
             record.wall_s = float(t)
@@ -183,9 +189,14 @@ def price_bytes(model: LoopedModelSpec, hw: HardwareSpec, records: list[CallReco
                 dtype: str, batch_size: int = 1) -> float:
     """Bytes the recorded calls read and write (weights, KV, activations), as the cost model
     counts them: the numerator of a measured run's fraction of the bandwidth roofline."""
-    return sum(float(np.sum(np.broadcast_to(cost.bytes, (count,))))
-               for _, cost, count in _part_costs(model, hw, _shapes_by_part(records), dtype,
-                                                 batch_size))
+    return _summed(model, hw, _shapes_by_part(records), "bytes", dtype, batch_size)
+
+
+def _summed(model: LoopedModelSpec, hw: HardwareSpec, shapes: dict[str, list[tuple[int, ...]]],
+            field: str, dtype: str, batch_size: int = 1) -> float:
+    """A ``CallCost`` field summed over calls given by their shapes (``_shapes_by_part``)."""
+    return sum(float(np.sum(np.broadcast_to(getattr(cost, field), (count,))))
+               for _, cost, count in _part_costs(model, hw, shapes, dtype, batch_size))
 
 
 def _shapes_by_part(records: list[CallRecord], before: str | None = None
@@ -248,6 +259,7 @@ class BatchSimulation:
     decode_tokens: int  # committed after each sequence's first token (the prefill's)
     latency_s: float
     breakdown_s: dict[str, float]
+    ideal_s: float  # the decode's calls at the roofline (peak bandwidth and flops, no overhead)
 
     @property
     def records(self) -> list[CallRecord]:
@@ -308,7 +320,9 @@ def simulate_batch(
     price_records(model, hw, [r for r, p in zip(calls, prefill, strict=True) if p], dtype=dtype)
     decode = [r for r, p in zip(calls, prefill, strict=True) if not p]
     # a newcomer's prefill between two decode calls is not counted as coming between them
-    breakdown = price_records(model, hw, decode, dtype=dtype, before="coda")
+    shapes = _shapes_by_part(decode, before="coda")  # the slow part, worked out once
+    breakdown = _price(model, hw, decode, shapes, dtype)
     return BatchSimulation(calls=calls, prefill=prefill,
                            decode_tokens=sum(new - 1 for _, new, _ in sequences),
-                           latency_s=sum(r.wall_s for r in decode), breakdown_s=breakdown)
+                           latency_s=sum(r.wall_s for r in decode), breakdown_s=breakdown,
+                           ideal_s=_summed(model, hw, shapes, "ideal_s", dtype))

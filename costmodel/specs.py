@@ -418,11 +418,21 @@ class Workload(Spec):
     kv_sharing: Annotated[int, Field(ge=0)] = 0
     # None: the model's default depth R.
     depth: Annotated[int, Field(ge=2)] | None = None
+    # None: the steady state of a batch kept full. N: a run of N prompts, batch_size at a time
+    # (a finished sequence's place goes to the next prompt), to its end: the batch empties as
+    # its last sequences finish (costmodel.predict, simulated call by call).
+    prompts: Annotated[int, Field(ge=1)] | None = None
 
     @model_validator(mode="after")
     def _one_acceptance(self) -> Workload:
         if self.acceptance is not None and self.depth_trace is not None:
             raise ValueError("give an acceptance or a depth trace, not both")
+        if self.prompts is not None and self.prompts < self.batch_size:
+            raise ValueError(f"{self.prompts} prompts cannot fill a batch of "
+                             f"{self.batch_size}: give at least as many prompts as the batch")
+        if self.prompts is not None and self.new_tokens < 2:
+            raise ValueError("a run of prompts decodes at least 2 new tokens each (the "
+                             "prefill commits the first)")
         return self
 
     def mean_context(self) -> float:

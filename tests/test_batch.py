@@ -12,7 +12,7 @@ from conftest import model_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from costmodel.presets import get_hardware
+from costmodel.presets import get_hardware, get_model
 from costmodel.simulate import acceptance_draws, call_shape, simulate, simulate_batch
 from costmodel.specs import AR, WFD, DtV
 from wfd import runtime
@@ -277,3 +277,37 @@ def test_a_simulated_batch_of_one_is_the_simulation():
     batch = simulate_batch(spec, hw, kind, [(9, 30, draws)], batch_size=1, dtype="fp32")
     assert batch.latency_s == pytest.approx(alone.latency_s, rel=1e-12)
     assert batch.decode_tokens == alone.committed_tokens
+
+
+def test_predicting_a_run_of_prompts_simulates_it_to_its_end():
+    """``predict`` with ``Workload.prompts``: the run's figures, the batch simulator's on the
+    draws a forced-acceptance decode makes; the steady state is what long runs tend to."""
+    from costmodel import Workload, predict
+
+    spec, hw = get_model("huginn-3.5b"), get_hardware("h100-sxm")
+
+    def run(batch: int, prompts: int | None, new_tokens: int = 48):
+        return predict(spec, hw, Workload(context_length=64, new_tokens=new_tokens,
+                                          batch_size=batch, acceptance=0.8, prompts=prompts),
+                       block_length=4).schedules
+
+    steady, finite = run(4, None), run(4, 4)
+    wfd = WFD(draft_depth=finite["wfd"].draft_depth)
+    sim = simulate_batch(spec, hw, wfd, [(64, 48, acceptance_draws(0.8, 49, i))
+                                         for i in range(4)], batch_size=4)
+    assert finite["wfd"].tokens_per_s == pytest.approx(sim.tokens_per_s, rel=1e-12)
+    assert finite["wfd"].block_calls_per_token == pytest.approx(sim.block_calls * 4 / 188)
+    # the batch empties at the end, and waits for its unluckiest sequences
+    for kind in ("dtv", "wfd"):
+        assert finite[kind].tokens_per_s < steady[kind].tokens_per_s
+    assert finite["ar"].tokens_per_s == pytest.approx(steady["ar"].tokens_per_s, rel=0.02)
+    # many prompts through the same batch: nearer the steady state
+    longer = run(4, 48)
+    for kind in ("dtv", "wfd"):
+        assert (abs(longer[kind].speedup_vs_ar / steady[kind].speedup_vs_ar - 1)
+                < abs(finite[kind].speedup_vs_ar / steady[kind].speedup_vs_ar - 1))
+        assert longer[kind].speedup_vs_ar == pytest.approx(steady[kind].speedup_vs_ar, rel=0.1)
+        b = finite[kind].breakdown
+        assert (b.weights_s + b.kv_s + b.compute_s + b.overhead_s) == pytest.approx(
+            finite[kind].latency_per_token_s)
+        assert 0 < finite[kind].roofline_fraction <= 1

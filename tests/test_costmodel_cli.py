@@ -38,6 +38,22 @@ def test_json_has_the_documented_shape():
         assert set(entry["breakdown"]) == {"weights_s", "kv_s", "compute_s", "overhead_s"}
 
 
+def test_a_run_of_prompts_is_said_and_priced_as_such():
+    args = ("predict", "--model", "huginn-3.5b", "--hardware", "h100-sxm", "--context", "64",
+            "--new-tokens", "24", "--batch", "4")
+    table = run(*args, "--prompts", "6")
+    assert table.returncode == 0, table.stderr
+    assert "batch 4 (a run of 6 prompts to its end)" in " ".join(table.stdout.split())
+    assert "batch 4 (steady state)" in " ".join(run(*args).stdout.split())
+    finite = json.loads(run(*args, "--prompts", "6", "--json").stdout)
+    steady = json.loads(run(*args, "--json").stdout)
+    assert finite["workload"]["prompts"] == 6 and steady["workload"]["prompts"] is None
+    # a short run ends with the batch emptying: fewer tokens/s than a batch kept full
+    for kind in ("dtv", "wfd"):
+        assert (finite["schedules"][kind]["tokens_per_s"]
+                < steady["schedules"][kind]["tokens_per_s"])
+
+
 def test_overrides_change_the_prediction():
     base = json.loads(run("predict", "--json").stdout)["schedules"]["ar"]
     fast = json.loads(run("predict", "--bandwidth", "4.8TB/s", "--json").stdout)
@@ -108,7 +124,8 @@ def test_kv_sharing_lets_longer_contexts_fit():
      ["--draft-depth", "32"], ["--draft-depth", "0"], ["--acceptance", "1.5"],
      ["--acceptance", "-0.1"], ["--block-length", "0"], ["--batch", "0"], ["--context", "0"],
      ["--kv-sharing", "-1"], ["--dtype", "int3"], ["--width", "8", "--draft-depth", "4"],
-     ["--depth", "1"], ["--no-such-flag"]],
+     ["--depth", "1"], ["--no-such-flag"], ["--prompts", "0"], ["--batch", "4", "--prompts", "2"],
+     ["--prompts", "1000", "--new-tokens", "512"], ["--prompts", "2", "--new-tokens", "1"]],
 )
 def test_bad_input_is_one_line_and_exit_2(args):
     out = run("predict", *args)
