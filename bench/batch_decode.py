@@ -68,19 +68,22 @@ def measure(model, schedule: str, batch: int, args, hw=None, **kw) -> dict:
     priced = [r.model_copy() for r in run.records]
     if hw is not None:
         price_records(model.config, hw, priced, dtype=args.dtype)
+    measured = {"tokens_per_s": run.decode_tokens_per_s,
+                "kv_bytes": run.stats["kv_bytes_allocated"],
+                "acceptance": statistics.mean(accepted) if accepted else None,
+                "block_call_ratio": None, "calls_ratio": None, "between_calls_fraction": None}
+    if hw is None:
+        return measured
     decode = [(m, p) for m, p in zip(run.records, priced, strict=True)
               if min(m.positions) >= args.context]
-    blocks = [(m, p) for m, p in decode if m.kind == "block"]
     calls_s = sum(m.wall_s for m, _ in decode)
-    return {"tokens_per_s": run.decode_tokens_per_s, "kv_bytes": run.stats["kv_bytes_allocated"],
-            "acceptance": statistics.mean(accepted) if accepted else None,
-            "block_call_ratio": statistics.median(m.wall_s / p.wall_s for m, p in blocks)
-            if hw is not None else None,
+    return {**measured,
+            "block_call_ratio": statistics.median(m.wall_s / p.wall_s for m, p in decode
+                                                  if m.kind == "block"),
             # the decode's calls (every part) over their price, and the decode's time outside
             # its calls: the host's work between them, which no call's price covers
-            "calls_ratio": calls_s / sum(p.wall_s for _, p in decode) if hw is not None else None,
-            "between_calls_fraction": 1 - calls_s / (run.wall_s - run.prefill_s)
-            if hw is not None else None}
+            "calls_ratio": calls_s / sum(p.wall_s for _, p in decode),
+            "between_calls_fraction": 1 - calls_s / (run.wall_s - run.prefill_s)}
 
 
 def predicted(spec, hw, batch: int, args, acceptance: float | None, **kw):
@@ -91,12 +94,18 @@ def predicted(spec, hw, batch: int, args, acceptance: float | None, **kw):
     return predict(spec, hw, wl, **kw).schedules
 
 
-def this_run(spec, hw, batch: int, args, schedule: str, **kw) -> float:
-    """Decode tokens/s that `costmodel predict --batch B --prompts B` predicts for this run: the
-    same prompts and (forced, seeded) draft outcomes, to the end of the last sequence."""
+def this_run(spec, hw, batch: int, args, dtv_labels: list[str], configs: dict
+             ) -> dict[str, float]:
+    """Decode tokens/s, per configuration, that `costmodel predict --batch B --prompts B`
+    predicts for this run: the same prompts and (forced, seeded) draft outcomes, to the end of
+    the last sequence. One prediction per DtV k; AR and WFD (at the same draft depth) from the
+    first."""
     wl = Workload(context_length=args.context, new_tokens=args.new_tokens, batch_size=batch,
                   acceptance=args.acceptance, dtype=args.dtype, prompts=batch)
-    return predict(spec, hw, wl, **kw).schedules[schedule].tokens_per_s
+    runs = {label: predict(spec, hw, wl, **configs[label][1]).schedules for label in dtv_labels}
+    first = runs[dtv_labels[0]]
+    return {"ar": first["ar"].tokens_per_s, "wfd": first["wfd"].tokens_per_s,
+            **{label: runs[label]["dtv"].tokens_per_s for label in dtv_labels}}
 
 
 def check_kv(batch: int, label: str, run: dict, prediction) -> None:
@@ -194,8 +203,7 @@ def main() -> None:
             check_kv(batch, label, runs[batch, label][0], s[label])
         pred_best = max(dtv_labels, key=dtv_pred.__getitem__)
         ar_pred = s["ar"].tokens_per_s
-        sim = {label: this_run(spec, hw, batch, args, configs[label][0], **configs[label][1])
-               for label in configs}
+        sim = this_run(spec, hw, batch, args, dtv_labels, configs)
         sim_best = max(dtv_labels, key=sim.__getitem__)
         rows.append({
             "batch": batch, "ar_tokens_per_s": rate["ar"], "ar_spread": spread["ar"],

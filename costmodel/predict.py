@@ -200,6 +200,11 @@ def predict(
         raise ValueError(f"width cap must be at least 1, got {width_cap}")
     if wl.kv_sharing > depth:
         raise ValueError(f"KV sharing uses at most R = {depth} slots, got {wl.kv_sharing}")
+    if wl.prompts is not None and wl.prompts * wl.new_tokens > MAX_SIMULATED_TOKENS:
+        raise ValueError(f"{wl.prompts} prompts x {wl.new_tokens} new tokens = "
+                         f"{wl.prompts * wl.new_tokens:,} tokens to simulate, more than "
+                         f"{MAX_SIMULATED_TOKENS:,}; a run this long is the steady state (leave "
+                         "out the prompts)")
     alpha = np.asarray(acceptance_for(spec, wl, depth, d))
     hw.achievable_flops_per_s(wl.dtype)  # an unknown dtype fails here with a clear message
 
@@ -267,11 +272,6 @@ def _finite_run(spec: LoopedModelSpec, hw: HardwareSpec, wl: Workload, depth: in
                 schedule: AR | DtV | WFD, alpha: float, result: ScheduleResult) -> None:
     """Replace a schedule's steady-state figures with those of the workload's finite run of
     prompts, simulated call by call (DtV at the steady state's best k)."""
-    tokens = wl.prompts * wl.new_tokens
-    if tokens > MAX_SIMULATED_TOKENS:
-        raise ValueError(f"{wl.prompts} prompts x {wl.new_tokens} new tokens = {tokens:,} "
-                         f"tokens to simulate, more than {MAX_SIMULATED_TOKENS:,}; a run this "
-                         "long is the steady state (leave out the prompts)")
     sequences = [(wl.context_length, wl.new_tokens,
                   None if schedule.kind == "ar" else acceptance_draws(alpha, wl.new_tokens + 1, i))
                  for i in range(wl.prompts)]
