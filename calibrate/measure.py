@@ -14,6 +14,7 @@ measurement on a CPU is bracketed by a canary product and taken again when one r
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -284,7 +285,8 @@ def measure_peaks(device: str, dtype: str, quiet: Quiet | None = None,
     peaks.matmul = matmul_curve(dt, dtype, peaks.cache_bytes, quiet, peaks.checks, curve_rows,
                                 curve_passes)
     peaks.matmul = peaks.matmul.model_copy(
-        update={"streamed_from_bytes": streamed_start(peaks.cache_bytes)})
+        update={"streamed_from_bytes": streamed_start(peaks.cache_bytes),
+                "row_block": row_block(dt, quiet, peaks.checks)})
     mib = 2**20
     if peaks.cache_bytes:
         cache = (f"copies of up to {peaks.cache_bytes / mib:.1f} MiB run "
@@ -386,6 +388,76 @@ def matmul_curve(dt: torch.dtype, dtype: str, cache_bytes: float, quiet: Quiet,
     return MatmulCurve(dtype=dtype, rows=rows, matrix_bytes=CURVE_SIZES_BYTES,
                        working_sets_bytes=sets, seconds=seconds, aspects=CURVE_ASPECTS,
                        aspect_seconds=aspect_seconds)
+
+
+# The row counts the kernels' row block is read from: from the curve's last (32) on, where a
+# batch's calls have their rows, two blocks of the largest block looked for
+ROW_BLOCK_COUNTS = list(range(32, 65))
+ROW_BLOCKS = (16, 8, 4, 2)  # the blocks looked for, largest first
+# (outputs, inputs) of the products timed: square, wide and tall, as a layer's projections are
+ROW_BLOCK_SHAPES = [(512, 512), (1024, 1024), (2048, 512), (512, 2048)]
+ROW_BLOCK_STEP = 0.04  # the least a new block must add to a product's time (median)
+
+
+def upper_quartile(values: list[float]) -> float:
+    return statistics.quantiles(values, n=4)[2] if len(values) > 1 else values[0]
+
+
+def staircase_block(counts: list[int], times: list[float]) -> int:
+    """The largest block of rows ``b`` in ``ROW_BLOCKS`` whose times form a staircase: each
+    block's first row count costs clearly more than the count before it (median step at least
+    ``ROW_BLOCK_STEP``, and twice the median change the other counts add), and the counts
+    inside every block cost about what its last does (three in four of them within half that
+    step): a kernel that computes b rows at once. 1 when none does: time grows with every
+    row, or the changes are noise. On this project's VM a 1024 x 1024 product's steps are
+    7-10% at 33, 41, 49 and 57 rows, and a block's counts sit within 2-4% of its last."""
+    at = dict(zip(counts, times, strict=True))
+    for b in ROW_BLOCKS:
+        rises = {n: at[n] / at[n - 1] - 1 for n in counts if n - 1 in at}
+        steps = [rise for n, rise in rises.items() if n % b == 1]
+        # a row count added inside a block: noise, or a smaller block's step
+        others = [abs(rise) for n, rise in rises.items() if n % b != 1]
+        inside: dict[int, list[float]] = {}  # each block's counts against its last
+        for n in counts:
+            if (top := -(-n // b) * b) != n and top in at:
+                inside.setdefault(top, []).append(abs(at[top] / at[n] - 1))
+        if not steps or not inside or not others:
+            continue
+        step = statistics.median(steps)
+        if (step >= max(ROW_BLOCK_STEP, 2 * statistics.median(others))
+                and max(upper_quartile(errors) for errors in inside.values()) <= step / 2):
+            return b
+    return 1
+
+
+def row_block(dt: torch.dtype, quiet: Quiet, checks: list[str]) -> int:
+    """The rows a product's kernels compute together on this CPU: the products of
+    ``ROW_BLOCK_SHAPES`` (each in a chain of 8) timed at each of ``ROW_BLOCK_COUNTS`` rows, each
+    shape's times over its time at the first count, their geometric mean read as a staircase
+    (``staircase_block``). One shape's staircase is as noisy as the machine; on this
+    project's VM the mean of four is clean where single ones are not."""
+    import torch
+
+    def line(out: int, inner: int) -> list[float]:
+        weights = [torch.randn(out, inner).to(dt) for _ in range(8)]
+
+        def timed(n: int) -> float:
+            x = torch.ones(n, inner, dtype=dt)
+            return quiet.measure(float, _median_time, lambda: [
+                torch.nn.functional.linear(x, w) for w in weights], torch.device("cpu"), 5)
+
+        times = [timed(n) for n in ROW_BLOCK_COUNTS]
+        return [math.log(t / times[0]) for t in times]
+
+    lines = [line(*shape) for shape in ROW_BLOCK_SHAPES]
+    mean = [math.exp(statistics.fmean(point)) for point in zip(*lines, strict=True)]
+    block = staircase_block(ROW_BLOCK_COUNTS, mean)
+    first, last = ROW_BLOCK_COUNTS[0], ROW_BLOCK_COUNTS[-1]
+    checks.append(f"matrix products: computed in blocks of {block} rows (a row count the curve "
+                  f"did not measure costs the next multiple of {block}'s)" if block > 1 else
+                  f"matrix products: no block of rows seen from {first} to {last} rows (time "
+                  "linear between the curve's row counts)")
+    return block
 
 
 # Operations that only make a new view of a tensor (or hand it back): the host dispatches them,
@@ -592,6 +664,12 @@ def time_call(model, name: str, kind: str, n: int, context: int, slots: int, gri
     median, spread = _median(times)
     record = runner.records[0].model_copy(update={"wall_s": median})
     return CallSample(model=name, record=record, median_s=median, spread_s=spread)
+
+
+def warm_up(model, name: str, n: int, context: int, mode: str = "eager") -> None:
+    """Touch every weight and warm the allocator before anything of the model is timed."""
+    time_call(model, name, "block", n, context, 1,
+              Grid(positions=[1], contexts=[1], repeats=1, warmup=3), mode)
 
 
 def contexts_for(model, grid: Grid) -> list[int]:

@@ -44,6 +44,7 @@ from .measure import (
     measure_runs,
     operation_host_weights,
     time_call,
+    warm_up,
 )
 from .refit import with_streamed_start
 from .validate import ValidationPoint, run_point
@@ -219,9 +220,7 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
     plan = []
     for role in roles:
         name, model, _ = loaded[role]
-        # touch every weight and warm the allocator before anything is timed
-        time_call(model, name, "block", max(grid.positions), max(contexts_for(model, grid)), 1,
-                  Grid(positions=[1], contexts=[1], repeats=1, warmup=3), mode)
+        warm_up(model, name, max(grid.positions), max(contexts_for(model, grid)), mode)
         plan += [(role, point) for point in call_grid(name, model, grid)]
     held_name, held, held_spec = loaded["holdout"]
     depth = held.config.depth

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Annotated
 
@@ -529,6 +530,70 @@ def validate_cmd(
     rep = report(prof.validation, prof.hardware, prof.dtype)
     plot_path = plot_file or profile.with_suffix(".png")
     _print_validation(prof, rep, profile, _plot(rep, plot_path, prof.hardware.name), as_json)
+
+
+@app.command("check-profile")
+def check_profile_cmd(
+    profile: Annotated[Path, typer.Option(help="calibration profile (JSON)")],
+    calls: Annotated[int, typer.Option(
+        help="how many of the profile's calls to time again (spread over its models)")] = 16,
+    as_json: JsonOption = False,
+) -> None:
+    """Time a sample of the profile's calls on this machine and compare them with the times it
+    stored: does it still price this machine? Exit 1 when it does not (recalibrate)."""
+    prof = load_profile(profile)
+    if calls < 1:
+        raise UserError(f"--calls must be at least 1, got {calls}")
+    if prof.device != "cpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError(f"profile {profile} was measured on {prof.device} "
+                            f"({prof.machine}); this machine has no CUDA device")
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from calibrate.check import call_points, check_profile
+    from wfd.checkpoint import CheckpointError
+
+    if not call_points(prof):
+        raise UserError(f"profile {profile} holds no calls to time again")
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                      transient=True, disable=as_json) as progress:
+            check = check_profile(prof, calls, progress)
+    except CheckpointError as exc:
+        raise UserError(f"profile {profile}: {exc}") from None
+    ratio, per_model = check.median_ratio, check.per_model()
+    if as_json:
+        print_json({"profile": str(profile), **check.model_dump(), "median_ratio": ratio,
+                    "holds": check.holds,
+                    "per_model": {m: statistics.median(r) for m, r in per_model.items()},
+                    "ratios": [c.ratio for c in check.calls]})
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        threads = f", {check.threads} threads" if check.threads else ""
+        table = Table(title=f"{profile} ({prof.created[:10]}, {check.profile_machine}) "
+                            f"on this machine ({check.machine}{threads})", header_style="bold")
+        for col in ("model", "calls", "time now / profile's (median)", "range"):
+            table.add_column(col)
+        for model, ratios in [*per_model.items(), ("all", [c.ratio for c in check.calls])]:
+            table.add_row(model, str(len(ratios)), f"{statistics.median(ratios):.2f}x",
+                          f"{min(ratios):.2f}-{max(ratios):.2f}x")
+        Console(width=max(Console().width, 100)).print(table)
+        where = (f"within {check.tolerance:.0%} of 1 (the profile's own two passes ran "
+                 f"{check.profile_repeat_spread:.0%} apart, median)")
+        if check.holds:
+            typer.echo(f"the profile holds here: its calls run at {ratio:.2f}x its times, {where}")
+        else:
+            family = call_points(prof)[0].spec.family
+            on = "" if prof.device == "cpu" else f" --device cuda --dtype {prof.dtype}"
+            typer.echo(f"the profile does not hold here: its calls run at {ratio:.2f}x its times, "
+                       f"not {where}, so its predictions are off by about that factor; "
+                       f"calibrate this machine (`costmodel calibrate --model {family}{on}`)")
+    if not check.holds:
+        raise typer.Exit(1)
 
 
 @app.command("join-modes")

@@ -2,15 +2,16 @@
 working set.
 
 Between the measured sizes, log time is interpolated linearly in log size; past the largest it
-follows the two largest sizes' slope, at least proportional to the size; below the smallest,
-it is the smallest's time (a small product's time is its dispatch). Between the measured row
+follows the two largest sizes' slope, at least proportional to the size; below the smallest, it
+is the smallest's time (a small product's time is its dispatch). Between the measured row
 counts, time is linear in the rows; past the last, each added row costs what the last measured
 step added per row (a product's extra rows are compute). Between the measured working sets, log
 time is interpolated in log working set, from the sets that hold the matrix; from the first
 working set that copies at memory speed (``MatmulCurve.streamed_from_bytes``) on, the weights
-stream. A matrix that is not square takes its aspect's streamed time over the square one's (log
-time interpolated in log aspect, held at the measured extremes). Row counts broadcast, so the
-cost model's sweeps read it too.
+stream. A row count the curve did not measure costs the next multiple of its kernels' row block
+(``MatmulCurve.row_block``). A matrix that is not square takes its aspect's streamed time over
+the square one's (log time interpolated in log aspect, held at the measured extremes). Row
+counts broadcast, so the cost model's sweeps read it too.
 """
 
 from __future__ import annotations
@@ -102,6 +103,14 @@ def streams(curve: MatmulCurve, working_set_bytes: float) -> bool:
     return working_set_bytes > 0 and float(np.log(working_set_bytes)) >= _tables(curve)[2][-1]
 
 
+def blocked_rows(curve: MatmulCurve, n: np.ndarray) -> np.ndarray:
+    """The rows a product's kernels compute for ``n`` rows: the measured row counts as they are
+    (each timed as it runs), any other rounded up to a whole number of the curve's row blocks."""
+    if curve.row_block == 1:
+        return n
+    return np.where(np.isin(n, curve.rows), n, np.ceil(n / curve.row_block) * curve.row_block)
+
+
 def product_time_s(curve: MatmulCurve, matrix_bytes: float, n_rows,
                    working_set_bytes: float | None = None, aspect: float = 1.0):
     """Seconds of one product of a ``matrix_bytes`` matrix over ``n_rows`` rows, in a working
@@ -109,7 +118,7 @@ def product_time_s(curve: MatmulCurve, matrix_bytes: float, n_rows,
     ``aspect`` times as many outputs as inputs."""
     rows, log_sizes, log_sets, table, _, _ = _tables(curve)
     n = np.asarray(n_rows, dtype=float)
-    flat = n.reshape(-1)
+    flat = blocked_rows(curve, n.reshape(-1))
     log_size = float(np.log(matrix_bytes))
     log_set = log_sets[-1] if working_set_bytes is None else float(
         np.log(max(working_set_bytes, matrix_bytes)))

@@ -40,6 +40,11 @@ class MatmulCurve(Spec):
     just past the measured cache knee). A working set from there on streams as the last one
     does, where interpolating towards a streamed set several times larger would price it as
     partly cached; None (profiles made before it was measured): the last working set.
+
+    ``row_block``: the rows a product's kernel computes together. A CPU library's kernels work
+    on blocks of rows (8 on this project's AVX2 VM), so 41 rows cost what 48 do; a row count
+    the curve did not measure is read at the next multiple of the block. 1 (profiles made
+    before it was measured): no blocks, time linear between the measured rows.
     """
 
     dtype: str
@@ -51,6 +56,7 @@ class MatmulCurve(Spec):
     aspect_seconds: list[list[list[Annotated[float, Field(gt=0)]]]] = Field(
         default_factory=list)
     streamed_from_bytes: Annotated[float, Field(gt=0)] | None = None
+    row_block: Annotated[int, Field(ge=1)] = 1
 
     @model_validator(mode="after")
     def _check(self) -> MatmulCurve:

@@ -503,6 +503,10 @@ def test_machine_peaks_are_plausible():
                                                                            strict=True))
     assert len(curve.aspect_seconds) == len(curve.aspects) == 2
     assert streamed[-1][0] > 10 * streamed[0][0]  # a 64 MiB product against a 16 KiB one
+    # the kernels' row block, read from a staircase (1 where none was clear), and said
+    assert curve.row_block in (1, 2, 4, 8, 16)
+    assert any(check.startswith("matrix products: ") and "rows" in check
+               for check in peaks.checks)
 
 
 def test_each_curve_point_is_the_median_of_passes_timed_apart():
@@ -612,3 +616,84 @@ def test_calibrate_refuses_a_busy_machines_profile_unless_forced(monkeypatch, tm
     assert len(err) == 1 and "kept changing" in err[0] and "--force" in err[0]
     assert calibrate_cmd("--force") == 0
     assert load_profile(out).load.forced  # written, flagged
+
+
+PROFILES = Path(__file__).parent.parent / "data" / "profiles"
+
+
+def _tiny_calls_profile(scale: float) -> CalibrationProfile:
+    """The committed quick Huginn profile cut to the tiny model's calls, its stored times
+    multiplied by ``scale``."""
+    prof = load_profile(PROFILES / "cpu-huginn-fp32-quick.json")
+
+    def scaled(points):
+        return [p.model_copy(update={"measured_s": p.measured_s * scale,
+                                     "repeats_s": [t * scale for t in p.repeats_s or []]})
+                for p in points if p.kind == "call" and p.model == "huginn-tiny"]
+
+    return prof.model_copy(update={"models": ["huginn-tiny"], "training": scaled(prof.training),
+                                   "validation": scaled(prof.validation)})
+
+
+def test_a_profile_check_times_each_models_fastest_and_slowest_call():
+    from calibrate.check import call_points, sample_calls
+
+    prof = load_profile(PROFILES / "cpu-huginn-fp32-quick.json")
+    chosen = sample_calls(prof, 8)
+    assert [p.model for p in chosen] == [m for m in prof.models for _ in range(2)]
+    for model in prof.models:
+        times = [p.measured_s for p in call_points(prof) if p.model == model]
+        assert {p.measured_s for p in chosen if p.model == model} == {min(times), max(times)}
+    assert len(sample_calls(prof, 3)) == 3 and len(sample_calls(prof, 10_000)) == len(
+        call_points(prof))
+
+
+def test_a_profile_holds_while_its_calls_run_near_their_stored_times():
+    from calibrate.check import CheckedCall, ProfileCheck
+
+    def check(*ratios: float) -> ProfileCheck:
+        return ProfileCheck(machine="m", profile_machine="m", threads=2, tolerance=0.1,
+                            profile_repeat_spread=0.03,
+                            calls=[CheckedCall(label="c", model="x", profile_s=1.0, now_s=r)
+                                   for r in ratios])
+
+    assert check(1.05, 0.7, 1.3).holds and check(0.92).holds
+    # slower or faster by more than the tolerance, either way
+    assert not check(1.2).holds and not check(0.85).holds
+    assert check(1.2, 1.3, 0.5).median_ratio == 1.2
+
+
+def test_checking_a_profile_on_a_machine_that_is_not_its_own(tmp_path):
+    """Stored times a thousand times too short: no machine runs them, the check says the
+    profile does not hold (exit 1), by about that factor, and says how to fix it."""
+    path = tmp_path / "p.json"
+    save_profile(_tiny_calls_profile(1e-3), path)
+    out = subprocess.run([sys.executable, "-m", "costmodel", "check-profile", "--profile",
+                          str(path), "--calls", "2", "--json"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1, out.stderr
+    result = json.loads(out.stdout)
+    assert not result["holds"] and len(result["calls"]) == 2
+    assert result["median_ratio"] > 100  # about a thousand, or more on a busy machine
+    assert result["per_model"].keys() == {"huginn-tiny"}
+    out = subprocess.run([sys.executable, "-m", "costmodel", "check-profile", "--profile",
+                          str(path), "--calls", "1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "does not hold" in out.stdout and "costmodel calibrate --model huginn" in out.stdout
+
+
+def test_checking_a_profile_rejects_what_it_cannot_time(tmp_path):
+    path = tmp_path / "p.json"
+    prof = _tiny_calls_profile(1.0)
+    gone = prof.model_copy(update={"training": [p.model_copy(update={"model": "/no/such/model"})
+                                                for p in prof.training], "validation": []})
+    cases = [(["--profile", str(PROFILES / "cpu-huginn-fp32-quick.json"), "--calls", "0"],
+              "at least 1"),
+             (["--profile", str(PROFILES / "gpu-huginn-bf16.json")], "no CUDA device"),
+             (["--profile", str(path)], "/no/such/model")]
+    save_profile(gone, path)
+    for args, message in cases:
+        out = subprocess.run([sys.executable, "-m", "costmodel", "check-profile", *args],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2, (args, out.stderr)
+        assert len(out.stderr.strip().splitlines()) == 1 and message in out.stderr, out.stderr

@@ -134,6 +134,42 @@ def test_the_curve_reads_its_measured_points_and_interpolates_between_them():
         product_time_s(curve, 2**14, 1, None), rel=0.05)
 
 
+def test_a_row_count_the_curve_did_not_measure_costs_its_next_whole_block():
+    from costmodel.matmul import product_time_s
+
+    linear = _cpu().matmul
+    curve = linear.model_copy(update={"row_block": 8})
+    size = 2**22
+    assert 12 not in curve.rows and 5 not in curve.rows
+
+    def t(c, n):
+        return product_time_s(c, size, n, None)
+
+    # measured row counts as they were timed, whatever the block
+    for n in curve.rows:
+        assert t(curve, n) == t(linear, n)
+    # between: the next multiple of 8 (5 rows as 8, 12 as 16); past the last, 41 as 48
+    assert t(curve, 5) == t(linear, 8) and t(curve, 12) == t(linear, 16)
+    assert t(curve, 41) == pytest.approx(t(linear, 48)) and t(curve, 48) == t(linear, 48)
+    assert t(curve, 49) > t(curve, 48)
+    assert t(curve, np.array([5, 41])) == pytest.approx([t(curve, 5), t(curve, 41)])
+
+
+def test_the_row_block_is_read_from_a_staircase_of_times():
+    from calibrate.measure import ROW_BLOCK_COUNTS, staircase_block
+
+    counts = ROW_BLOCK_COUNTS
+    rng = np.random.default_rng(0)
+    for block in (16, 8, 4):
+        stairs = [1.1 ** -(-n // block) for n in counts]
+        assert staircase_block(counts, stairs) == block
+        noisy = [t * (1 + 0.01 * rng.standard_normal()) for t in stairs]
+        assert staircase_block(counts, noisy) == block
+    # time that grows with every row, or noise without steps: no block
+    assert staircase_block(counts, [1.0 + 0.03 * n for n in counts]) == 1
+    assert staircase_block(counts, list(1 + 0.05 * rng.standard_normal(len(counts)))) == 1
+
+
 def test_a_wide_or_tall_matrix_takes_its_aspects_time_over_the_square_ones():
     from costmodel.matmul import product_time_s
 

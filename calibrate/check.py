@@ -1,0 +1,142 @@
+"""Is a profile still this machine? Time a sample of the calls it was fitted and validated on.
+
+A CPU profile prices the machine it was measured on, in the state it was in: a shared VM can
+run the same calls 1.5x slower on another night, and the profile's machine name ("AMD EPYC, 2
+CPUs") cannot tell. The check times a few of the profile's own calls again, as the calibration
+timed them (each the faster median of two passes, with the canary product around it), and
+compares them with the times the profile stored: a median ratio near 1 says its predictions
+still hold here; far from 1, they are off by about that factor, and this machine should be
+calibrated again. Per model, the ratios say what changed: the tiny model's calls are host
+overhead, the large ones' are weight reads.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from pydantic import BaseModel
+
+from costmodel.profile import CalibrationProfile, ValidationPoint
+
+from .measure import Grid, Quiet, time_call, warm_up
+
+# a check never calls a profile wrong for less than this, whatever its own repeats were
+MIN_TOLERANCE = 0.10
+
+
+class CheckedCall(BaseModel):
+    label: str
+    model: str
+    profile_s: float
+    now_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.now_s / self.profile_s
+
+
+class ProfileCheck(BaseModel):
+    machine: str
+    profile_machine: str
+    threads: int | None
+    calls: list[CheckedCall]
+    # how far each of the profile's points ran apart between its own two passes (median):
+    # the noise the profile was made in
+    profile_repeat_spread: float
+    tolerance: float
+
+    @property
+    def median_ratio(self) -> float:
+        return statistics.median(c.ratio for c in self.calls)
+
+    @property
+    def holds(self) -> bool:
+        return abs(math.log(self.median_ratio)) <= math.log1p(self.tolerance)
+
+    def per_model(self) -> dict[str, list[float]]:
+        ratios: dict[str, list[float]] = {}
+        for call in self.calls:
+            ratios.setdefault(call.model, []).append(call.ratio)
+        return ratios
+
+
+def call_points(profile: CalibrationProfile) -> list[ValidationPoint]:
+    return [p for p in profile.training + profile.validation
+            if p.kind == "call" and p.record is not None]
+
+
+def sample_calls(profile: CalibrationProfile, count: int) -> list[ValidationPoint]:
+    """``count`` of the profile's calls, spread over its models (each model's calls in order of
+    their stored time, taken at even steps, so both its fastest and slowest are in)."""
+    by_model: dict[str, list[ValidationPoint]] = {}
+    for point in call_points(profile):
+        by_model.setdefault(point.model, []).append(point)
+    models = [m for m in profile.models if m in by_model] + [
+        m for m in by_model if m not in profile.models]
+    share, extra = divmod(count, len(models)) if models else (0, 0)
+    chosen = []
+    for i, model in enumerate(models):
+        points = sorted(by_model[model], key=lambda p: p.measured_s)
+        take = min(len(points), share + (i < extra))
+        if take == 1:
+            chosen.append(points[len(points) // 2])
+        elif take:
+            step = (len(points) - 1) / (take - 1)
+            chosen += [points[round(j * step)] for j in range(take)]
+    return chosen
+
+
+def repeat_spread(points: list[ValidationPoint]) -> float:
+    spreads = [max(p.repeats_s) / min(p.repeats_s) - 1 for p in points
+               if p.repeats_s and len(p.repeats_s) > 1 and min(p.repeats_s) > 0]
+    return statistics.median(spreads) if spreads else 0.0
+
+
+def check_profile(profile: CalibrationProfile, count: int = 16, progress=None) -> ProfileCheck:
+    """Time ``count`` of the profile's calls here, with its device, dtype, threads and execution
+    mode, and compare them with its stored times."""
+    import torch
+
+    from wfd.checkpoint import load_model
+    from wfd.runtime import machine_name
+
+    device = profile.device
+    if profile.threads:
+        torch.set_num_threads(profile.threads)
+    points = sample_calls(profile, count)
+    grid = Grid(positions=[1], contexts=[1], repeats=int(profile.grid.get("repeats", [7])[0]))
+    mode = "graphs" if profile.hardware.cuda_graphs else "eager"
+    cuda = device.startswith("cuda")
+    quiet = Quiet(device, retries=0 if cuda else 4, budget_s=30.0)
+    shapes = [(p.record.kind, len(p.record.positions), min(p.record.contexts) - 1,
+               len(p.record.slot_contexts())) for p in points]
+    models = {}
+    task = progress.add_task("loading the profile's models", total=2 * len(points)) \
+        if progress else None
+    for point, (_, n, context, _) in sorted(zip(points, shapes, strict=True),
+                                            key=lambda ps: -ps[1][1] * ps[1][2]):
+        if point.model not in models:  # its widest call first: every weight touched
+            models[point.model] = load_model(point.model, device=device, dtype=profile.dtype)
+            warm_up(models[point.model], point.model, n, context, point.mode or mode)
+    # two passes, the second in reverse, each point kept at its faster: as it was calibrated
+    best: dict[int, float] = {}
+    for order in (range(len(points)), reversed(range(len(points)))):
+        for i in order:
+            point, (kind, n, context, slots) = points[i], shapes[i]
+            if progress:
+                progress.update(task, description=f"{point.model}: {point.label}")
+            sample = quiet.measure(lambda c: c.median_s, time_call, models[point.model],
+                                   point.model, kind, n, context, slots, grid,
+                                   point.mode or mode)
+            best[i] = min(best.get(i, math.inf), sample.median_s)
+            if progress:
+                progress.advance(task)
+    spread = repeat_spread(call_points(profile))
+    return ProfileCheck(
+        machine=machine_name(device), profile_machine=profile.machine,
+        threads=profile.threads,
+        calls=[CheckedCall(label=p.label, model=p.model, profile_s=p.measured_s, now_s=best[i])
+               for i, p in enumerate(points)],
+        profile_repeat_spread=spread, tolerance=max(MIN_TOLERANCE, 2 * spread))
+
