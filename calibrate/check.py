@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from costmodel.profile import CalibrationProfile, ValidationPoint
 
 from .measure import Grid, Quiet, time_call, warm_up
+from .validate import repeat_spread
 
 # a check never calls a profile wrong for less than this, whatever its own repeats were
 MIN_TOLERANCE = 0.10
@@ -87,12 +88,6 @@ def sample_calls(profile: CalibrationProfile, count: int) -> list[ValidationPoin
     return chosen
 
 
-def repeat_spread(points: list[ValidationPoint]) -> float:
-    spreads = [max(p.repeats_s) / min(p.repeats_s) - 1 for p in points
-               if p.repeats_s and len(p.repeats_s) > 1 and min(p.repeats_s) > 0]
-    return statistics.median(spreads) if spreads else 0.0
-
-
 def check_profile(profile: CalibrationProfile, count: int = 16, progress=None) -> ProfileCheck:
     """Time ``count`` of the profile's calls here, with its device, dtype, threads and execution
     mode, and compare them with its stored times."""
@@ -132,7 +127,9 @@ def check_profile(profile: CalibrationProfile, count: int = 16, progress=None) -
             best[i] = min(best.get(i, math.inf), sample.median_s)
             if progress:
                 progress.advance(task)
-    spread = repeat_spread(call_points(profile))
+    # the calls' slowest over fastest pass, less 1 (median; 0 for a profile without repeats)
+    calls = repeat_spread(call_points(profile))["per_call"]
+    spread = calls["median_spread"] if calls else 0.0
     return ProfileCheck(
         machine=machine_name(device), profile_machine=profile.machine,
         threads=profile.threads,

@@ -329,6 +329,18 @@ def median_over_passes(lines: list, passes: int) -> list[list[float]]:
     return [[statistics.median(point) for point in zip(*times, strict=True)] for times in runs]
 
 
+def chain_product_s(weights: list[torch.Tensor], rows: int, quiet: Quiet, repeats: int
+                    ) -> float:
+    """One product's time over ``rows`` rows in a chain of ``weights`` (a CPU's, each [out, in]):
+    the chain's median over ``repeats``, measured while quiet, over its length."""
+    import torch
+
+    x = torch.ones(rows, weights[0].shape[1], dtype=weights[0].dtype)
+    return quiet.measure(float, _median_time, lambda: [
+        torch.nn.functional.linear(x, w) for w in weights], torch.device("cpu"),
+        repeats) / len(weights)
+
+
 def matmul_curve(dt: torch.dtype, dtype: str, cache_bytes: float, quiet: Quiet,
                  checks: list[str], rows: list[int] = CURVE_ROWS,
                  passes: int = CURVE_PASSES) -> MatmulCurve:
@@ -343,8 +355,6 @@ def matmul_curve(dt: torch.dtype, dtype: str, cache_bytes: float, quiet: Quiet,
     bounds if it stays outside."""
     import torch
 
-    device = torch.device("cpu")
-
     def chain(size: float, working_set: float, aspect: float = 1.0) -> list[torch.Tensor]:
         inner = max(int((size / dt.itemsize / aspect) ** 0.5), 8)
         out = max(int(inner * aspect), 8)
@@ -353,12 +363,8 @@ def matmul_curve(dt: torch.dtype, dtype: str, cache_bytes: float, quiet: Quiet,
         return [torch.randn(out, inner).to(dt) for _ in range(count)]
 
     def line(weights: list[torch.Tensor]) -> list[float]:
-        side = weights[0].shape[1]
-
         def timed(n: int) -> float:
-            x = torch.ones(n, side, dtype=dt)
-            return quiet.measure(float, _median_time, lambda: [
-                torch.nn.functional.linear(x, w) for w in weights], device, 3) / len(weights)
+            return chain_product_s(weights, n, quiet, repeats=3)
 
         times = [timed(n) for n in rows]
         for j, n in enumerate(rows[1:], start=1):
@@ -440,13 +446,7 @@ def row_block(dt: torch.dtype, quiet: Quiet, checks: list[str]) -> int:
 
     def line(out: int, inner: int) -> list[float]:
         weights = [torch.randn(out, inner).to(dt) for _ in range(8)]
-
-        def timed(n: int) -> float:
-            x = torch.ones(n, inner, dtype=dt)
-            return quiet.measure(float, _median_time, lambda: [
-                torch.nn.functional.linear(x, w) for w in weights], torch.device("cpu"), 5)
-
-        times = [timed(n) for n in ROW_BLOCK_COUNTS]
+        times = [chain_product_s(weights, n, quiet, repeats=5) for n in ROW_BLOCK_COUNTS]
         return [math.log(t / times[0]) for t in times]
 
     lines = [line(*shape) for shape in ROW_BLOCK_SHAPES]

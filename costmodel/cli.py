@@ -555,7 +555,8 @@ def check_profile_cmd(
     from calibrate.check import call_points, check_profile
     from wfd.checkpoint import CheckpointError
 
-    if not call_points(prof):
+    points = call_points(prof)
+    if not points:
         raise UserError(f"profile {profile} holds no calls to time again")
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
@@ -587,7 +588,7 @@ def check_profile_cmd(
         if check.holds:
             typer.echo(f"the profile holds here: its calls run at {ratio:.2f}x its times, {where}")
         else:
-            family = call_points(prof)[0].spec.family
+            family = points[0].spec.family
             on = "" if prof.device == "cpu" else f" --device cuda --dtype {prof.dtype}"
             typer.echo(f"the profile does not hold here: its calls run at {ratio:.2f}x its times, "
                        f"not {where}, so its predictions are off by about that factor; "
