@@ -47,7 +47,9 @@ up to 32) and the loss at the final depth only, its recurrence improves held-out
 up to about depth 8 and not after (the table runs to 32). At R = 32 every depth past 8 would
 repeat the same prediction and a d = 4 draft would almost always be accepted; at R = 8 the
 draft depth matters as it does for Huginn-3.5B at R = 32. Greedy decoding still falls into
-loops on code prompts (last section): the model is small and briefly trained.
+loops on code prompts (last section): the model is small and briefly trained, and
+retrainings without the test suites, at mean depth 8 or 16 or with a depth ramp, loop as well
+(the repository's docs/tiny-models.md).
 
 """,
 }

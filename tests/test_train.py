@@ -1,11 +1,15 @@
-"""The training step's losses: readouts weighted zero are not computed, and nothing changes."""
+"""The training step's losses (readouts weighted zero are not computed, and nothing changes) and
+the depth curriculum."""
 
+import statistics
+
+import pytest
 import torch
 
 from costmodel.presets import MODELS
 from wfd.checkpoint import build, init_random
 from wfd.config import ModelConfig
-from wfd.train import forward_losses
+from wfd.train import forward_losses, ramped_mean_depth, sample_depth
 
 
 def test_final_depth_only_gives_the_same_loss_and_gradients():
@@ -24,3 +28,15 @@ def test_final_depth_only_gives_the_same_loss_and_gradients():
     assert finals[0] == finals[1]
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_the_depth_ramp_rises_from_one_to_the_mean_then_holds():
+    assert ramped_mean_depth(16, 0.5, 0.0) == 1
+    assert ramped_mean_depth(16, 0.5, 0.25) == pytest.approx(8.5)
+    assert ramped_mean_depth(16, 0.5, 0.5) == ramped_mean_depth(16, 0.5, 0.9) == 16
+    assert ramped_mean_depth(16, 0.0, 0.0) == 16  # no ramp: Huginn's sampler from the start
+    gen = torch.Generator().manual_seed(0)
+    assert {sample_depth(ramped_mean_depth(16, 0.5, 0.0), 32, gen) for _ in range(50)} == {1}
+    early = statistics.mean(sample_depth(ramped_mean_depth(16, 0.5, 0.1), 32, gen)
+                            for _ in range(2000))
+    assert early == pytest.approx(4, abs=0.3)
