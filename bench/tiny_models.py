@@ -1,6 +1,6 @@
 """Measure the shipped tiny models on held-out text, and write their model cards.
 
-    python bench/tiny_models.py [--models huginn-tiny ouro-tiny] [--windows 24] [--prompts 8]
+    python bench/tiny_models.py [--models huginn-tiny ouro-tiny] [--windows 24] [--prompts 24]
         [--new-tokens 64] [--write-cards]
 
 For each model: bits per byte at each depth and the rate at which the greedy readout at depth d
@@ -46,10 +46,10 @@ trained with a random number of iterations per step (Poisson of a log-normal rat
 up to 32) and the loss at the final depth only, its recurrence improves held-out bits per byte
 up to about depth 8 and not after (the table runs to 32). At R = 32 every depth past 8 would
 repeat the same prediction and a d = 4 draft would almost always be accepted; at R = 8 the
-draft depth matters as it does for Huginn-3.5B at R = 32. Greedy decoding still falls into
-loops on code prompts (last section): the model is small and briefly trained, and
-retrainings without the test suites, at mean depth 8 or 16 or with a depth ramp, loop as well
-(the repository's docs/tiny-models.md).
+draft depth matters as it does for Huginn-3.5B at R = 32. Trained on code without docstrings
+and comments, it writes statements after a code prompt (last section) where models trained
+with them wrote one phrase or one assertion line over and over; its statements are those of
+a small, briefly trained model, and they repeat `def __init__` blocks within a few lines.
 
 """,
 }
@@ -57,6 +57,8 @@ CORPUS_WORDS = {
     "stdlib": "the `.py` files of the Python standard library of the training interpreter",
     "stdlib-src": "the `.py` files of the Python standard library of the training interpreter "
                   "without its test suites (`--corpus stdlib-src`)",
+    "stdlib-code": "the `.py` files of the Python standard library of the training interpreter "
+                   "without its test suites, docstrings and comments (`--corpus stdlib-code`)",
 }
 CODE_PROMPTS = ["import os\ndef main():\n", "class Stack:\n    def push(self, item):\n"]
 TEMPERATURES = (0.7, 1.0)
@@ -141,7 +143,9 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["huginn-tiny", "ouro-tiny"])
     parser.add_argument("--windows", type=int, default=24)
-    parser.add_argument("--prompts", type=int, default=8)
+    # 24 prompts of 64 tokens, about 1,500 drafts: on huginn-tiny 8 prompts (504 drafts) read
+    # its greedy acceptance 0.978 where 24 read 0.956, a spread the card should not carry
+    parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-depth", type=int, default=32,

@@ -50,9 +50,30 @@ def test_the_source_corpus_leaves_out_the_test_suites():
     from wfd.train import corpus_files, trained_corpus
 
     everything, source = corpus_files("stdlib"), corpus_files("stdlib-src")
+    assert corpus_files("stdlib-code") == source  # the same files, less their prose
     assert set(source) < set(everything)
     assert not any(p.name.startswith("test_") or "test" in p.parts for p in source)
     with pytest.raises(ValueError, match="unknown corpus"):
         corpus_files("web")
-    assert trained_corpus(SHIPPED_DIR / "huginn-tiny") == "stdlib"  # trained before the option
+    assert trained_corpus(SHIPPED_DIR / "huginn-tiny") == "stdlib-code"
+    assert trained_corpus(SHIPPED_DIR / "ouro-tiny") == "stdlib"  # trained before the option
 
+
+
+def test_the_code_corpus_drops_docstrings_and_comments_and_still_parses():
+    import ast
+
+    from wfd.train import code_only
+
+    source = (b'"""Module doc."""\n# a comment line\nimport os  # trailing\n\n\n\n\n'
+              b'def f(x):\n    """Only a docstring,\n    on two lines."""\n\n'
+              b'class C:\n    """Doc."""\n    s = "# not a comment"\n\n'
+              b'def g(): "kept: it shares its line"\n')
+    code = code_only(source).decode()
+    assert "doc" not in code.lower().replace("# not a comment", "") and "comment line" not in code
+    assert "import os\n" in code and "trailing" not in code
+    assert "def f(x):\n    pass\n" in code  # a body that was only a docstring stays a body
+    assert 's = "# not a comment"' in code and '"kept: it shares its line"' in code
+    assert "\n\n\n\n" not in code
+    ast.parse(code)
+    assert code_only(b"def broken(:\n") is None

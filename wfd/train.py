@@ -5,7 +5,9 @@
 
 Corpus (``--corpus``): the .py sources of the running interpreter's standard library
 (``stdlib``), or the same without its test suites (``stdlib-src``: about 40% of the bytes,
-none of the repeated assertion lines that make up much of the tests), split by file into train
+none of the repeated assertion lines that make up much of the tests), or that without its
+docstrings and comments (``stdlib-code``: code only, so that a model prompted with a ``def``
+writes statements rather than prose), split by file into train
 (about 95%) and held-out sets by a hash of the file's path (deterministic). Byte-level
 vocabulary (256). Architectures: the `huginn-tiny` and `ouro-tiny` presets of costmodel.
 
@@ -21,11 +23,14 @@ vocabulary (256). Architectures: the `huginn-tiny` and `ouro-tiny` presets of co
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
+import io
 import json
 import math
 import sysconfig
 import time
+import tokenize
 from pathlib import Path
 
 import torch
@@ -37,7 +42,7 @@ from .checkpoint import build, init_random, save
 from .config import ModelConfig
 from .layers import CallPlan
 
-CORPORA = ("stdlib", "stdlib-src")
+CORPORA = ("stdlib", "stdlib-src", "stdlib-code")
 
 
 def is_test_file(path: Path, root: Path) -> bool:
@@ -50,7 +55,54 @@ def corpus_files(corpus: str = "stdlib") -> list[Path]:
         raise ValueError(f"unknown corpus {corpus!r}: choose one of {', '.join(CORPORA)}")
     root = Path(sysconfig.get_paths()["stdlib"])
     return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts
-                  and not (corpus == "stdlib-src" and is_test_file(p, root)))
+                  and not (corpus != "stdlib" and is_test_file(p, root)))
+
+
+def code_only(source: bytes) -> bytes | None:
+    """``source`` without its docstrings and comments (a docstring that is its body's only
+    statement becomes ``pass``, so the code still parses), or None for a file that does not
+    parse under this interpreter (a few test fixtures are deliberately broken)."""
+    try:
+        text = source.decode("utf-8")
+        tree = ast.parse(text)
+        comments = [tok.start for tok in tokenize.generate_tokens(io.StringIO(text).readline)
+                    if tok.type == tokenize.COMMENT]
+    except (SyntaxError, UnicodeDecodeError, ValueError, tokenize.TokenError):
+        return None
+    lines = text.splitlines()
+    drop: set[int] = set()  # 0-based line numbers
+    replace: dict[int, str] = {}
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        doc = body[0] if isinstance(body, list) and body else None
+        if not (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+                and isinstance(doc.value.value, str)):
+            continue
+        first, last = doc.lineno - 1, doc.end_lineno - 1
+        if lines[first][:doc.col_offset].strip() or lines[last][doc.end_col_offset:].strip():
+            continue  # shares a line with code (``def f(): "doc"``): leave it
+        drop.update(range(first, last + 1))
+        if len(body) == 1:
+            replace[first] = lines[first][:doc.col_offset] + "pass"
+    for row, col in comments:
+        row -= 1
+        if row in drop:
+            continue
+        kept = lines[row][:col].rstrip()
+        if kept:
+            lines[row] = kept
+        else:
+            drop.add(row)
+    out, blank = [], 0
+    for number, line in enumerate(lines):
+        if number in replace:
+            line = replace[number]
+        elif number in drop:
+            continue
+        blank = blank + 1 if not line.strip() else 0
+        if blank <= 2:
+            out.append(line)
+    return ("\n".join(out) + "\n").encode()
 
 
 def is_held_out(path: Path, root: Path) -> bool:
@@ -64,9 +116,13 @@ def load_corpus(split: str, corpus: str = "stdlib") -> bytes:
     for path in corpus_files(corpus):
         if is_held_out(path, root) == (split == "heldout"):
             try:
-                chunks.append(path.read_bytes())
+                source = path.read_bytes()
             except OSError:
                 continue
+            if corpus == "stdlib-code":
+                source = code_only(source)
+            if source:
+                chunks.append(source)
     return b"\n\n".join(chunks)
 
 
