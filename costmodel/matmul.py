@@ -138,26 +138,31 @@ def product_time_s(curve: MatmulCurve, matrix_bytes: float, n_rows,
 
 
 _PARTS: dict[int, tuple[MatmulCurve, dict]] = {}
+_MEMO_MAX_ROWS = 4096  # row-count vectors up to this long are remembered
 
 
 def part_matmul_s(curve: MatmulCurve, matrices: list[tuple[tuple[int, int], int]], width: int,
                   n_rows, working_set_bytes: float | None):
     """Seconds of a call's matrix products: ``matrices`` is ((out, in), how many) pairs. A
-    scalar row count is remembered per curve (a fit prices the same calls hundreds of times;
-    their products' times do not depend on the coefficients it moves)."""
-    if np.ndim(n_rows) or np.ndim(working_set_bytes):
+    scalar row count, or a short vector of them (a simulation's shapes), is remembered per
+    curve: a fit prices the same calls hundreds of times, and ``--schedule auto`` the same
+    shapes at every decision; their products' times do not depend on the coefficients a fit
+    moves. A sweep's long vectors are priced afresh rather than kept."""
+    if np.ndim(working_set_bytes) or np.size(n_rows) > _MEMO_MAX_ROWS:
         return _part_matmul_s(curve, matrices, width, n_rows, working_set_bytes)
     hit = _PARTS.get(id(curve))
     if hit is None or hit[0] is not curve:
         if len(_PARTS) > 64:
             _PARTS.clear()
         hit = _PARTS[id(curve)] = (curve, {})
-    key = (tuple(matrices), width, float(n_rows),
+    rows = np.asarray(n_rows, dtype=float)
+    key = (tuple(matrices), width, rows.shape, rows.tobytes(),
            None if working_set_bytes is None else float(working_set_bytes))
     memo = hit[1]
     if key not in memo:
         memo[key] = _part_matmul_s(curve, matrices, width, n_rows, working_set_bytes)
-    return memo[key]
+    value = memo[key]
+    return value.copy() if isinstance(value, np.ndarray) else value
 
 
 def _part_matmul_s(curve: MatmulCurve, matrices: list[tuple[tuple[int, int], int]], width: int,

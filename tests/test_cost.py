@@ -134,6 +134,22 @@ def test_the_curve_reads_its_measured_points_and_interpolates_between_them():
         product_time_s(curve, 2**14, 1, None), rel=0.05)
 
 
+def test_remembered_product_times_equal_fresh_ones_and_cannot_be_altered():
+    from costmodel.matmul import _part_matmul_s, part_matmul_s
+
+    curve = _cpu().matmul
+    matrices = [((256, 192), 3), ((512, 192), 2)]
+    rows = np.array([1.0, 5.0, 12.0])
+    for n_rows, working_set in ((rows, None), (rows, 3e6), (7, 3e6)):
+        fresh = _part_matmul_s(curve, matrices, 4, n_rows, working_set)
+        first = part_matmul_s(curve, matrices, 4, n_rows, working_set)
+        if isinstance(first, np.ndarray):
+            first *= 0  # a caller scaling its copy in place must not reach the memo
+        assert part_matmul_s(curve, matrices, 4, n_rows, working_set) == pytest.approx(fresh)
+    assert part_matmul_s(curve, matrices, 4, rows[:2], None) == pytest.approx(
+        _part_matmul_s(curve, matrices, 4, rows[:2], None))  # another vector, another entry
+
+
 def test_a_row_count_the_curve_did_not_measure_costs_its_next_whole_block():
     from costmodel.matmul import product_time_s
 
