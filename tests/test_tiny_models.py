@@ -59,7 +59,6 @@ def test_the_source_corpus_leaves_out_the_test_suites():
     assert trained_corpus(SHIPPED_DIR / "ouro-tiny") == "stdlib"  # trained before the option
 
 
-
 def test_the_code_corpus_drops_docstrings_and_comments_and_still_parses():
     import ast
 
