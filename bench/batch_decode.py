@@ -4,8 +4,12 @@ machine's calibration profile.
 
     python bench/batch_decode.py [--model huginn-small:random] [--profile FILE]
         [--batches 1 2 4 8 16] [--block-lengths 2 4 8] [--context 32] [--new-tokens 32]
-        [--acceptance 0.9] [--repeats 3] [--retries 2] [--threads 2] [--device cpu] [--mode MODE]
-        [--out FILE.json] [--figure FILE.png] [--measured FILE.json]
+        [--acceptance 0.9] [--repeats 3] [--retries 2] [--threads 2] [--device cpu]
+        [--dtype fp32] [--mode eager|static] [--out FILE.json] [--figure FILE.png]
+        [--measured FILE.json]
+
+On a GPU: --device cuda --dtype bf16 --profile gpu-FAMILY-bf16.json (an eager calibration), in
+eager mode (calibrate/gpu.sh runs it so).
 
 Each batch decodes B synthetic prompts of --context tokens, --new-tokens each, admitted together;
 a random-weight model times the schedule with forced acceptance (each sequence its own seeded
@@ -124,7 +128,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="huginn-small:random")
     ap.add_argument("--profile", default=None,
-                    help="calibration profile (default: data/profiles/cpu-FAMILY-fp32.json)")
+                    help="calibration profile (default: data/profiles/cpu-FAMILY-DTYPE.json, or "
+                         "on CUDA gpu-FAMILY-DTYPE.json: an eager calibration of this GPU)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--block-lengths", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--context", type=int, default=32)
@@ -134,9 +139,12 @@ def main() -> None:
     ap.add_argument("--retries", type=int, default=2,
                     help="times a run under load is run again (CPU; the fastest is kept)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda with --dtype bf16 and an "
+                    "eager GPU profile (--profile)")
     ap.add_argument("--dtype", default="fp32")
-    ap.add_argument("--mode", default=None)
+    ap.add_argument("--mode", default="eager", choices=("eager", "static"),
+                    help="eager on every device: a batch's calls mix the sequences' slots in "
+                         "ever new combinations, so graphs mode would capture a graph for each")
     ap.add_argument("--out", default=None)
     ap.add_argument("--figure", default=None)
     ap.add_argument("--measured", default=None,
@@ -156,7 +164,8 @@ def main() -> None:
         args.batches = sorted({r["batch"] for r in saved["runs"]})
         args.block_lengths = sorted({int(r["label"][6:]) for r in saved["runs"]
                                      if r["label"].startswith("dtv k=")})
-    profile = load_profile(args.profile or PROFILES_DIR / f"cpu-{family}-{args.dtype}.json")
+    kind = "gpu" if args.device.startswith("cuda") else "cpu"
+    profile = load_profile(args.profile or PROFILES_DIR / f"{kind}-{family}-{args.dtype}.json")
     hw = profile.hardware
     d = spec.default_draft_depth
     configs = {"ar": ("ar", {})}

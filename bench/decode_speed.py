@@ -154,7 +154,7 @@ def schedules(args) -> None:
         configs[f"WFD d={d} W={wave_width(depth, d)}"] = ("wfd", {"draft_depth": d})
         runs = [(mode, label) for mode in modes for label in configs]
         results: dict[tuple[str, str], list[dict]] = {run: [] for run in runs}
-        for mode in modes:  # warm-up (and, in graphs mode, the first captures)
+        for mode in modes:  # warm-up; in static and graphs modes AR's shapes, kept for the runs
             time_schedule(model, "ar", prompts[:1], 4, None, mode=mode)
         for _ in range(args.repeats):
             for mode, label in runs:

@@ -32,10 +32,10 @@ def split(calls: list[ValidationPoint], positions: set[int], held_out: str
     """(training calls, held-out calls) as the calibration splits them."""
     contexts: dict[str, set[int]] = {}
     for call in calls:
-        contexts.setdefault(call.model, set()).add(min(call.record.contexts) - 1)
+        contexts.setdefault(call.model, set()).add(min(call.record.positions))
 
     def trains(call: ValidationPoint) -> bool:
-        context = min(call.record.contexts) - 1
+        context = min(call.record.positions)
         ends = (min(contexts[call.model]), max(contexts[call.model]))
         return (call.model != held_out and len(call.record.positions) in positions
                 and context in ends)

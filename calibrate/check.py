@@ -104,7 +104,7 @@ def check_profile(profile: CalibrationProfile, count: int = 16, progress=None) -
     mode = "graphs" if profile.hardware.cuda_graphs else "eager"
     cuda = device.startswith("cuda")
     quiet = Quiet(device, retries=0 if cuda else 4, budget_s=30.0)
-    shapes = [(p.record.kind, len(p.record.positions), min(p.record.contexts) - 1,
+    shapes = [(p.record.kind, len(p.record.positions), min(p.record.positions),
                len(p.record.slot_contexts())) for p in points]
     models = {}
     task = progress.add_task("loading the profile's models", total=2 * len(points)) \

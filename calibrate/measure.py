@@ -487,8 +487,6 @@ def count_ops(model, kind: str) -> dict[str, int]:
     overhead."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from wfd.runtime import Runner
-
     counts = dict.fromkeys(HardwareSpec.OPERATION_CLASSES, 0)
 
     class Counter(TorchDispatchMode):
@@ -497,8 +495,7 @@ def count_ops(model, kind: str) -> dict[str, int]:
             counts[operation_class(func, args, out)] += 1
             return out
 
-    cache = _timed_cache(model, 8, 1, model.config.depth)
-    runner = Runner(model, cache, record=False, mode="eager")  # the operations one call issues
+    runner = _timed_runner(model, 8, 1, record=False)  # eager: the operations one call issues
     param = next(model.parameters())
     state = torch.zeros(1, model.config.hidden_size, dtype=param.dtype, device=param.device)
     calls = {"prelude": lambda: runner.prelude([1], [8]),
@@ -593,13 +590,14 @@ def graph_replay_costs(device: str, kernels: int = 64, replays: int = 200,
     x = torch.randn(1, 64, device=dev)
 
     def per_replay(n: int) -> float:
-        def chain(y: torch.Tensor) -> torch.Tensor:
+        def chain(position: torch.Tensor, slot: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             for _ in range(n):
                 y = y * 1.0
             return y
 
-        def call() -> None:
-            graphs.run(("microbenchmark", n), chain, [x], lambda replay: (replay(), 0.0))
+        def call() -> None:  # a position copied in, a slot kept, a state copied in: a B call's
+            graphs.run(("microbenchmark", n), chain, [8], [x], lambda replay: (replay(), 0.0),
+                       constants=lambda: [torch.zeros(1, dtype=torch.long, device=dev)])
 
         call()  # captured (or prepared) once
 
@@ -619,13 +617,17 @@ def _median(times: list[float]) -> tuple[float, float]:
     return statistics.median(times), qs[2] - qs[0]
 
 
-def _timed_cache(model, context: int, positions: int, depth: int):
-    from wfd.generate import make_cache
+def _timed_runner(model, context: int, positions: int, mode: str = "eager", record=True):
+    """A runner whose cache holds ``context`` positions and room for ``positions`` more, written
+    again on every repeat (static and graphs: the model's workspace for the grid's layout)."""
+    from wfd.runtime import runner_for
 
-    cache = make_cache(model, prompt_len=context, max_new_tokens=positions + 1, depth=depth,
-                       kv_sharing=0, readout_depths=sorted({1, depth}))
-    cache.fill(context + positions)  # the same positions are written on every repeat
-    return cache
+    depth = model.config.depth
+    runner = runner_for(model, mode=mode, record=record, prompt_len=context,
+                        max_new_tokens=positions + 1, depth=depth, kv_sharing=0,
+                        readout_depths=sorted({1, depth}))
+    runner.cache.fill(context + positions)  # the same positions are written on every repeat
+    return runner
 
 
 @torch.inference_mode()
@@ -633,11 +635,8 @@ def time_call(model, name: str, kind: str, n: int, context: int, slots: int, gri
               mode: str = "eager") -> CallSample:
     """Median time of one call of ``kind`` over n positions after ``context`` positions, the
     positions spread over ``slots`` distinct depths (B) or readout depths (C)."""
-    from wfd.runtime import Runner
-
     depth = model.config.depth
-    cache = _timed_cache(model, context, n, depth)
-    runner = Runner(model, cache, record=True, mode=mode)
+    runner = _timed_runner(model, context, n, mode)
     positions = list(range(context, context + n))
     hidden = model.config.hidden_size
     param = next(model.parameters())
@@ -681,7 +680,9 @@ def contexts_for(model, grid: Grid) -> list[int]:
 def call_grid(name: str, model, grid: Grid) -> list[tuple[str, int, int, int]]:
     depth = model.config.depth
     points = []
-    for context in contexts_for(model, grid):
+    # longest context first: its cache serves the shorter ones, so static and graphs modes
+    # prepare each shape once (wfd.graphs: a longer cache would replace the workspace)
+    for context in sorted(contexts_for(model, grid), reverse=True):
         for n in grid.positions:
             for slots in grid.slots_for(n, depth):
                 points.append(("block", n, context, slots))

@@ -286,7 +286,7 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
     def in_training(role: str, s: CallSample) -> bool:
         contexts = contexts_for(loaded[role][1], grid)
         return (role != "holdout" and len(s.record.positions) in TRAIN_POSITIONS
-                and min(s.record.contexts) - 1 in (min(contexts), max(contexts)))
+                and min(s.record.positions) in (min(contexts), max(contexts)))
 
     train = [obs(r, s) for r, s in samples if in_training(r, s)]
     result = fit(base, train, dtype)
@@ -299,7 +299,7 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
             measured_s=s.median_s, record=s.record,
             repeats_s=[each[i].median_s for each in passes],
             label=f"{s.record.kind} n={len(s.record.positions)} "
-                  f"context={min(s.record.contexts) - 1} slots={len(s.record.slot_contexts())}")
+                  f"context={min(s.record.positions)} slots={len(s.record.slot_contexts())}")
 
     points = [call_point(i) for i, (r, s) in enumerate(samples) if not in_training(r, s)]
     run_measurements.append(holdout_runs())

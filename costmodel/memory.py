@@ -3,7 +3,8 @@
 KV: every token of the sequence (prompt and generated) holds one entry per prelude layer, one per
 core layer and slot (R slots, or s when shared: depth r uses slot r mod s), and one per coda layer
 and readout depth (DtV and WFD read out at d and at R), for the sequence and the positions the
-schedule writes ahead of it (the decoder's static cache holds exactly these). Activations: the
+schedule writes ahead of it (the decoder's static cache holds exactly these; in graphs mode
+rounded up to a whole static span). Activations: the
 decode workspace of the widest call (positions per call x (hidden activations + fp32 logits));
 prefill is assumed chunked.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 from .cost import activation_elements_per_position
+from .plans import static_span
 from .specs import DTYPE_BYTES, HardwareSpec, LoopedModelSpec, Workload
 from .units import format_bytes
 
@@ -35,12 +37,15 @@ class MemoryReport(BaseModel):
 
 
 def kv_cache_bytes(model: LoopedModelSpec, workload: Workload, *, depth: int,
-                   readout_depths: int, lookahead: int = 0) -> int:
+                   readout_depths: int, lookahead: int = 0, static: bool = False) -> int:
     """Bytes of the static KV cache a run allocates: every position of the sequence and of the
-    schedule's lookahead (costmodel.plans.lookahead), for each sequence of the batch."""
+    schedule's lookahead (costmodel.plans.lookahead), for each sequence of the batch; in static
+    and graphs modes rounded up to whole static spans (the longest span a call may read)."""
     per_token = model.kv_bytes_per_token(workload.dtype, depth, workload.kv_sharing,
                                          readout_depths)
     sequence = workload.context_length + workload.new_tokens + lookahead
+    if static:
+        sequence = static_span(sequence)
     return workload.batch_size * sequence * per_token
 
 
@@ -51,7 +56,7 @@ def memory_report(model: LoopedModelSpec, hw: HardwareSpec, workload: Workload, 
     weights = model.weight_bytes(dtype)
     per_token = model.kv_bytes_per_token(dtype, depth, workload.kv_sharing, readout_depths)
     kv = kv_cache_bytes(model, workload, depth=depth, readout_depths=readout_depths,
-                        lookahead=lookahead)
+                        lookahead=lookahead, static=hw.cuda_graphs)
     per_position = (activation_elements_per_position(model, model.part("block"))
                     * DTYPE_BYTES[dtype] + 4 * model.vocab_size)
     activations = workload.batch_size * positions_per_call * per_position

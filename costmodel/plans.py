@@ -35,6 +35,41 @@ def call_slots(kind: str, depths: Sequence[int], kv_sharing: int) -> list[int]:
     return [0] * len(depths) if kind == "prelude" else list(depths)
 
 
+# A static call (graphs mode) attends over a fixed span of keys under a mask, rounded up to a
+# multiple of this: a shape captured once serves every position of its bucket, at most this many
+# keys are read past a position, and the captures grow with the context's length over the block,
+# not with its tokens. The extra keys matter only where the KV is a large share of a call, that is
+# at long contexts, where a fixed block is a small fraction of them (powers of two would read up
+# to twice the keys there).
+STATIC_SPAN_KEYS = 256
+
+
+def static_span(keys: int) -> int:
+    """The keys a static call reads when its latest position attends over ``keys``."""
+    return -(-keys // STATIC_SPAN_KEYS) * STATIC_SPAN_KEYS
+
+
+def keys_read(positions: Sequence[int], static: bool) -> list[int]:
+    """The keys each position of a call attends over, as the call trace records them: its own
+    prefix (p + 1) in eager mode; the call's static span in static and graphs modes."""
+    if static:
+        return [static_span(max(positions) + 1)] * len(positions)
+    return [p + 1 for p in positions]
+
+
+def mean_decode_keys(context, new_tokens, static: bool):
+    """The keys a decode step attends over, on average over contexts L .. L + N - 1 (numbers or
+    numpy arrays): L + (N - 1) / 2, or in static mode the mean of their static spans."""
+    if not static:
+        return context + (new_tokens - 1) / 2
+
+    def spans_up_to(x):  # sum of static_span(c) for c = 1..x, in closed form
+        q, r = x // STATIC_SPAN_KEYS, x % STATIC_SPAN_KEYS
+        return STATIC_SPAN_KEYS * (STATIC_SPAN_KEYS * q * (q + 1) / 2 + r * (q + 1))
+
+    return (spans_up_to(context + new_tokens - 1) - spans_up_to(context - 1)) / new_tokens
+
+
 def wave_width(depth: int, draft_depth: int, width_cap: int | None = None) -> int:
     """Positions in flight in a full WFD wave: ceil(R / d), or the cap if smaller."""
     natural = -(-depth // draft_depth)

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .cost import call_cost
 from .memory import MemoryReport, kv_cache_bytes, memory_report
-from .plans import lookahead, wave_width
+from .plans import lookahead, mean_decode_keys, wave_width
 from .presets import get_hardware, get_model
 from .schedules import (
     CallGroup,
@@ -127,7 +127,7 @@ def prefill_time_s(model: LoopedModelSpec, hw: HardwareSpec, workload: Workload,
     parts = model.parts
     L = workload.context_length
     b = workload.batch_size
-    causal = L * (L + 1) / 2
+    causal = L * (L + 1) / 2  # a prefill runs eagerly in every mode
 
     def t(part: str, n: int, ctx_sum: float) -> float:
         c = call_cost(model, hw, parts[part], workload.dtype, n_positions=b * n, n_slots=1,
@@ -139,6 +139,11 @@ def prefill_time_s(model: LoopedModelSpec, hw: HardwareSpec, workload: Workload,
     coda_ctx = causal if model.coda_layers else L
     return (t("prelude", L, causal) + depth * t("block", L, causal)
             + readout_depths * t("coda", coda_positions, coda_ctx))
+
+
+def decode_keys(workload: Workload, hw: HardwareSpec) -> float:
+    """The keys a decode step attends over on average, as the hardware's mode reads them."""
+    return mean_decode_keys(workload.context_length, workload.new_tokens, hw.cuda_graphs)
 
 
 def resolve_draft_depth(model: LoopedModelSpec, depth: int, width: int | None,
@@ -216,7 +221,7 @@ def predict(
                            lookahead=max(lookahead("wfd", width=width_used),
                                          lookahead("dtv", block_length=max(ks))))
 
-    pricer = _Pricer(spec, hw, wl.dtype, np.asarray(wl.mean_context()),
+    pricer = _Pricer(spec, hw, wl.dtype, np.asarray(decode_keys(wl, hw)),
                      np.asarray(float(wl.batch_size)), None)
     results: dict[str, ScheduleResult] = {}
     if not memory.fits:
@@ -238,7 +243,7 @@ def predict(
             bound=_bound({k: float(totals[k]) for k in _TERMS}),
             prefill_s=prefill_time_s(spec, hw, wl, depth, readouts),
             kv_bytes=kv_cache_bytes(spec, wl, depth=depth, readout_depths=readouts,
-                                    lookahead=ahead),
+                                    lookahead=ahead, static=hw.cuda_graphs),
             **fields)
 
     ar_groups = call_groups(AR(), depth)
@@ -325,7 +330,7 @@ def sweep(
     d = -(-depth // w)
     out = {key: np.empty(w.shape) for key in ("ar_latency_s", "dtv_latency_s", "wfd_latency_s",
                                               "dtv_block_length")}
-    mean_ctx = ctx + (new_tokens - 1) / 2
+    mean_ctx = mean_decode_keys(ctx, new_tokens, hw.cuda_graphs)
     for dv in np.unique(d):
         sel = d == dv
         pricer = _Pricer(spec, hw, dtype, mean_ctx[sel], b[sel], bwa[sel])

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .memory import does_not_fit, memory_report
 from .plans import wave_width
-from .predict import MAX_BLOCK_LENGTH, _bound, _Pricer
+from .predict import MAX_BLOCK_LENGTH, _bound, _Pricer, decode_keys
 from .presets import get_hardware, get_model
 from .schedules import call_groups
 from .simulate import simulate
@@ -126,7 +126,7 @@ def recommend(model: str | LoopedModelSpec, hardware: str | HardwareSpec,
                            positions_per_call=max(depth, MAX_BLOCK_LENGTH + 1))
     if not memory.fits:
         raise ValueError(f"on {hw.name}: {does_not_fit(memory, wl)}")
-    pricer = _Pricer(spec, hw, wl.dtype, np.asarray(wl.mean_context()),
+    pricer = _Pricer(spec, hw, wl.dtype, np.asarray(decode_keys(wl, hw)),
                      np.asarray(float(wl.batch_size)), None)
 
     def priced(choice: dict, alpha: float) -> Choice:

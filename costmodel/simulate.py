@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .cost import call_cost
-from .plans import Call, Executor, Plan, call_slots, make_plan
+from .plans import Call, Executor, Plan, call_slots, keys_read, make_plan
 from .specs import AR, WFD, DtV, HardwareSpec, LoopedModelSpec
 from .trace import CallRecord, slot_lengths
 
@@ -56,8 +56,9 @@ class _Simulator(Executor):
     outcome of its position from the acceptance sequence."""
 
     def __init__(self, plan: Plan, kv_sharing: int, accept: Sequence[bool], tokens: int,
-                 records: bool):
+                 records: bool, static: bool = False):
         self.plan, self.kv_sharing, self.accept, self.tokens = plan, kv_sharing, accept, tokens
+        self.static = static  # graphs mode: each decode call reads its static span of keys
         self.result = SimulationResult([], committed_tokens=0)
         self.start = plan.prompt_length
         self.records = records
@@ -72,15 +73,17 @@ class _Simulator(Executor):
         calls = self.result.calls
         calls[call.kind] = calls.get(call.kind, 0) + 1
         slots = call_slots(call.kind, call.depths, self.kv_sharing)
+        # a prefill's calls run eagerly in every mode (wfd.runtime.Runner.run)
+        contexts = keys_read(call.positions,
+                             self.static and max(call.positions) >= self.plan.prompt_length)
         if self.records:
             # model_construct: records by the hundred thousand, correct by construction
             self.result.records.append(CallRecord.model_construct(
                 kind=call.kind, positions=list(call.positions), depths=list(call.depths),
-                contexts=[p + 1 for p in call.positions], slots=slots, wall_s=0.0))
+                contexts=contexts, slots=slots, wall_s=0.0))
         else:
             self.shapes.setdefault(call.kind, []).append(
-                (*call_shape(slots, [p + 1 for p in call.positions]),
-                 call.kind != self.previous))
+                (*call_shape(slots, contexts), call.kind != self.previous))
         self.previous = call.kind
 
     def verify(self, position: int) -> bool:
@@ -138,7 +141,7 @@ def simulate(
                      block_length=getattr(schedule, "block_length", 1),
                      width_cap=getattr(schedule, "width_cap", None), prefill=prefill)
     sim = _Simulator(plan, kv_sharing, padded, new_tokens if prefill else decode_tokens,
-                     records or prefill)
+                     records or prefill, static=hw.cuda_graphs)
     sim.run(plan.steps())
     res = sim.result
     if prefill:
@@ -307,12 +310,14 @@ def simulate_batch(
                          block_length=getattr(schedule, "block_length", 1),
                          width_cap=getattr(schedule, "width_cap", None))
         padded = list(accept or []) + [False] * 64  # drafts past the end are never committed
-        return _Simulator(plan, kv_sharing, padded, new, records=False), plan
+        return _Simulator(plan, kv_sharing, padded, new, records=False,
+                          static=hw.cuda_graphs), plan
 
     def run_call(lanes) -> None:
         kind, positions, depths, regions = merged_call(lanes)
         calls.append(CallRecord.model_construct(
-            kind=kind, positions=positions, depths=depths, contexts=[p + 1 for p in positions],
+            kind=kind, positions=positions, depths=depths,
+            contexts=keys_read(positions, hw.cuda_graphs and lanes[0].round != PREFILL),
             slots=call_slots(kind, depths, kv_sharing), sequences=regions, wall_s=0.0))
         prefill.append(lanes[0].round == PREFILL)
 

@@ -441,10 +441,6 @@ class Workload(Spec):
                              "prefill commits the first)")
         return self
 
-    def mean_context(self) -> float:
-        """The context a decode step sees on average over the generation."""
-        return self.context_length + (self.new_tokens - 1) / 2
-
 
 class AR(Spec):
     kind: Literal["ar"] = "ar"

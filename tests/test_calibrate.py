@@ -358,57 +358,126 @@ def test_calibrate_with_a_checkpoint_of_the_wrong_family(tmp_path):
     assert out.returncode == 2 and "not huginn" in out.stderr
 
 
-def test_gpu_script_runs_on_cpu_at_tiny_size(tmp_path):
-    # one family (the other's calibration runs the same lines), with a short benchmark
-    # the machine's measurements come from a shipped profile (their own test measures them;
-    # on another machine the script's --force takes them, flagged)
-    machine = Path(__file__).parents[1] / "data" / "profiles" / "cpu-ouro-fp32-quick.json"
-    env = {"DEVICE": "cpu", "DTYPE": "fp32", "QUICK": "1", "SIZES": "tiny", "OUT": str(tmp_path),
-           "PYTHON": sys.executable, "FAMILIES": "ouro", "BENCH_CONTEXT": "16",
-           "BENCH_TOKENS": "8", "BENCH_REPEATS": "1", "MACHINE_FROM": str(machine),
-           "ACCEPTANCES": "0.6,0.9"}
-    import os
+WHEELED = ("pydantic", "pydantic_core", "annotated_types", "typing_inspection",
+           "typing_extensions")
 
+
+def image_like_interpreter(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """(an interpreter, its PYTHONPATH, a folder of wheels) like the GPU image's: it sees this
+    environment's packages but not the project's install, nor pydantic and its companions, which
+    come as wheels (repacked here from the installed distributions)."""
+    import importlib.metadata
+    import site
+    import zipfile
+
+    packages = Path(site.getsitepackages()[0])
+    visible = tmp_path / "image-site"
+    visible.mkdir()
+    hidden = {name.replace("_", "-") for name in WHEELED} | {"looped-decoding"}
+    hidden_paths = {packages / "__editable__.looped_decoding-0.1.0.pth"}
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for dist in importlib.metadata.distributions(path=[str(packages)]):
+        name = dist.metadata["Name"].lower().replace("_", "-")
+        files = [f for f in dist.files or [] if not str(f).startswith("..")]
+        if name not in hidden:
+            continue
+        hidden_paths |= {packages / Path(str(f)).parts[0] for f in files}
+        if name == "looped-decoding":
+            continue
+        with zipfile.ZipFile(wheels / f"{name.replace('-', '_')}-0-py3-none-any.whl", "w") as z:
+            for f in files:
+                if (packages / f).is_file():
+                    z.write(packages / f, str(f))
+    for entry in packages.iterdir():
+        if entry not in hidden_paths and entry.suffix != ".pth":
+            (visible / entry.name).symlink_to(entry)
+    python = tmp_path / "python3"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    python.chmod(0o755)
+    return python, visible, wheels
+
+
+def test_the_gpu_script_rehearsed_as_the_gpu_image_runs_it(tmp_path):
+    """The campaign from a checkout the interpreter cannot import (no install, no pydantic: its
+    wheels unpacked by the script), at tiny size on the CPU, one family: every file it makes is
+    in the one archive, and the archive holds what the campaign promises."""
+    import os
+    import tarfile
+
+    python, visible, wheels = image_like_interpreter(tmp_path)
+    probe = subprocess.run([str(python), "-c", "import pydantic"], capture_output=True,
+                           env={**os.environ, "PYTHONPATH": str(visible)}, cwd=tmp_path)
+    assert probe.returncode != 0  # the rehearsal's interpreter is as bare as the image
+    # the machine's measurements come from a shipped profile (their own test measures them)
+    machine = Path(__file__).parents[1] / "data" / "profiles" / "cpu-ouro-fp32-quick.json"
+    results = tmp_path / "run"
+    env = {"DEVICE": "cpu", "DTYPE": "fp32", "QUICK": "1", "SIZES": "tiny",
+           "RESULTS": str(results), "ARCHIVE": str(tmp_path / "back" / "campaign.tar.gz"),
+           "PYTHON": str(python), "PYTHONPATH": str(visible), "WHEELS": str(wheels),
+           "SITE": str(tmp_path / "unpacked"), "FAMILIES": "ouro", "BENCH_CONTEXT": "16",
+           "BENCH_TOKENS": "8", "BENCH_REPEATS": "1", "MACHINE_FROM": str(machine),
+           "ACCEPTANCES": "0.6,0.9", "BATCH": "1", "BATCHES": "1 2", "BATCH_CONTEXT": "16",
+           "BATCH_TOKENS": "8", "STEP_SECONDS": "400"}
     out = subprocess.run(["bash", "calibrate/gpu.sh"], capture_output=True, text=True,
                          timeout=600, env={**os.environ, **env})
     assert out.returncode == 0, out.stderr[-2000:]
-    bench = json.loads((tmp_path / "bench-ouro-fp32.json").read_text())
+    made = {str(p.relative_to(tmp_path)) for p in results.rglob("*") if p.is_file()}
+    with tarfile.open(tmp_path / "back" / "campaign.tar.gz") as archive:
+        packed = {m.name for m in archive.getmembers() if m.isfile()}
+        archive.extractall(tmp_path / "back", filter="data")
+    assert packed == made
+    assert {"run/smoke.json", "run/campaign.log", "run/gpu-ouro-fp32.json",
+            "run/gpu-ouro-fp32.validation.json", "run/gpu-ouro-fp32.png",
+            "run/bench-ouro-fp32.json", "run/bench-ouro-fp32.md", "run/batch-ouro-fp32.json",
+            "run/batch-ouro-fp32.md"} <= packed
+    back = tmp_path / "back" / "run"
+    bench = json.loads((back / "bench-ouro-fp32.json").read_text())
     assert {row["schedule"].split()[0] for row in bench["rows"]} == {"AR", "DtV", "WFD"}
     assert all(row["tokens_per_s"] > 0 and row["mode"] == "eager" for row in bench["rows"])
-    assert "| ouro-tiny:random | eager | AR |" in (tmp_path / "bench-ouro-fp32.md").read_text()
-    for family in ("ouro",):
-        profile = load_profile(tmp_path / f"gpu-{family}-fp32.json")
-        assert profile.validation and profile.fit_stats["train_points"] > 5
-        assert len(profile.training) == profile.fit_stats["train_points"]  # kept for refits
-        report = json.loads((tmp_path / f"gpu-{family}-fp32.validation.json").read_text())
-        assert set(report["per_schedule"]) >= {"ar", "wfd", "dtv", "block"}
-        # the held-out runs sweep the forced acceptance (DtV and WFD at each, AR once)
-        runs = [p.label for p in profile.validation if p.kind == "run"]
-        assert len(runs) == 5 and sum(label.endswith(" a=0.6") for label in runs) == 2
-        assert report["per_token"]["points"] >= 3 and report["per_call"]["points"] > 20
-        # every held-out point keeps each of its measurements, the least as its figure
-        assert all(len(p.repeats_s) == 2 and  # quick: two passes, runs in two rounds
-                   p.measured_s == min(p.repeats_s) for p in profile.validation)
-        assert report["repeat_spread"]["per_call"]["points"] == report["per_call"]["points"]
-        assert profile.threads >= 1  # the CPU threads the decoder ran on
-        assert (tmp_path / f"gpu-{family}-fp32.png").stat().st_size > 0
-        assert profile.checks[0].startswith("machine: the measurements of cpu-ouro-fp32-quick")
-        assert profile.hardware.matmul.seconds == load_profile(machine).hardware.matmul.seconds
+    assert "| ouro-tiny:random | eager | AR |" in (back / "bench-ouro-fp32.md").read_text()
+    assert json.loads((back / "smoke.json").read_text())["tiny_models"]
+    assert {r["batch"] for r in json.loads((back / "batch-ouro-fp32.json").read_text())["runs"]
+            } == {1, 2}
+    profile = load_profile(back / "gpu-ouro-fp32.json")
+    assert profile.validation and profile.fit_stats["train_points"] > 5
+    assert len(profile.training) == profile.fit_stats["train_points"]  # kept for refits
+    report = json.loads((back / "gpu-ouro-fp32.validation.json").read_text())
+    assert set(report["per_schedule"]) >= {"ar", "wfd", "dtv", "block"}
+    # the held-out runs sweep the forced acceptance (DtV and WFD at each, AR once)
+    runs = [p.label for p in profile.validation if p.kind == "run"]
+    assert len(runs) == 5 and sum(label.endswith(" a=0.6") for label in runs) == 2
+    assert report["per_token"]["points"] >= 3 and report["per_call"]["points"] > 20
+    # every held-out point keeps each of its measurements, the least as its figure
+    assert all(len(p.repeats_s) == 2 and  # quick: two passes, runs in two rounds
+               p.measured_s == min(p.repeats_s) for p in profile.validation)
+    assert report["repeat_spread"]["per_call"]["points"] == report["per_call"]["points"]
+    assert profile.threads >= 1  # the CPU threads the decoder ran on
+    assert profile.checks[0].startswith("machine: the measurements of cpu-ouro-fp32-quick")
+    assert profile.hardware.matmul.seconds == load_profile(machine).hardware.matmul.seconds
 
 
 def test_gpu_script_goes_on_past_a_failed_step_and_names_it(tmp_path):
     """One failed calibration must not cost the rest of a lent machine's time: the script
-    reports it, runs what does not need it, and exits 1 naming it."""
+    reports it, runs what does not need it, packs what it has, and exits 1 naming it; a step
+    past the time budget is skipped and named."""
     import os
+    import tarfile
 
-    env = {"DEVICE": "cpu", "DTYPE": "fp32", "QUICK": "1", "SIZES": "tiny", "OUT": str(tmp_path),
-           "PYTHON": sys.executable, "FAMILIES": "ouro", "BENCH": "0",
-           "MACHINE_FROM": str(tmp_path / "missing.json")}
+    env = {"DEVICE": "cpu", "DTYPE": "fp32", "QUICK": "1", "SIZES": "tiny",
+           "RESULTS": str(tmp_path / "run"), "PYTHON": sys.executable, "FAMILIES": "ouro",
+           "BENCH": "0", "MACHINE_FROM": str(tmp_path / "missing.json")}
     out = subprocess.run(["bash", "calibrate/gpu.sh"], capture_output=True, text=True,
                          timeout=300, env={**os.environ, **env})
     assert out.returncode == 1
     assert "failed steps: ouro eager calibration" in out.stderr
     assert "cannot read profile" in out.stderr and "Traceback" not in out.stderr
+    with tarfile.open(tmp_path / "run.tar.gz") as archive:
+        assert "run/smoke.json" in archive.getnames()
+    spent = subprocess.run(["bash", "calibrate/gpu.sh"], capture_output=True, text=True,
+                           timeout=300, env={**os.environ, **env, "BUDGET_SECONDS": "0"})
+    assert spent.returncode == 1 and "SKIPPED: smoke" in spent.stderr
+    assert "ouro eager calibration (skipped)" in spent.stderr
 
 
 def test_machine_measurements_are_reused_only_from_the_same_setting():

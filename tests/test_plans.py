@@ -48,15 +48,19 @@ def test_a_decoder_run_replays_call_for_call(family, easy, name, prompt, new_tok
 @pytest.mark.parametrize("family", ["huginn", "ouro"])
 @pytest.mark.parametrize("schedule", [DtV(block_length=3, draft_depth=1),
                                       WFD(draft_depth=1), WFD(draft_depth=2, width_cap=2)])
-def test_forced_acceptance_draws_the_simulators_outcomes(family, schedule):
+@pytest.mark.parametrize("mode", ["eager", "static"])
+def test_forced_acceptance_draws_the_simulators_outcomes(family, schedule, mode):
     """A timing run with forced acceptance (alpha, seed) is the simulator's run with the same
-    Bernoulli draws: one outcome per position, whatever the schedule."""
+    Bernoulli draws: one outcome per position, whatever the schedule; a static run's (graphs
+    mode's calls) is the simulator's in graphs mode, each decode call reading its static span."""
     model = model_for(family, False)
     run = generate(model, [1, 2, 3, 4], schedule=schedule.kind, max_new_tokens=30,
                    draft_depth=schedule.draft_depth,
                    block_length=getattr(schedule, "block_length", 4),
-                   width_cap=getattr(schedule, "width_cap", None), force_acceptance=0.7, seed=5)
-    sim = simulate(model.config.to_spec("tiny"), HARDWARE, schedule, context_length=4,
+                   width_cap=getattr(schedule, "width_cap", None), force_acceptance=0.7, seed=5,
+                   mode=mode)
+    hardware = HARDWARE.in_mode("graphs" if mode == "static" else "eager")
+    sim = simulate(model.config.to_spec("tiny"), hardware, schedule, context_length=4,
                    new_tokens=30, acceptance=0.7, seed=5, depth=model.config.depth,
                    prefill=True)
     assert shape(sim.records) == shape(run.records)

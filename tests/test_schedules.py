@@ -195,3 +195,18 @@ def test_on_a_cpu_the_closed_form_knows_which_calls_follow_another_part():
             mean = np.mean([s.latency_per_token_s for s in sims])
             latency, _ = closed_form(model, hw, schedule, alpha, 100, 400)
             assert mean == pytest.approx(latency, rel=0.05)
+
+
+def test_graphs_mode_prices_the_static_spans_a_decode_reads():
+    """In graphs mode a decode call reads whole blocks of keys (costmodel.plans.static_span):
+    the closed form's mean over the run and the simulator's calls price the same keys."""
+    from costmodel.plans import mean_decode_keys
+
+    graphs, workload = A6000.in_mode("graphs"), Workload(context_length=1000, new_tokens=300)
+    sim = simulate(HUGINN, graphs, AR(), context_length=1000, new_tokens=300)
+    ar = predict(HUGINN, graphs, workload).schedules["ar"]
+    assert sim.latency_per_token_s == pytest.approx(ar.latency_per_token_s, rel=2e-3)
+    assert {r.contexts[0] for r in sim.records if r.kind == "block"} == {1024, 1280, 1536}
+    eager = predict(HUGINN, A6000, workload).schedules["ar"]
+    keys = mean_decode_keys(1000, 300, True) / mean_decode_keys(1000, 300, False)
+    assert ar.breakdown.kv_s / eager.breakdown.kv_s == pytest.approx(keys, rel=0.01)

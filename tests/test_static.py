@@ -27,9 +27,9 @@ def test_static_calls_match_eager(family, schedule):
         [(r.kind, r.positions, r.depths) for r in eager.records]
     for layer_s, layer_e in zip(static.cache.layers(), eager.cache.layers(), strict=True):
         assert layer_s.lengths == layer_e.lengths
-        valid = max(layer_e.lengths, default=0)
-        torch.testing.assert_close(layer_s.keys[:, :, :valid], layer_e.keys[:, :, :valid],
-                                   rtol=0, atol=1e-5)
+        for slot, valid in enumerate(layer_e.lengths):  # past its length a slot holds stale keys
+            torch.testing.assert_close(layer_s.keys[slot, :, :valid],
+                                       layer_e.keys[slot, :, :valid], rtol=0, atol=1e-5)
     assert static.stats["mode"] == "static" and eager.stats["mode"] == "eager"
 
 
@@ -41,10 +41,11 @@ def test_call_shapes_do_not_grow_with_the_context(schedule):
         result = generate(model, PROMPT, schedule=schedule, max_new_tokens=n, mode="static",
                           force_acceptance=0.7, **SCHEDULES[schedule])
         shapes[n] = result.stats["shapes_captured"]
-        assert result.stats["replays"] == len(result.records)
+        decode = [r for r in result.records if max(r.positions) >= len(PROMPT)]
+        assert result.stats["replays"] == len(decode)
     assert shapes[16] == shapes[48]
-    # AR: the prompt's prefill (prelude, R block depths, coda) and one decode step's
-    assert schedule != "ar" or shapes[16] == 2 * (model.config.depth + 2)
+    # AR: one decode step's (prelude, R block depths, coda); the prefill runs eagerly
+    assert schedule != "ar" or shapes[16] == model.config.depth + 2
 
 
 @pytest.mark.parametrize("family", ["huginn", "ouro"])

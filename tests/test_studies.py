@@ -8,6 +8,7 @@ import pytest
 
 import studies
 from costmodel import Workload, get_hardware, predict
+from costmodel.plans import mean_decode_keys
 from studies.paper_table import derive_overhead, derived_hardware
 
 
@@ -77,7 +78,11 @@ def test_overhead_study_splits_the_gain():
     result, _ = studies.run("overhead", small=True)
     for row in result.rows:
         assert row["wfd_speedup_no_overhead"] > 1
-        assert row["ar_ms_graphs"] <= row["ar_ms_eager"] <= row["ar_ms_python_heavy"]
+        assert row["ar_ms_eager"] <= row["ar_ms_python_heavy"]
+        # graphs mode saves launches but reads static spans (whole blocks of 256 keys): where
+        # the preset's eager host hides behind the device, it costs those keys' bytes more
+        spans = mean_decode_keys(1024, 512, True) / mean_decode_keys(1024, 512, False)
+        assert row["ar_ms_graphs"] <= row["ar_ms_eager"] * spans
     ouro = next(r for r in result.rows if r["model"] == "ouro-2.6b")
     # a host-bound stack: part of WFD's gain is amortized launches
     assert ouro["wfd_speedup_python_heavy"] != pytest.approx(ouro["wfd_speedup_no_overhead"])

@@ -29,6 +29,11 @@ def test_generate_json_and_traces(model, tmp_path):
 
     header, records = read_call_trace(trace)
     assert header.source == "measured" and header.prompt_length == len("def f(x):")
+    # the attention kernel each call kind ran, in the output and the trace's header
+    assert header.extra["attention_backend"] == payload["attention_backend"]
+    assert set(payload["attention_backend"]) == {"prelude", "block", "coda"}
+    assert payload["attention_backend"]["block"] not in ("none", "unknown")
+    assert payload["captures_made"] == payload["shapes_captured"]  # a fresh process
     assert sum(r.kind == "block" for r in records) == payload["block_calls"]
     dt = read_depth_trace(depths)
     assert [r.token for r in dt.records] == payload["tokens"]

@@ -23,7 +23,7 @@ from costmodel.simulate import acceptance_draws
 from costmodel.trace import CallRecord
 
 from .generate import Decoder
-from .runtime import Runner, make_cache
+from .runtime import Runner, runner_for
 from .sampling import GenerationError, Sampling, Verifier
 
 
@@ -95,7 +95,10 @@ def run_together(runner: Runner, lanes: list[Lane]) -> None:
         inputs = [torch.cat(parts) for parts in zip(
             *(lane.executor.inputs(c) for lane, c in zip(lanes, calls, strict=True)),
             strict=True)]
-    out = runner.run(kind, positions, depths, inputs, sequences)
+    tokens = None if kind != "prelude" else [
+        token for lane, c in zip(lanes, calls, strict=True) for token in lane.executor.tokens_in(c)]
+    out = runner.run(kind, positions, depths, inputs, sequences, tokens=tokens,
+                     prefill=lanes[0].round == PREFILL)
     for lane, call, rows in zip(lanes, calls, out.split([len(c.positions) for c in calls]),
                                 strict=True):
         lane.executor.take(call, rows)
@@ -144,13 +147,14 @@ def decode_batch(model: nn.Module, requests: Sequence[Request], *, schedule: str
     regions = min(batch_size, len(requests))
     longest = max(range(len(requests)),
                   key=lambda i: len(requests[i].prompt) + requests[i].max_new_tokens)
-    cache = make_cache(model, prompt_len=len(requests[longest].prompt),
-                       max_new_tokens=requests[longest].max_new_tokens, depth=depth,
-                       kv_sharing=kv_sharing, readout_depths=probe.readout_depths,
-                       lookahead=probe.lookahead, sequences=regions)
     # eager unless asked: a batch's calls mix sequences' slots in ever new combinations, so
     # captured shapes would rarely be replayed
-    runner = Runner(model, cache, record=record, mode=mode or "eager")
+    runner = runner_for(model, mode=mode or "eager", record=record,
+                        prompt_len=len(requests[longest].prompt),
+                        max_new_tokens=requests[longest].max_new_tokens, depth=depth,
+                        kv_sharing=kv_sharing, readout_depths=probe.readout_depths,
+                        lookahead=probe.lookahead, sequences=regions)
+    cache = runner.cache
 
     def start(req: Request, region: int):
         forced = None if force_acceptance is None or schedule == "ar" else acceptance_draws(

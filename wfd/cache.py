@@ -60,7 +60,7 @@ class PartKV:
         self.lengths = [0] * (slots * sequences)
         # without sharing a position is written once: a schedule that writes it again forgot to
         # roll back; with sharing, later depths overwrite the slot by design
-        self.overwrite = overwrite
+        self.overwrite = self.rewrites = overwrite
         shape = (slots * sequences, *shape_tail)
         self.layers = [LayerKV(torch.zeros(shape, dtype=dtype, device=device),
                                torch.zeros(shape, dtype=dtype, device=device), self.lengths)
@@ -94,6 +94,11 @@ class PartKV:
         again and again)."""
         self.lengths[:] = [length] * len(self.lengths)
         self.overwrite = True
+
+    def reset(self) -> None:
+        """Empty every slot for a new run (the tensors stay: a masked key is never read)."""
+        self.lengths[:] = [0] * len(self.lengths)
+        self.overwrite = self.rewrites
 
 
 def part_slots(depth: int, kv_sharing: int, readout_depths: list[int]) -> dict[str, int]:
@@ -178,6 +183,10 @@ class KVCache:
     def fill(self, length: int) -> None:
         for part in self.parts.values():
             part.fill(length)
+
+    def reset(self) -> None:
+        for part in self.parts.values():
+            part.reset()
 
     @property
     def nbytes(self) -> int:

@@ -182,7 +182,7 @@ def generate(
                   schedule=result.schedule, extra={k: v for k, v in result.stats.items()
                                             if k in ("draft_depth", "block_length", "width",
                                                      "width_cap", "forced_acceptance",
-                                                     "mode")})
+                                                     "mode", "attention_backend")})
     if trace is not None:
         write_jsonl(trace, TraceHeader(trace="calls", **header), result.records)
     if depth_trace is not None:

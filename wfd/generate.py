@@ -24,7 +24,7 @@ from costmodel.trace import CallRecord, DepthRecord
 from .cache import KVCache
 from .checkpoint import DTYPE_NAMES
 from .layers import CallPlan
-from .runtime import Runner, make_cache
+from .runtime import Runner, make_cache, runner_for
 from .sampling import Draft, GenerationError, Sampling, Verifier
 
 __all__ = ["GenerationError", "GenerationResult", "Sampling", "full_forward", "generate",
@@ -108,7 +108,12 @@ class Decoder(Executor):
 
     def call(self, call: Call) -> None:
         self.take(call, self.runner.run(call.kind, list(call.positions), list(call.depths),
-                                        self.inputs(call)))
+                                        self.inputs(call), tokens=self.tokens_in(call),
+                                        prefill=self.in_prefill(call)))
+
+    def in_prefill(self, call: Call) -> bool:
+        """A call of the prompt's prefill: decoding's calls hold a position past the prompt."""
+        return max(call.positions) < len(self.prompt)
 
     def _rows(self, positions: tuple[int, ...]) -> slice | torch.Tensor:
         first = positions[0]
@@ -116,12 +121,15 @@ class Decoder(Executor):
             return slice(first, first + len(positions))  # every schedule's calls: a view
         return torch.tensor(positions)
 
+    def tokens_in(self, call: Call) -> list[int] | None:
+        """The tokens a prelude call of this sequence embeds (host integers); None otherwise."""
+        return [self.token_at[p] for p in call.positions] if call.kind == "prelude" else None
+
     def inputs(self, call: Call) -> list[torch.Tensor]:
-        """What a call of this sequence feeds its part: the tokens (prelude), the states and
-        injections (block) or the states (coda) of its positions."""
+        """The tensors a call of this sequence feeds its part: the states and injections (block)
+        or the states (coda) of its positions; none for the prelude (``tokens_in``)."""
         if call.kind == "prelude":
-            return [torch.tensor([self.token_at[p] for p in call.positions],
-                                 device=self.states.device)]
+            return []
         rows = self._rows(call.positions)
         if call.kind == "block":
             return [self.states[rows], self.injections[rows]]
@@ -224,7 +232,8 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
     depth, and the cost model with ``hardware`` (a calibrated HardwareSpec) picks the fastest
     configuration for that acceptance by depth (``stats["auto"]`` says which and why). Without
     a draft depth, the model's default (ceil(R / 8) unless its config names one). ``mode``:
-    eager, static or graphs (wfd.runtime.Runner; graphs on CUDA, eager elsewhere by default).
+    eager, static or graphs (wfd.runtime.Runner; graphs on CUDA, eager elsewhere by default;
+    static and graphs reuse the shapes earlier runs of the model prepared, wfd.graphs).
     ``force_acceptance`` replaces verification by seeded
     outcomes (timing on random weights; flagged in the stats)."""
     sampling = sampling or Sampling()
@@ -253,10 +262,11 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
     except ValueError as exc:
         raise GenerationError(str(exc)) from None
     # auto: room for any schedule's lookahead (DtV's k + 1, WFD's W + 1)
-    cache = make_cache(model, prompt_len=len(prompt), max_new_tokens=max_new_tokens,
-                       depth=depth, kv_sharing=kv_sharing, readout_depths=plan.readout_depths,
-                       lookahead=max(33, depth + 1) if auto else plan.lookahead)
-    runner = Runner(model, cache, record=record, mode=mode)
+    runner = runner_for(model, mode=mode, record=record, prompt_len=len(prompt),
+                        max_new_tokens=max_new_tokens, depth=depth, kv_sharing=kv_sharing,
+                        readout_depths=plan.readout_depths,
+                        lookahead=max(33, depth + 1) if auto else plan.lookahead)
+    cache = runner.cache
     forced = None if force_acceptance is None else acceptance_draws(
         force_acceptance, max_new_tokens + 1, seed)
     verifier = Verifier(sampling, forced, first_position=len(prompt))

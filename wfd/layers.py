@@ -3,6 +3,7 @@ positions that may sit at different depths (each reading its own KV slot)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 
@@ -11,6 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import LayerKV
+
+try:  # the attention kernels PyTorch can choose among, by name
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+except ImportError:  # an older PyTorch: its own choice, unreported
+    SDPBackend = sdpa_kernel = None
 
 
 class RMSNorm(nn.Module):
@@ -56,6 +62,58 @@ def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     head_dim], already in the activation dtype (CallPlan.rotate_half_tables)."""
     first, second = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+def allowed_backends(device: torch.device) -> list | None:
+    """The scaled-dot-product kernels the decoder lets PyTorch choose among on ``device``: on
+    CUDA every one but cuDNN's, which builds an execution plan per key length (an eager decode's
+    key length grows every token) and raises on a shape it cannot plan instead of falling back;
+    the flash kernel takes no additive mask, so a masked call runs the memory-efficient kernel.
+    None elsewhere: PyTorch's own choice (a CPU has no plan to build)."""
+    if device.type != "cuda" or SDPBackend is None:
+        return None
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def attention_policy(device: torch.device) -> contextlib.AbstractContextManager:
+    """A context in which attention runs only the kernels ``allowed_backends`` allows."""
+    backends = allowed_backends(device)
+    return contextlib.nullcontext() if backends is None else sdpa_kernel(backends)
+
+
+BACKEND_NAMES = {"MATH": "math", "FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "efficient",
+                 "CUDNN_ATTENTION": "cudnn", "OVERRIDEABLE": "overrideable", "ERROR": "none"}
+
+
+def backend_for(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> str:
+    """The kernel scaled-dot-product attention runs for these queries, keys (as values too) and
+    mask under the device's policy (math, flash, efficient, cudnn), as PyTorch dispatches it."""
+    if SDPBackend is None:
+        return "unknown"
+    with attention_policy(q.device):
+        try:
+            choice = torch._fused_sdp_choice(q, k, k, mask, 0.0, False, scale=None,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        except (RuntimeError, TypeError, AttributeError):  # a private call: may change
+            return "unknown"
+    return BACKEND_NAMES.get(SDPBackend(choice).name, str(choice))
+
+
+def chosen_backend(model: nn.Module, kind: str, slots: list[int], span: int) -> str:
+    """The attention kernel a call of ``kind`` runs (``none`` for a part without attention): one
+    group of queries of this call's shape (slot_layout) over ``span`` keys, in the model's dtype
+    and on its device."""
+    cfg = model.config
+    layers = {"prelude": cfg.prelude_layers, "block": cfg.core_layers,
+              "coda": cfg.coda_layers}[kind]
+    if not layers:
+        return "none"
+    param = next(model.parameters())
+    per_group = slot_layout(tuple(slots), progressions=param.device.type == "cpu")[3]
+    like = dict(dtype=param.dtype, device=param.device)
+    q = torch.zeros(1, cfg.num_heads, per_group, cfg.head_dim, **like)
+    k = torch.zeros(1, cfg.num_kv_heads, span, cfg.head_dim, **like)
+    return backend_for(q, k, torch.zeros(1, 1, per_group, span, **like))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -11,12 +11,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from costmodel.plans import call_slots
+from costmodel.plans import call_slots, keys_read, static_span
 from costmodel.trace import CallRecord
 
 from .cache import KVCache, part_slots
-from .graphs import CallGraphs
-from .layers import CallPlan, rope_frequencies
+from .graphs import CallGraphs, Workspace, drop_workspaces, workspaces
+from .layers import CallPlan, attention_policy, chosen_backend, rope_frequencies
 from .sampling import GenerationError
 
 
@@ -41,33 +41,82 @@ class Timer:
 
 def make_cache(model: nn.Module, *, prompt_len: int, max_new_tokens: int, depth: int,
                kv_sharing: int, readout_depths: Sequence[int], lookahead: int = 0,
-               sequences: int = 1) -> KVCache:
+               sequences: int = 1, static: bool = False) -> KVCache:
     """A static cache for a prompt, its new tokens and the positions a schedule writes ahead of
     the committed ones (a region of that length per sequence of a batch): exactly the sequences
-    the cost model's memory model counts. A cache that does not fit beside the weights in the
-    device's free memory is refused with the numbers."""
+    the cost model's memory model counts, rounded up to whole static spans when ``static`` (the
+    longest span a static call reads, costmodel.plans.static_span). A cache that does not fit
+    beside the weights in the device's free memory is refused with the numbers."""
     cfg = model.config
-    if depth < 1:
-        raise GenerationError(f"depth must be at least 1, got {depth}")
-    if kv_sharing < 0:
-        raise GenerationError(f"KV sharing must be 0 or a slot count >= 1, got {kv_sharing}")
+    check_run(model, prompt_len, max_new_tokens, depth, kv_sharing)
     total = prompt_len + max_new_tokens
-    if total > cfg.max_position_embeddings:
-        raise GenerationError(f"a prompt of {prompt_len} tokens plus {max_new_tokens} new ones "
-                              f"exceeds the model's context of {cfg.max_position_embeddings}")
+    length = static_span(total + lookahead) if static else total + lookahead
     param = next(model.parameters())
     slots = part_slots(depth, kv_sharing, list(readout_depths))
     layer_slots = (cfg.prelude_layers * slots["prelude"] + cfg.core_layers * slots["block"]
                    + cfg.coda_layers * slots["coda"])
     per_position = 2 * layer_slots * cfg.num_kv_heads * cfg.head_dim * param.element_size()
-    check_fits(sequences * (total + lookahead) * per_position, param.device,
-               f"{sequences} sequence{'s' * (sequences > 1)} of {total + lookahead} positions",
-               per_sequence_bytes=(total + lookahead) * per_position)
+    check_fits(sequences * length * per_position, param.device,
+               f"{sequences} sequence{'s' * (sequences > 1)} of {length} positions",
+               per_sequence_bytes=length * per_position)
     return KVCache(prelude_layers=cfg.prelude_layers, core_layers=cfg.core_layers,
                    coda_layers=cfg.coda_layers, depth=depth, kv_sharing=kv_sharing,
                    readout_depths=list(readout_depths), kv_heads=cfg.num_kv_heads,
-                   head_dim=cfg.head_dim, max_len=total + lookahead, dtype=param.dtype,
+                   head_dim=cfg.head_dim, max_len=length, dtype=param.dtype,
                    device=param.device, sequences=sequences)
+
+
+def check_run(model: nn.Module, prompt_len: int, max_new_tokens: int, depth: int,
+              kv_sharing: int) -> None:
+    """Refuse a depth, a sharing or a sequence the model cannot run, in one line."""
+    if depth < 1:
+        raise GenerationError(f"depth must be at least 1, got {depth}")
+    if kv_sharing < 0:
+        raise GenerationError(f"KV sharing must be 0 or a slot count >= 1, got {kv_sharing}")
+    context = model.config.max_position_embeddings
+    if prompt_len + max_new_tokens > context:
+        raise GenerationError(f"a prompt of {prompt_len} tokens plus {max_new_tokens} new ones "
+                              f"exceeds the model's context of {context}")
+
+
+def runner_for(model: nn.Module, *, mode: str | None = None, record: bool = True,
+               **cache: object) -> Runner:
+    """A runner for one run (``cache``: make_cache's arguments). Eager: a cache of its own.
+    Static and graphs: the model's workspace for this cache layout (wfd.graphs), its cache and
+    the shapes already prepared on it reused; a run that needs a longer cache replaces it, and a
+    cache that does not fit beside the model's other workspaces frees them first."""
+    device = next(model.parameters()).device
+    mode = mode or default_mode(device)
+    if mode not in MODES:
+        raise GenerationError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "eager":
+        return Runner(model, make_cache(model, **cache), record=record, mode=mode)
+    layout = (mode, cache["depth"], cache["kv_sharing"],
+              tuple(sorted(set(cache["readout_depths"]))), cache.get("sequences", 1))
+    spaces = workspaces(model)
+    space = spaces.get(layout)
+    needed = static_span(cache["prompt_len"] + cache["max_new_tokens"]
+                         + cache.get("lookahead", 0))
+    if space is not None and space.cache.max_len >= needed:
+        check_run(model, cache["prompt_len"], cache["max_new_tokens"], cache["depth"],
+                  cache["kv_sharing"])
+        space.cache.reset()
+    else:
+        try:
+            graphs = CallGraphs(mode == "graphs", device)
+        except RuntimeError as exc:
+            raise GenerationError(str(exc)) from None
+        if space is not None:  # too short: its cache and shapes go
+            drop_workspaces(model, [layout])
+        try:
+            new = make_cache(model, static=True, **cache)
+        except GenerationError:
+            if not spaces:
+                raise
+            drop_workspaces(model)  # the other layouts' caches make room, or the error stands
+            new = make_cache(model, static=True, **cache)
+        space = spaces[layout] = Workspace(new, graphs)
+    return Runner(model, space.cache, record=record, mode=mode, graphs=space.graphs)
 
 
 def meminfo_bytes(field: str) -> int | None:
@@ -146,26 +195,33 @@ class Runner:
     """A model, its cache and the call trace of one generation.
 
     Modes: ``eager`` runs each call as it comes, attention reading the call's span of keys;
-    ``static`` runs every call from static per-shape buffers with attention over the cache's
-    static length (shapes fixed for the whole run); ``graphs`` is ``static`` with each shape
-    captured once as a CUDA graph and replayed. All three execute the same model code."""
+    ``static`` runs every call from static per-shape buffers with attention over a static span
+    (the position's rounded up to whole blocks, the masks hiding the keys after each position);
+    ``graphs`` is ``static`` with each shape captured once as a CUDA graph and replayed. All
+    three execute the same model code, under the device's attention policy
+    (wfd.layers.attention_policy). ``graphs``: the workspace's shapes (wfd.graphs; runner_for)."""
 
     def __init__(self, model: nn.Module, cache: KVCache, record: bool = True,
-                 mode: str | None = None):
+                 mode: str | None = None, graphs: CallGraphs | None = None):
         self.model = model
         self.cache = cache
         self.device = next(model.parameters()).device
         self.mode = mode or default_mode(self.device)
         if self.mode not in MODES:
             raise GenerationError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        try:
-            self.graphs = None if self.mode == "eager" else CallGraphs(self.mode == "graphs",
-                                                                       self.device)
-        except RuntimeError as exc:
-            raise GenerationError(str(exc)) from None
+        if self.mode != "eager" and graphs is None:
+            try:
+                graphs = CallGraphs(self.mode == "graphs", self.device)
+            except RuntimeError as exc:
+                raise GenerationError(str(exc)) from None
+        self.graphs = None if self.mode == "eager" else graphs
+        self.usage = self.graphs.start_run() if self.graphs is not None else None
         self.timer = Timer(self.device)
         self.records: list[CallRecord] = []
         self.record = record
+        # call kind -> the slots and span of its first call (the attention kernel it runs is
+        # looked up from these when reported, off the calls' path)
+        self.first_shapes: dict[str, tuple[list[int], int]] = {}
         cfg = model.config
         self._frequencies = rope_frequencies(cfg.head_dim, cfg.rope_base, self.device)
         self._parts = {
@@ -175,49 +231,62 @@ class Runner:
         }
 
     def _log(self, kind: str, positions: list[int], depths: list[int],
-             sequences: list[int] | None, wall_s: float) -> None:
+             sequences: list[int] | None, wall_s: float, static: bool) -> None:
         if self.record:
             self.records.append(CallRecord(
                 kind=kind, positions=list(positions), depths=list(depths),
-                contexts=[p + 1 for p in positions],
+                contexts=keys_read(positions, static),
                 slots=call_slots(kind, depths, self.cache.kv_sharing),
                 sequences=None if sequences is None else list(sequences), wall_s=wall_s))
 
     def run(self, kind: str, positions: list[int], depths: list[int],
-            inputs: list[torch.Tensor], sequences: list[int] | None = None) -> torch.Tensor:
+            inputs: list[torch.Tensor], sequences: list[int] | None = None,
+            tokens: list[int] | None = None, prefill: bool = False) -> torch.Tensor:
         """One call of a part over ``positions`` (of the given ``sequences`` of a batched cache,
-        one per position): the prelude's injections, the block's new states, the coda's fp32
-        logits."""
+        one per position): the prelude's injections (of ``tokens``), the block's new states, the
+        coda's fp32 logits. A ``prefill`` call runs eagerly in every mode: a prompt's few calls
+        read the weights once for all its positions, so a graph would save nothing, and each
+        prompt length would be a shape of its own."""
         slots = self.cache.slots(kind, depths, sequences)
         self.cache.claim(kind, slots, positions)
         part = self._parts[kind]
-        if self.graphs is None:
+        static = self.graphs is not None and not prefill
+        span = static_span(max(positions) + 1) if static else max(positions) + 1
+        self.first_shapes.setdefault(kind, (slots, span))
+        if not static:
             def call() -> torch.Tensor:
-                pos = torch.tensor(positions, device=self.device)
-                plan = CallPlan.make(pos, tuple(slots), torch.tensor(slots, device=self.device),
-                                     self._frequencies, span=max(positions) + 1)
-                return part(plan, *inputs)
+                with attention_policy(self.device):
+                    pos = torch.tensor(positions, device=self.device)
+                    plan = CallPlan.make(pos, tuple(slots), torch.tensor(slots, device=self.device),
+                                         self._frequencies, span=span)
+                    ids = [] if tokens is None else [torch.tensor(tokens, device=self.device)]
+                    return part(plan, *ids, *inputs)
 
             out, wall = self.timer.measure(call)
         else:
-            static_slots, span = tuple(slots), self.cache.max_len
+            n, static_slots, device = len(positions), tuple(slots), self.device
+            embeds = tokens is not None
 
-            def captured(pos, slot_index, *xs):
-                plan = CallPlan.make(pos, static_slots, slot_index, self._frequencies, span=span)
-                return part(plan, *xs)
+            # kept with the shape and replayed by later runs: it reads nothing but its
+            # arguments, the model and the workspace's cache (not this runner's state)
+            def captured(ints, slot_index, frequencies, *xs):
+                with attention_policy(device):
+                    plan = CallPlan.make(ints[:n], static_slots, slot_index, frequencies,
+                                         span=span)
+                    return part(plan, *([ints[n:]] if embeds else []), *xs)
 
-            out, wall = self.graphs.run((kind, static_slots), captured,
-                                        [torch.tensor(positions), torch.tensor(slots), *inputs],
-                                        self.timer.measure)
-        self._log(kind, positions, depths, sequences, wall)
+            out, wall = self.graphs.run(
+                (kind, static_slots, span), captured, [*positions, *(tokens or ())], inputs,
+                self.timer.measure,
+                constants=lambda: [torch.tensor(slots, device=device), self._frequencies])
+        self._log(kind, positions, depths, sequences, wall, static)
         return out
 
     @torch.inference_mode()
     def prelude(self, tokens: list[int], positions: list[int]
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(e, s_0) of each position: the injection and the initial state."""
-        e = self.run("prelude", positions, [0] * len(positions),
-                     [torch.tensor(tokens, device=self.device)])
+        e = self.run("prelude", positions, [0] * len(positions), [], tokens=tokens)
         return e, self.model.initial_state(positions, e)
 
     @torch.inference_mode()
@@ -232,12 +301,17 @@ class Runner:
 
     @property
     def capture_s(self) -> float:
-        """Capture and warm-up time so far (static and graphs modes), excluded from run times."""
-        return self.graphs.capture_s if self.graphs is not None else 0.0
+        """This run's capture and warm-up time so far (static and graphs modes), excluded from
+        run times."""
+        return self.usage.capture_s if self.usage is not None else 0.0
 
     def mode_stats(self) -> dict[str, object]:
-        """The mode, and in static and graphs modes the shapes prepared and the calls served."""
-        stats: dict[str, object] = {"mode": self.mode}
-        if self.graphs is not None:
-            stats.update(self.graphs.stats())
+        """The mode, the attention kernel of each call kind, and in static and graphs modes the
+        shapes this run used (prepared by it, or reused from an earlier run), the calls served
+        and the seconds preparing took."""
+        backends = {kind: chosen_backend(self.model, kind, *shape)
+                    for kind, shape in self.first_shapes.items()}
+        stats: dict[str, object] = {"mode": self.mode, "attention_backend": backends}
+        if self.usage is not None:
+            stats.update(self.usage.stats())
         return stats
