@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .sampling import GenerationError
+
 WARMUP_CALLS = 2  # eager runs on the capture stream before capture (lazy kernel, workspace setup)
 
 
@@ -67,8 +69,8 @@ class CallGraphs:
 
     def __init__(self, capture: bool, device: torch.device):
         if capture and not torch.cuda.is_available():
-            raise RuntimeError("graphs mode needs a CUDA device; on a CPU use --mode eager or "
-                               "--mode static")
+            raise GenerationError("graphs mode needs a CUDA device; on a CPU use --mode eager "
+                                  "or --mode static")
         self.capture, self.device = capture, device
         self.cuda = device.type == "cuda"
         self.entries: dict[tuple, Captured] = {}
@@ -148,10 +150,6 @@ class CallGraphs:
             torch.cuda.synchronize()
         self.entries[key] = entry
         return entry
-
-    @property
-    def captures(self) -> int:
-        return len(self.entries)
 
 
 @dataclass

@@ -102,10 +102,7 @@ def runner_for(model: nn.Module, *, mode: str | None = None, record: bool = True
                   cache["kv_sharing"])
         space.cache.reset()
     else:
-        try:
-            graphs = CallGraphs(mode == "graphs", device)
-        except RuntimeError as exc:
-            raise GenerationError(str(exc)) from None
+        graphs = CallGraphs(mode == "graphs", device)
         if space is not None:  # too short: its cache and shapes go
             drop_workspaces(model, [layout])
         try:
@@ -210,10 +207,7 @@ class Runner:
         if self.mode not in MODES:
             raise GenerationError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.mode != "eager" and graphs is None:
-            try:
-                graphs = CallGraphs(self.mode == "graphs", self.device)
-            except RuntimeError as exc:
-                raise GenerationError(str(exc)) from None
+            graphs = CallGraphs(self.mode == "graphs", self.device)
         self.graphs = None if self.mode == "eager" else graphs
         self.usage = self.graphs.start_run() if self.graphs is not None else None
         self.timer = Timer(self.device)
