@@ -1,4 +1,5 @@
-"""How fast the cost model is: vectorized sweep throughput and cold CLI start time.
+"""How fast the cost model is: vectorized sweep throughput on two grids and on scattered points,
+and the cold CLI start time (whole processes).
 
     python bench/costmodel_speed.py [--points 1000000] [--cli-runs 10]
 
@@ -17,21 +18,35 @@ import numpy as np
 
 from costmodel import sweep
 
+GRIDS = {
+    "31 widths x 20,000 acceptances": dict(width=np.arange(2, 33)[:, None],
+                                          acceptance=np.linspace(0.5, 1.0, 20_000)[None, :]),
+    "31 widths x 2,000 acceptances x 5 contexts x 2 batches": dict(
+        width=np.arange(2, 33)[:, None, None, None],
+        acceptance=np.linspace(0.5, 1.0, 2_000)[None, :, None, None],
+        context=np.array([256, 1024, 2048, 4096, 8192])[None, None, :, None],
+        batch=np.array([1, 8])[None, None, None, :]),
+}
 
-def sweep_throughput(points: int, repeats: int = 3) -> float:
-    rng = np.random.default_rng(0)
-    width = rng.integers(2, 33, points)
-    acceptance = rng.uniform(0.5, 1.0, points)
-    context = rng.integers(128, 16384, points)
-    bandwidth = rng.uniform(0.5e12, 5e12, points)
-    batch = rng.integers(1, 9, points)
+
+def sweep_rate(repeats: int = 5, **axes) -> tuple[int, float]:
+    """(points, points per second: the median of ``repeats`` sweeps) of one sweep."""
+    points = int(np.prod(np.broadcast_shapes(*(np.shape(a) for a in axes.values()))))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        sweep("huginn-3.5b", "a6000", width=width, acceptance=acceptance, context=context,
-              bandwidth_bytes_per_s=bandwidth, batch=batch)
+        sweep("huginn-3.5b", "a6000", **axes)
         times.append(time.perf_counter() - start)
-    return points / statistics.median(times)
+    return points, points / statistics.median(times)
+
+
+def scattered(points: int) -> dict[str, np.ndarray]:
+    """Random points, every axis drawn per point: each point's calls priced on their own."""
+    rng = np.random.default_rng(0)
+    return dict(width=rng.integers(2, 33, points), acceptance=rng.uniform(0.5, 1.0, points),
+                context=rng.integers(128, 16384, points),
+                bandwidth_bytes_per_s=rng.uniform(0.5e12, 5e12, points),
+                batch=rng.integers(1, 9, points))
 
 
 def cli_start(runs: int) -> float:
@@ -47,14 +62,17 @@ def cli_start(runs: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--points", type=int, default=1_000_000)
+    parser.add_argument("--points", type=int, default=1_000_000,
+                        help="random points of the scattered sweep")
     parser.add_argument("--cli-runs", type=int, default=10)
     args = parser.parse_args()
-    rate = sweep_throughput(args.points)
-    start = cli_start(args.cli_runs)
     print("| measure | value |\n|---|---|")
-    print(f"| sweep throughput (AR + DtV best k in 1..32 + WFD, {args.points:,} random points, "
-          f"huginn-3.5b) | {rate:,.0f} points/s |")
+    for label, axes in {**GRIDS, f"{args.points:,} random points (every axis per point)":
+                        scattered(args.points)}.items():
+        points, rate = sweep_rate(**axes)
+        print(f"| sweep (AR + DtV best k in 1..32 + WFD, huginn-3.5b), {label}: {points:,} "
+              f"points, median of 5 | {rate:,.0f} points/s |")
+    start = cli_start(args.cli_runs)
     print(f"| `costmodel predict --bandwidth 768GB/s --width 8`, wall time (median of "
           f"{args.cli_runs}) | {start * 1e3:.0f} ms |")
 

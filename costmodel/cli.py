@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from .clitools import UserError, print_json, run, spinner
+from .clitools import UserError, print_json, run, spinner, text_table
 from .figures import NO_PLOTS
 from .memory import does_not_fit
 from .predict import Prediction, predict
@@ -97,14 +97,10 @@ def _flops_text(flops_per_s: float) -> str:
         f"{flops_per_s / 1e9:.0f} GFLOPS"
 
 def _print_table(p: Prediction) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=max(Console().width, 132))
     wl, hw, mem = p.workload, p.hardware, p.memory
     alpha = next((r.acceptance for r in p.schedules.values() if r.acceptance is not None), None)
-    console.print(
-        f"[bold]{p.model}[/] on [bold]{hw.name}[/] ({hw.memory_bandwidth_bytes_per_s / 1e9:.0f} "
+    typer.echo(
+        f"{p.model} on {hw.name} ({hw.memory_bandwidth_bytes_per_s / 1e9:.0f} "
         f"GB/s, {_flops_text(hw.peak_flops_per_s.get(wl.dtype, 0))} {wl.dtype}, "
         f"{format_bytes(hw.memory_capacity_bytes)}), R = {p.depth}, context {wl.context_length}"
         f" + {wl.new_tokens} new, batch {wl.batch_size}"
@@ -115,7 +111,7 @@ def _print_table(p: Prediction) -> None:
         + (f", acceptance {alpha:.2f}" if alpha is not None else "")
         + (", CUDA graphs" if hw.cuda_graphs else ""))
     fit = "fits" if mem.fits else "DOES NOT FIT"
-    console.print(
+    typer.echo(
         f"memory: {fit}: weights {format_bytes(mem.weights_bytes)} + KV "
         f"{format_bytes(mem.kv_bytes)} + activations {format_bytes(mem.activation_bytes)} = "
         f"{format_bytes(mem.total_bytes)} of {format_bytes(mem.capacity_bytes)}; the longest "
@@ -123,21 +119,19 @@ def _print_table(p: Prediction) -> None:
         + (f", the largest batch of this length {mem.max_batch:,}" if wl.batch_size > 1 else ""))
     if not mem.fits:
         return
-    table = Table(show_header=True, header_style="bold")
-    for col in ("schedule", "ms/token", "tokens/s", "speedup", "B calls/token", "weights ms",
-                "KV ms", "compute ms", "overhead ms", "roofline", "bound"):
-        table.add_column(col, justify="left" if col in ("schedule", "bound") else "right",
-                         no_wrap=col == "schedule")
+    rows = []
     for key, r in p.schedules.items():
         label = {"ar": "AR", "dtv": f"DtV k={r.block_length} d={r.draft_depth}",
                  "wfd": f"WFD d={r.draft_depth} W={r.width}"}[key]
         b = r.breakdown
-        table.add_row(label, f"{r.latency_per_token_s * 1e3:.2f}", f"{r.tokens_per_s:.1f}",
-                      f"{r.speedup_vs_ar:.2f}x", f"{r.block_calls_per_token:.2f}",
-                      *(f"{t * 1e3:.2f}" for t in (b.weights_s, b.kv_s, b.compute_s,
-                                                    b.overhead_s)),
-                      f"{r.roofline_fraction:.0%}", r.bound)
-    console.print(table)
+        rows.append([label, f"{r.latency_per_token_s * 1e3:.2f}", f"{r.tokens_per_s:.1f}",
+                     f"{r.speedup_vs_ar:.2f}x", f"{r.block_calls_per_token:.2f}",
+                     *(f"{t * 1e3:.2f}" for t in (b.weights_s, b.kv_s, b.compute_s,
+                                                   b.overhead_s)),
+                     f"{r.roofline_fraction:.0%}", r.bound])
+    typer.echo(text_table(["schedule", "ms/token", "tokens/s", "speedup", "B calls/token",
+                           "weights ms", "KV ms", "compute ms", "overhead ms", "roofline",
+                           "bound"], rows, left=(0, 10)))
 
 
 @app.command("predict")
@@ -259,18 +253,12 @@ def recommend_cmd(
                     "choices": [{**c.model_dump(), "label": c.label, "flags": c.flags}
                                 for c in choices]})
         return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"{spec.name} on {hw.name}, context {context}, batch {batch}",
-                  header_style="bold")
-    for col in ("rank", "configuration", "acceptance", "tokens/s", "speedup", "bound",
-                "wfd generate flags"):
-        table.add_column(col)
-    for rank, c in enumerate(choices, 1):
-        table.add_row(str(rank), c.label, "" if c.acceptance is None else f"{c.acceptance:.2f}",
-                      f"{c.tokens_per_s:.1f}", f"{c.speedup_vs_ar:.2f}x", c.bound, c.flags)
-    Console(width=max(Console().width, 110)).print(table)
+    rows = [[str(rank), c.label, "" if c.acceptance is None else f"{c.acceptance:.2f}",
+             f"{c.tokens_per_s:.1f}", f"{c.speedup_vs_ar:.2f}x", c.bound, c.flags]
+            for rank, c in enumerate(choices, 1)]
+    typer.echo(text_table(["rank", "configuration", "acceptance", "tokens/s", "speedup",
+                           "bound", "wfd generate flags"], rows, left=(1, 5, 6),
+                          title=f"{spec.name} on {hw.name}, context {context}, batch {batch}"))
 
 
 @app.command("study")

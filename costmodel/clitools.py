@@ -83,13 +83,30 @@ def print_json(payload: object) -> None:
     typer.echo(json.dumps(payload, indent=2))
 
 
+def text_table(headers: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,),
+               title: str | None = None) -> str:
+    """Columns aligned in plain text (the ``left`` ones to the left, the rest to the right),
+    under a rule: a query's table without rich's machinery on its path."""
+    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows, strict=True)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(cell.ljust(w) if i in left else cell.rjust(w)
+                         for i, (cell, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
+
+    body = [line(headers), "  ".join("-" * w for w in widths), *(line(r) for r in rows)]
+    return "\n".join(([title] if title else []) + body)
+
+
 @contextmanager
 def spinner(description: str, disable: bool = False) -> Iterator[None]:
     """A transient spinner with the elapsed time, for a step that takes seconds and has no
-    count to show (rich imported only here: the CLI starts fast)."""
+    count to show (rich imported only when it spins: the CLI starts fast)."""
+    if disable:
+        yield
+        return
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                  transient=True, disable=disable) as progress:
+                  transient=True) as progress:
         progress.add_task(description, total=None)
         yield

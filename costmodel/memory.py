@@ -20,7 +20,7 @@ from .units import format_bytes
 
 
 class MemoryReport(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     fits: bool
     weights_bytes: int
     kv_bytes: int

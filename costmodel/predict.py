@@ -38,7 +38,7 @@ _TERMS = ("weights_s", "kv_s", "compute_s", "overhead_s")
 
 
 class Breakdown(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     weights_s: float
     kv_s: float
     compute_s: float
@@ -46,7 +46,7 @@ class Breakdown(BaseModel):
 
 
 class ScheduleResult(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     schedule: Literal["ar", "dtv", "wfd"]
     latency_per_token_s: float
     tokens_per_s: float
@@ -67,7 +67,7 @@ class ScheduleResult(BaseModel):
 
 
 class Prediction(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     model: str
     hardware: HardwareSpec
     workload: Workload
@@ -113,6 +113,15 @@ class _Pricer:
                 totals[key] = totals[key] + w * value
         totals["latency_s"] = sum(totals[k] for k in _TERMS)
         return totals
+
+    def basis_latency(self, groups: list[CallGroup]) -> dict[tuple, np.ndarray]:
+        """The latency of a schedule's calls grouped by basis, before acceptance weighs them:
+        per token, sum over bases of ``basis_latency[b] * basis_value(b, alpha)``."""
+        out: dict[tuple, np.ndarray] = {}
+        for g in merge_groups(groups):
+            cost = self.shape_cost(g.part, g.positions, g.slots, g.after_other_part)
+            out[g.basis] = out.get(g.basis, 0.0) + g.count * sum(cost[:len(_TERMS)])
+        return out
 
 
 def _bound(b: dict[str, float]) -> Literal["bandwidth", "compute", "overhead"]:
@@ -311,7 +320,14 @@ def sweep(
 ) -> dict[str, np.ndarray]:
     """Vectorized predictions over broadcast arrays of width, acceptance, context, bandwidth and
     batch. Returns per-token latencies of AR, DtV (best k per point) and WFD, the speedups, the
-    chosen k, and the draft depth. Memory fit is not checked here (see ``memory_report``)."""
+    chosen k, and the draft depth. Memory fit is not checked here (see ``memory_report``).
+
+    A call's cost depends on the context, batch and bandwidth, never on the acceptance or the
+    width: the calls are priced once over those axes alone (or, where they vary point by point,
+    per draft depth over its points), each schedule's into one latency per basis
+    (``_Pricer.basis_latency``), and only then weighed by each point's acceptance, per draft
+    depth over the points that draft at it (DtV's best k from one running Horner sum of the
+    expected tokens per round)."""
     spec = get_model(model) if isinstance(model, str) else model
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
     depth = depth or spec.default_depth
@@ -319,37 +335,63 @@ def sweep(
     width = -(-depth // spec.default_draft_depth) if width is None else width
     bw = hw.memory_bandwidth_bytes_per_s if bandwidth_bytes_per_s is None else (
         bandwidth_bytes_per_s)
-    w, a, ctx, bwa, b = np.broadcast_arrays(np.asarray(width), np.asarray(alpha, dtype=float),
-                                            np.asarray(context, dtype=float),
-                                            np.asarray(bw, dtype=float),
-                                            np.asarray(batch, dtype=float))
+    w, a, ctx, bwa, b = (np.asarray(width), np.asarray(alpha, dtype=float),
+                         np.asarray(context, dtype=float), np.asarray(bw, dtype=float),
+                         np.asarray(batch, dtype=float))
+    shape = np.broadcast_shapes(w.shape, a.shape, ctx.shape, bwa.shape, b.shape)
     if np.any((w < 2) | (w > depth)):
         raise ValueError(f"width must be in 2..{depth}")
     if np.any((a < 0) | (a > 1)):
         raise ValueError("acceptance must be in [0, 1]")
     d = -(-depth // w)
-    out = {key: np.empty(w.shape) for key in ("ar_latency_s", "dtv_latency_s", "wfd_latency_s",
-                                              "dtv_block_length")}
-    mean_ctx = mean_decode_keys(ctx, new_tokens, hw.cuda_graphs)
+    keys = mean_decode_keys(ctx, new_tokens, hw.cuda_graphs)
+    # calls priced once over the cost axes, unless those vary point by point (a scatter of
+    # points): then per draft depth over its own points
+    cost_shape = np.broadcast_shapes(ctx.shape, b.shape, bwa.shape)
+    per_point = np.prod(cost_shape) * 8 > np.prod(shape)
+    shared = None if per_point else _Pricer(spec, hw, dtype, keys, b, bwa)
+    cost_cells = np.arange(np.prod(cost_shape)).reshape(cost_shape)  # which cost a point reads
+    out = {key: np.empty(shape) for key in ("ar_latency_s", "dtv_latency_s", "wfd_latency_s",
+                                            "dtv_block_length")}
     for dv in np.unique(d):
-        sel = d == dv
-        pricer = _Pricer(spec, hw, dtype, mean_ctx[sel], b[sel], bwa[sel])
-        alpha_sel = a[sel]
-        out["ar_latency_s"][sel] = pricer.per_token(call_groups(AR(), depth), alpha_sel)[
-            "latency_s"]
+        sel = np.broadcast_to(d == dv, shape)
+        alpha_sel = np.broadcast_to(a, shape)[sel]
+
+        def on_points(values: np.ndarray, sel: np.ndarray = sel) -> np.ndarray:
+            return np.broadcast_to(values, shape)[sel]
+
+        cells = None if per_point else on_points(cost_cells)
+
+        def priced(cost: np.ndarray, cells: np.ndarray | None = cells) -> np.ndarray:
+            """A latency at this draft depth's points (a cost over the cost axes read at each
+            point's cell: one small gather, not a pass over the whole grid)."""
+            if cells is None or not np.ndim(cost):
+                return cost
+            return np.broadcast_to(cost, cost_shape).ravel()[cells]
+
+        pricer = _Pricer(spec, hw, dtype, on_points(keys), on_points(b), on_points(bwa)) \
+            if per_point else shared
+        out["ar_latency_s"][sel] = priced(sum(pricer.basis_latency(
+            call_groups(AR(), depth)).values()))
         best = np.full(alpha_sel.shape, np.inf)
         best_k = np.zeros(alpha_sel.shape)
-        for k in block_lengths:
-            lat = pricer.per_token(call_groups(DtV(block_length=k, draft_depth=int(dv)), depth),
-                                   alpha_sel)["latency_s"]
-            better = lat < best
-            best = np.where(better, lat, best)
+        tokens = np.ones_like(alpha_sel)  # expected tokens per round: sum_{i <= k} alpha^i
+        for k in range(1, max(block_lengths) + 1):
+            tokens = 1.0 + alpha_sel * tokens
+            if k not in block_lengths:
+                continue
+            (per_round,) = pricer.basis_latency(
+                call_groups(DtV(block_length=k, draft_depth=int(dv)), depth)).values()
+            latency = priced(per_round) / tokens
+            better = latency < best
+            best = np.where(better, latency, best)
             best_k = np.where(better, k, best_k)
         out["dtv_latency_s"][sel] = best
         out["dtv_block_length"][sel] = best_k
-        out["wfd_latency_s"][sel] = pricer.per_token(
-            call_groups(WFD(draft_depth=int(dv)), depth, kv_sharing), alpha_sel)["latency_s"]
-    out["draft_depth"] = d
+        wfd = pricer.basis_latency(call_groups(WFD(draft_depth=int(dv)), depth, kv_sharing))
+        out["wfd_latency_s"][sel] = sum(priced(cost) * basis_value(basis, alpha_sel)
+                                        for basis, cost in wfd.items())
+    out["draft_depth"] = np.broadcast_to(d, shape).copy()
     out["dtv_speedup"] = out["ar_latency_s"] / out["dtv_latency_s"]
     out["wfd_speedup"] = out["ar_latency_s"] / out["wfd_latency_s"]
     return out

@@ -12,25 +12,38 @@ measured ones. A new preset is a new file.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from .specs import HardwareSpec, LoopedModelSpec
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
+SPECS = {"models": LoopedModelSpec, "hardware": HardwareSpec}
 
 
-def _load(kind: str, spec):
-    return [spec.model_validate_json(path.read_text())
-            for path in sorted((DATA_DIR / kind).glob("*.json"))]
+@functools.cache
+def _preset(kind: str, name: str) -> LoopedModelSpec | HardwareSpec | None:
+    """One preset, read and validated when first asked for (a prediction reads two files, not
+    every preset's); None when there is no such file."""
+    path = DATA_DIR / kind / f"{name}.json"
+    return SPECS[kind].model_validate_json(path.read_text()) if path.is_file() else None
 
 
-# models by family and size; hardware by bandwidth (the order studies list them in)
-MODELS: dict[str, LoopedModelSpec] = {
-    m.name: m for m in sorted(_load("models", LoopedModelSpec),
-                              key=lambda m: (m.family, m.num_params))}
-HARDWARE: dict[str, HardwareSpec] = {
-    h.name: h for h in sorted(_load("hardware", HardwareSpec),
-                              key=lambda h: h.memory_bandwidth_bytes_per_s)}
+@functools.cache
+def _presets(kind: str) -> dict:
+    """Every preset of a kind: models by family and size, hardware by bandwidth (the order
+    studies list them in)."""
+    specs = [_preset(kind, path.stem) for path in (DATA_DIR / kind).glob("*.json")]
+    key = ((lambda m: (m.family, m.num_params)) if kind == "models"
+           else (lambda h: h.memory_bandwidth_bytes_per_s))
+    return {spec.name: spec for spec in sorted(specs, key=key)}
+
+
+def __getattr__(name: str) -> dict:
+    """``MODELS`` and ``HARDWARE``, every preset by name, read on first use."""
+    if name in ("MODELS", "HARDWARE"):
+        return _presets(name.lower())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class UnknownPresetError(KeyError):
@@ -39,16 +52,16 @@ class UnknownPresetError(KeyError):
 
 
 def get_model(name: str) -> LoopedModelSpec:
-    try:
-        return MODELS[name]
-    except KeyError:
+    spec = _preset("models", name)
+    if spec is None or spec.name != name:
         raise UnknownPresetError(
-            f"unknown model {name!r}; known: {', '.join(MODELS)}") from None
+            f"unknown model {name!r}; known: {', '.join(_presets('models'))}")
+    return spec
 
 
 def get_hardware(name: str) -> HardwareSpec:
-    try:
-        return HARDWARE[name]
-    except KeyError:
+    spec = _preset("hardware", name)
+    if spec is None or spec.name != name:
         raise UnknownPresetError(
-            f"unknown hardware {name!r}; known: {', '.join(HARDWARE)}") from None
+            f"unknown hardware {name!r}; known: {', '.join(_presets('hardware'))}")
+    return spec

@@ -30,7 +30,7 @@ class ProfileError(ValueError):
 
 
 class FittedValue(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     value: float
     stderr: float = Field(description="one standard error of the fit (0 for a measured value)")
     unit: str
@@ -40,7 +40,7 @@ class HeldValue(BaseModel):
     """A coefficient the fit took out: dropped (an overhead term, 0) or held at a prior (a
     fraction: the term it prices is not calibrated)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     value: float
     prior: bool
     reason: str
@@ -50,7 +50,7 @@ class LoadReport(BaseModel):
     """How busy the machine was while it was measured (the canary product around every
     measurement, over the fastest canary seen)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     measurements: int
     retaken_fraction: float
     loaded_fraction: float  # kept measurements whose canary still ran over the tolerance
@@ -64,7 +64,7 @@ class LoadReport(BaseModel):
 class ValidationPoint(BaseModel):
     """A measurement the fit did not use: a call, or a whole run's decode time per token."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     kind: Literal["call", "run"]
     model: str
     spec: LoopedModelSpec
@@ -91,7 +91,7 @@ class CrossModeCheck(BaseModel):
     """A held-out test across execution modes: the hardware fitted on one mode's calls alone,
     pricing the other mode's calls and runs (its host terms where the first mode leaves them)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     fit_on: Literal["eager", "graphs"]
     predicted: Literal["eager", "graphs"]
     # median and max |relative error| and the point count, over calls and per decoded token
@@ -102,7 +102,7 @@ class CrossModeCheck(BaseModel):
 
 
 class CalibrationProfile(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     schema_version: int = PROFILE_SCHEMA_VERSION
     created: str
     hardware: HardwareSpec

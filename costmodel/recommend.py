@@ -31,7 +31,7 @@ CAP_RANGE = 1.5
 
 
 class Choice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     schedule: Literal["ar", "dtv", "wfd"]
     draft_depth: int | None = None
     block_length: int | None = None

@@ -19,7 +19,7 @@ PartName = Literal["prelude", "block", "coda"]
 
 
 class Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
 
 class MatmulCurve(Spec):

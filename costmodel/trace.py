@@ -34,7 +34,7 @@ class TraceError(ValueError):
 
 
 class TraceHeader(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     schema_version: int = TRACE_SCHEMA_VERSION
     trace: Literal["calls", "depths"]
     source: Literal["measured", "predicted"]
@@ -49,7 +49,7 @@ class TraceHeader(BaseModel):
 
 
 class CallRecord(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     kind: Literal["prelude", "block", "coda"]
     positions: list[int]
     depths: list[int]
@@ -78,7 +78,7 @@ def slot_lengths(slots: Sequence[int], contexts: Sequence[int],
 
 
 class DepthRecord(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     position: int
     token: int = Field(description="the token committed from this position (y at depth R)")
     predictions: list[int] = Field(description="greedy readout y(p, r) for r = 1..R")

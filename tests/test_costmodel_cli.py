@@ -166,3 +166,31 @@ def test_acceptance_from_a_measured_depth_trace(tmp_path):
     assert wrong.returncode == 2 and "R = 32" in wrong.stderr
     missing = run("predict", "--depth-trace", str(tmp_path / "none.jsonl"))
     assert missing.returncode == 2 and "cannot read trace" in missing.stderr
+
+
+def test_a_plain_predict_imports_only_what_it_uses():
+    """`costmodel predict`'s start: no table or progress machinery, plotting, fitting, torch,
+    decoder, calibration or studies on its path, and only the two presets it names read."""
+    code = """
+import contextlib, io, sys
+sys.argv = ["costmodel", "predict", "--bandwidth", "768GB/s", "--width", "8"]
+from costmodel.cli import main
+with contextlib.redirect_stdout(io.StringIO()) as out:
+    try:
+        main()
+    except SystemExit as exc:
+        assert exc.code == 0, exc.code
+assert "WFD d=4 W=8" in out.getvalue()
+from costmodel import presets
+loaded = sorted({m.split(".")[0] for m in sys.modules})
+print(" ".join(loaded))
+print(presets._preset.cache_info().currsize, presets._presets.cache_info().currsize)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    modules, cached = out.stdout.splitlines()
+    loaded = set(modules.split())
+    assert "costmodel" in loaded and "numpy" in loaded
+    assert not loaded & {"rich", "scipy", "matplotlib", "torch", "wfd", "calibrate", "studies"}
+    assert cached == "2 0"  # huginn-3.5b and a6000, not every preset

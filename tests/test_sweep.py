@@ -1,7 +1,9 @@
 import numpy as np
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
-from costmodel import Workload, predict, sweep
+from costmodel import Workload, get_hardware, get_model, predict, sweep
 
 
 def test_sweep_agrees_with_predict_point_by_point():
@@ -32,3 +34,34 @@ def test_sweep_broadcasts_bandwidth_and_batch():
 def test_sweep_rejects_impossible_widths():
     with pytest.raises(ValueError, match="width"):
         sweep("huginn-3.5b", width=np.array([0, 8]))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.sampled_from(["huginn-3.5b", "ouro-2.6b"]),
+       st.sampled_from(["a6000", "h100-sxm", "h200", "rtx4090", "mi300x"]),
+       st.sampled_from(["eager", "graphs"]), st.floats(0.0, 1.0), st.integers(1, 8192),
+       st.integers(1, 16), st.integers(2, 1024), st.sampled_from([0, 1, 2]), st.data())
+def test_a_swept_grid_is_predict_at_every_point(model, hardware, mode, alpha, context, batch,
+                                                new_tokens, sharing, data):
+    """The sweep prices each point as ``predict`` does, to 1e-9, whatever it sweeps: widths and
+    acceptances with contexts and batches beside them (a grid, not one point)."""
+    depth = get_model(model).default_depth
+    width = data.draw(st.integers(2, depth))
+    hw = get_hardware(hardware).in_mode(mode)
+    grid = sweep(model, hw, width=np.array([[width], [depth]]),
+                 acceptance=np.array([[alpha, 0.5 * alpha]]), context=np.array(context),
+                 batch=np.array([[[batch]], [[1]]]), new_tokens=new_tokens,
+                 kv_sharing=sharing)
+    assert grid["ar_latency_s"].shape == (2, 2, 2)
+    p = predict(model, hw, Workload(acceptance=alpha, context_length=context,
+                                    new_tokens=new_tokens, batch_size=batch,
+                                    kv_sharing=sharing), width=width)
+    assume(p.memory.fits)
+    s = p.schedules
+    assert grid["ar_latency_s"][0, 0, 0] == pytest.approx(s["ar"].latency_per_token_s, rel=1e-9)
+    assert grid["dtv_latency_s"][0, 0, 0] == pytest.approx(s["dtv"].latency_per_token_s,
+                                                           rel=1e-9)
+    assert grid["wfd_latency_s"][0, 0, 0] == pytest.approx(s["wfd"].latency_per_token_s,
+                                                           rel=1e-9)
+    assert grid["dtv_block_length"][0, 0, 0] == s["dtv"].block_length
+    assert grid["draft_depth"][0, 0, 0] == s["wfd"].draft_depth
