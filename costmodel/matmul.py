@@ -139,15 +139,18 @@ def product_time_s(curve: MatmulCurve, matrix_bytes: float, n_rows,
 
 _PARTS: dict[int, tuple[MatmulCurve, dict]] = {}
 _MEMO_MAX_ROWS = 4096  # row-count vectors up to this long are remembered
+ROW_TABLE = 64  # whole row counts up to this are read from one table per call's products
 
 
 def part_matmul_s(curve: MatmulCurve, matrices: list[tuple[tuple[int, int], int]], width: int,
                   n_rows, working_set_bytes: float | None):
-    """Seconds of a call's matrix products: ``matrices`` is ((out, in), how many) pairs. A
-    scalar row count, or a short vector of them (a simulation's shapes), is remembered per
-    curve: a fit prices the same calls hundreds of times, and ``--schedule auto`` the same
-    shapes at every decision; their products' times do not depend on the coefficients a fit
-    moves. A sweep's long vectors are priced afresh rather than kept."""
+    """Seconds of a call's matrix products: ``matrices`` is ((out, in), how many) pairs. Whole
+    row counts up to ROW_TABLE are read from a table of the products' times at 1..ROW_TABLE rows,
+    made once per curve, products and working set (one vectorized pricing instead of one per row
+    count: ``--schedule auto``'s first decision prices some two hundred shapes); another scalar
+    row count, or a short vector of them (a simulation's shapes), is remembered per curve: a fit
+    prices the same calls hundreds of times. Their products' times do not depend on the
+    coefficients a fit moves. A sweep's long vectors are priced afresh rather than kept."""
     if np.ndim(working_set_bytes) or np.size(n_rows) > _MEMO_MAX_ROWS:
         return _part_matmul_s(curve, matrices, width, n_rows, working_set_bytes)
     hit = _PARTS.get(id(curve))
@@ -155,10 +158,18 @@ def part_matmul_s(curve: MatmulCurve, matrices: list[tuple[tuple[int, int], int]
         if len(_PARTS) > 64:
             _PARTS.clear()
         hit = _PARTS[id(curve)] = (curve, {})
-    rows = np.asarray(n_rows, dtype=float)
-    key = (tuple(matrices), width, rows.shape, rows.tobytes(),
-           None if working_set_bytes is None else float(working_set_bytes))
     memo = hit[1]
+    rows = np.asarray(n_rows, dtype=float)
+    where = (tuple(matrices), width,
+             None if working_set_bytes is None else float(working_set_bytes))
+    if rows.size and np.all((rows >= 1) & (rows <= ROW_TABLE) & (rows == np.round(rows))):
+        if where not in memo:
+            memo[where] = np.broadcast_to(_part_matmul_s(  # 0.0 for a part without products
+                curve, matrices, width, np.arange(1.0, ROW_TABLE + 1), working_set_bytes),
+                (ROW_TABLE,))
+        table = memo[where]
+        return table[rows.astype(int) - 1] if rows.shape else float(table[int(rows) - 1])
+    key = (*where, rows.shape, rows.tobytes())
     if key not in memo:
         memo[key] = _part_matmul_s(curve, matrices, width, n_rows, working_set_bytes)
     value = memo[key]
