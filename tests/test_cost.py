@@ -148,6 +148,15 @@ def test_remembered_product_times_equal_fresh_ones_and_cannot_be_altered():
         assert part_matmul_s(curve, matrices, 4, n_rows, working_set) == pytest.approx(fresh)
     assert part_matmul_s(curve, matrices, 4, rows[:2], None) == pytest.approx(
         _part_matmul_s(curve, matrices, 4, rows[:2], None))  # another vector, another entry
+    # whole row counts up to the table's end are read from one table, others priced apart:
+    # every reading equals the product times priced on their own, to the last bit
+    from costmodel.matmul import ROW_TABLE
+
+    for n_rows in (1, 7, ROW_TABLE, ROW_TABLE + 1, 2.5, np.array([3.0, ROW_TABLE, 40.0])):
+        for working_set in (None, 3e6):
+            fresh = _part_matmul_s(curve, matrices, 4, n_rows, working_set)
+            assert np.array_equal(part_matmul_s(curve, matrices, 4, n_rows, working_set), fresh)
+    assert part_matmul_s(curve, [], 4, 3, None) == 0.0  # a part without products
 
 
 def test_a_row_count_the_curve_did_not_measure_costs_its_next_whole_block():
