@@ -188,6 +188,19 @@ class HardwareSpec(Spec):
                                        for term in self.HOST_TERMS
                                        if getattr(self, term) is not None})
 
+    def with_device_speed(self, speed: float) -> HardwareSpec:
+        """This hardware with a device ``speed`` times faster: its bandwidth and flops times it,
+        its measured products, per-key-set and per-kernel device times divided by it, the
+        host's untouched."""
+        if not speed > 0:
+            raise ValueError(f"device speed must be a positive factor, got {speed}")
+        return self.model_copy(update={
+            "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s * speed,
+            "peak_flops_per_s": {k: v * speed for k, v in self.peak_flops_per_s.items()},
+            "matmul_time_scale": self.matmul_time_scale / speed,
+            "attention_key_set_s": self.attention_key_set_s / speed,
+            "kernel_device_s": self.kernel_device_s / speed})
+
     @property
     def mode(self) -> str:
         return "graphs" if self.cuda_graphs else "eager"

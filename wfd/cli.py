@@ -123,7 +123,6 @@ def generate(
     from .checkpoint import SHIPPED_DIR, CheckpointError, load_model
     from .generate import GenerationError, Sampling, generate
     from .prompts import check_token_ids
-    from .runtime import machine_profile
     from .tokenizer import tokenizer_for
 
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -161,8 +160,13 @@ def generate(
             raise UserError(str(exc)) from None
         hardware = None
         if schedule == "auto":
-            chosen, calibrated = (profile, load_profile(profile)) if profile else \
-                machine_profile(net.config.family, device)
+            if profile:
+                chosen, calibrated = profile, load_profile(profile)
+            else:  # this machine's calibration, or one made here in about a second
+                from calibrate.transplant import profile_for
+
+                chosen, calibrated = profile_for(net, model, device,
+                                                 say=lambda line: typer.echo(line, err=True))
             hardware = calibrated.hardware
             typer.echo(f"auto: deciding with {chosen}", err=True)
         if depth_trace is not None and schedule != "ar":

@@ -160,12 +160,12 @@ def machine_name(device: str) -> str:
     return cpu_machine_name()
 
 
-def machine_profile(family: str, device: str):
-    """(path, profile): this machine's calibration profile for a model family in data/profiles/,
-    the default grid's before the quick one's."""
+def committed_profiles(family: str, device: str):
+    """(path, profile) of each calibration profile of a model family and this device kind
+    (cpu, cuda) in data/profiles/, the default grid's before the quick one's."""
     from costmodel.profile import ProfileError, load_profile
 
-    here, kind = machine_name(device), "cuda" if device.startswith("cuda") else "cpu"
+    kind = "cuda" if device.startswith("cuda") else "cpu"
     paths = [p for p in PROFILES_DIR.glob(f"*{family}*.json")
              if not p.name.endswith(".validation.json")]  # reports beside the profiles
     for path in sorted(paths, key=lambda p: "quick" in p.name):
@@ -173,11 +173,20 @@ def machine_profile(family: str, device: str):
             profile = load_profile(path)
         except ProfileError:
             continue
-        if profile.machine == here and profile.device.split(":")[0] == kind:
+        if profile.device.split(":")[0] == kind:
+            yield path, profile
+
+
+def machine_profile(family: str, device: str):
+    """(path, profile): this machine's calibration profile for a model family in data/profiles/,
+    the default grid's before the quick one's."""
+    here = machine_name(device)
+    for path, profile in committed_profiles(family, device):
+        if profile.machine == here:
             return path, profile
-    raise GenerationError(f"no calibration profile of {family} for this machine ({here}, {kind}) "
-                          f"in {PROFILES_DIR}; make one with `costmodel calibrate --model "
-                          f"{family}` and pass it with --profile")
+    raise GenerationError(f"no calibration profile of {family} for this machine ({here}) in "
+                          f"{PROFILES_DIR}; make one with `costmodel calibrate --model {family}` "
+                          "and pass it with --profile")
 
 
 MODES = ("eager", "static", "graphs")
