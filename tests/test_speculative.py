@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from wfd.generate import Sampling, generate
-from wfd.sampling import Draft, Verifier
+from wfd.sampling import Proposal, Verifier
 
 
 def run(model, prompt, schedule="ar", **options):
@@ -167,7 +167,7 @@ def test_speculative_sampling_verifier_is_exact():
         verifier = Verifier(Sampling(temperature=1.0, seed=seed), None)
         draft = verifier.draft(logits_q, position=7)
         assert draft.probs is not None
-        _, token = verifier.verify(logits_p, Draft(draft.token, draft.probs), position=7)
+        _, token = verifier.verify(logits_p, Proposal(draft.token, draft.probs), position=7)
         counts[token] += 1
     expected = p * n
     chi2 = float(((counts - expected) ** 2 / expected).sum())

@@ -25,7 +25,7 @@ from .cache import KVCache
 from .checkpoint import DTYPE_NAMES
 from .layers import CallPlan
 from .runtime import Runner, make_cache, runner_for
-from .sampling import Draft, GenerationError, Sampling, Verifier
+from .sampling import GenerationError, Proposal, Sampling, Verifier
 
 __all__ = ["GenerationError", "GenerationResult", "Sampling", "full_forward", "generate",
            "make_cache", "prefill"]
@@ -92,7 +92,7 @@ class Decoder(Executor):
         self.token_at = dict(enumerate(self.prompt))  # the token each position enters with
         self.tokens: list[int] = []
         self.readouts: dict[int, torch.Tensor] = {}  # position -> logits of the last coda call
-        self.drafts: dict[int, Draft] = {}
+        self.drafts: dict[int, Proposal] = {}
         # position -> depth -> logits, from the last prompt position on (depth trace, prefill)
         self.keep_depths = keep_depths
         self.depth_logits: dict[int, dict[int, torch.Tensor]] = {}

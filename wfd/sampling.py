@@ -70,7 +70,10 @@ DRAFT_STREAM, ACCEPT_STREAM, RESIDUAL_STREAM = 1, 2, 3
 
 
 @dataclass
-class Draft:
+class Proposal:
+    """A drafted token, and the distribution it was drawn from (what verification weighs it
+    against; costmodel.plans.Draft is the plan's event that asks for one)."""
+
     token: int
     probs: torch.Tensor | None  # q, the draft distribution (sampling only)
 
@@ -91,14 +94,14 @@ class Verifier:
         self.corrections = 0
         self.bonus = 0
 
-    def draft(self, logits: torch.Tensor, position: int) -> Draft:
+    def draft(self, logits: torch.Tensor, position: int) -> Proposal:
         """The token drafted from ``position``'s shallow readout (for position + 1)."""
         if self.sampling.greedy:
-            return Draft(int(logits.argmax()), None)
+            return Proposal(int(logits.argmax()), None)
         q = self.sampling.probs(logits)
-        return Draft(self.sampling.draw(q, position, DRAFT_STREAM), q)
+        return Proposal(self.sampling.draw(q, position, DRAFT_STREAM), q)
 
-    def verify(self, target_logits: torch.Tensor, draft: Draft, position: int
+    def verify(self, target_logits: torch.Tensor, draft: Proposal, position: int
                ) -> tuple[bool, int]:
         """(accepted, the token committed for position + 1)."""
         self.verified += 1
