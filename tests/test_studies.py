@@ -136,7 +136,9 @@ def test_hardware_study_sweeps_host_speed_on_every_device():
                                                            for m in ("eager", "graphs")}
     # a row in each mode, with a host slower and faster than the device's own, is what the
     # command line's `predict --mode --host-speed` says
-    for r in [r for r in sweep if r["host_speed"] in (0.5, 4.0)][::5]:
+    sample = [r for r in sweep if r["host_speed"] in (0.5, 4.0)][::5]
+    assert {r["mode"] for r in sample} == {"eager", "graphs"}
+    for r in sample:
         out = subprocess.run([sys.executable, "-m", "costmodel", "predict", "--model",
                               r["model"], "--hardware", r["hardware"], "--mode", r["mode"],
                               "--host-speed", str(r["host_speed"]), "--json"],
