@@ -20,15 +20,9 @@
 #
 # Steps, each under `timeout`: STEP_SECONDS at most, and never past BUDGET_SECONDS from the
 # start (a step that would start after it is skipped and named; the archive is still made).
+# Stage by stage, each for every family in FAMILIES, so a run cut short keeps the first stages:
 # 1. calibrate/gpu_smoke.py: versions, the attention kernels, the modes against a full forward.
-# 2. For each family and each mode in MODES (default on CUDA: eager and graphs; on a CPU: eager),
-#    random-weight models at the real sizes (timing needs no trained weights) fitted with the
-#    small and mid variants, the base variant (about 230 MB) held out: gpu-FAMILY-DTYPE.json
-#    (eager) or gpu-FAMILY-DTYPE-graphs.json, each with its plot and .validation.json; with both
-#    modes, gpu-FAMILY-DTYPE-modes.json fits them together and validates each mode's fit on the
-#    other (`costmodel join-modes`). The held-out DtV and WFD runs sweep the forced acceptance
-#    over ACCEPTANCES (default 0.6,0.75,0.9) at the model's default draft depth.
-# 3. BENCH=1: bench/decode_speed.py times AR, DtV and WFD at the real size in BENCH_MODES
+# 2. BENCH=1: bench/decode_speed.py times AR, DtV and WFD at the real size in BENCH_MODES
 #    (default on CUDA: eager and graphs), context BENCH_CONTEXT (1,024), BENCH_TOKENS new
 #    tokens (256), forced acceptance 0.9, draft depth 4 (Huginn) or 1 (Ouro):
 #    bench-FAMILY-DTYPE.md and .json. REF_HUGINN / REF_OURO: folders of the public modeling code
@@ -36,8 +30,15 @@
 #    were written for, carried as wheels on PYTHONPATH: Huginn's raven_modeling_minimal.py runs
 #    under 4.53.3 (tokenizers 0.21, huggingface-hub < 1), ouro_rl's modeling_ouro.py under 4.57.6
 #    (tokenizers 0.22, huggingface-hub < 1), so run each family with its own PYTHONPATH.
+# 3. Each mode in MODES (default on CUDA: eager and graphs; on a CPU: eager): random-weight
+#    models at the real sizes (timing needs no trained weights) fitted with the small and mid
+#    variants, the base variant (about 230 MB) held out: gpu-FAMILY-DTYPE.json (eager) or
+#    gpu-FAMILY-DTYPE-graphs.json, each with its plot and .validation.json; with both modes,
+#    gpu-FAMILY-DTYPE-modes.json fits them together and validates each mode's fit on the other
+#    (`costmodel join-modes`). The held-out DtV and WFD runs sweep the forced acceptance over
+#    ACCEPTANCES (default 0.6,0.75,0.9) at the model's default draft depth.
 # 4. BATCH=1 (default on CUDA): bench/batch_decode.py in eager mode (graphs would capture a graph
-#    per combination of the sequences' slots) against the family's eager profile of step 2, at
+#    per combination of the sequences' slots) against the family's eager profile of stage 3, at
 #    BATCHES (default 1 2 4 8 16): batch-FAMILY-DTYPE.md and .json.
 #
 # A step that fails is reported and the script goes on with the next one that does not need it:
@@ -99,18 +100,34 @@ fi
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 step "smoke" - "$PY" calibrate/gpu_smoke.py --device "$DEVICE" --dtype "$DTYPE" \
   --json "$RESULTS/smoke.json"
-for family in ${FAMILIES:-huginn ouro}; do
-  started=$SECONDS
+FAMILIES=${FAMILIES:-huginn ouro}
+models() {  # models FAMILY: "fit-models holdout-model bench-model"
   if [ "$SIZES" = "real" ]; then
-    big=$([ "$family" = huginn ] && echo huginn-3.5b || echo ouro-2.6b)
-    fit="$family-small:random,$family-mid:random,$big:random"
-    holdout="$family-base:random"
-    bench_model="$big:random"
+    local big=$([ "$1" = huginn ] && echo huginn-3.5b || echo ouro-2.6b)
+    echo "$1-small:random,$1-mid:random,$big:random $1-base:random $big:random"
   else
-    fit="$family-tiny:random"
-    holdout="$family-small:random"
-    bench_model="$family-tiny:random"
+    echo "$1-tiny:random $1-small:random $1-tiny:random"
   fi
+}
+# stage by stage, every family's at each: the headline figures (the decode bench) come first,
+# so a lease cut short still has them for both families
+if [ "${BENCH:-1}" = "1" ]; then
+  for family in $FAMILIES; do
+    read -r _ _ bench_model <<< "$(models "$family")"
+    draft=$([ "$family" = huginn ] && echo 4 || echo 1)
+    ref_var="REF_${family^^}"
+    ref_flag=${!ref_var:+--reference-$family ${!ref_var}}
+    step "$family benchmark" "$RESULTS/bench-$family-$DTYPE.md" \
+      "$PY" bench/decode_speed.py schedules --models "$bench_model" --device "$DEVICE" \
+      --dtype "$DTYPE" --modes $BENCH_MODES --context "${BENCH_CONTEXT:-1024}" \
+      --new-tokens "${BENCH_TOKENS:-256}" --repeats "${BENCH_REPEATS:-2}" --prompts 1 \
+      --draft-depth "$draft" --block-lengths 2 4 8 --acceptance 0.9 $ref_flag \
+      --out "$RESULTS/bench-$family-$DTYPE.json" && cat "$RESULTS/bench-$family-$DTYPE.md"
+    echo "$family benchmarked at $SECONDS s"
+  done
+fi
+for family in $FAMILIES; do
+  read -r fit holdout _ <<< "$(models "$family")"
   calibrated=" "
   for mode in $MODES; do
     name="gpu-$family-$DTYPE$([ "$mode" = graphs ] && echo -graphs || true)"
@@ -126,7 +143,7 @@ for family in ${FAMILIES:-huginn ouro}; do
     # the machine is measured once per run: later calibrations reuse the first one's peaks
     MACHINE_FROM=${MACHINE_FROM:-$RESULTS/$name.json}
     "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[1], 'median', round(r['median_rel_error'],3), 'max', round(r['max_rel_error'],3))" "$RESULTS/$name.validation.json"
-    echo "$family $mode calibrated in $((SECONDS - started)) s"
+    echo "$family $mode calibrated at $SECONDS s"
     calibrated+="$mode "
   done
   if [[ "$calibrated" == *" eager "* && "$calibrated" == *" graphs "* ]]; then
@@ -138,27 +155,19 @@ for family in ${FAMILIES:-huginn ouro}; do
       && step "$family joint validation" "$RESULTS/$joint.validation.json" \
         "$PY" -m costmodel validate --profile "$RESULTS/$joint.json" --json
   fi
-  if [ "${BENCH:-1}" = "1" ]; then
-    draft=$([ "$family" = huginn ] && echo 4 || echo 1)
-    ref_var="REF_${family^^}"
-    ref_flag=${!ref_var:+--reference-$family ${!ref_var}}
-    step "$family benchmark" "$RESULTS/bench-$family-$DTYPE.md" \
-      "$PY" bench/decode_speed.py schedules --models "$bench_model" --device "$DEVICE" \
-      --dtype "$DTYPE" --modes $BENCH_MODES --context "${BENCH_CONTEXT:-1024}" \
-      --new-tokens "${BENCH_TOKENS:-256}" --repeats "${BENCH_REPEATS:-2}" --prompts 1 \
-      --draft-depth "$draft" --block-lengths 2 4 8 --acceptance 0.9 $ref_flag \
-      --out "$RESULTS/bench-$family-$DTYPE.json" && cat "$RESULTS/bench-$family-$DTYPE.md"
-    echo "$family benchmarked; $((SECONDS - started)) s in all"
-  fi
-  if [ "$BATCH" = "1" ] && [[ "$calibrated" == *" eager "* ]]; then
+done
+if [ "$BATCH" = "1" ]; then
+  for family in $FAMILIES; do
+    read -r _ _ bench_model <<< "$(models "$family")"
+    [ -f "$RESULTS/gpu-$family-$DTYPE.json" ] || continue  # it prices with the eager profile
     step "$family batch benchmark" "$RESULTS/batch-$family-$DTYPE.md" \
       "$PY" bench/batch_decode.py --model "$bench_model" --device "$DEVICE" --dtype "$DTYPE" \
-      --mode eager --profile "$RESULTS/gpu-$family-$DTYPE.json" --batches ${BATCHES:-1 2 4 8 16} \
-      --context "${BATCH_CONTEXT:-256}" --new-tokens "${BATCH_TOKENS:-64}" \
-      --repeats "${BATCH_REPEATS:-1}" --out "$RESULTS/batch-$family-$DTYPE.json" \
-      && cat "$RESULTS/batch-$family-$DTYPE.md"
-  fi
-done
+      --mode eager --profile "$RESULTS/gpu-$family-$DTYPE.json" \
+      --batches ${BATCHES:-1 2 4 8 16} --context "${BATCH_CONTEXT:-256}" \
+      --new-tokens "${BATCH_TOKENS:-64}" --repeats "${BATCH_REPEATS:-1}" \
+      --out "$RESULTS/batch-$family-$DTYPE.json" && cat "$RESULTS/batch-$family-$DTYPE.md"
+  done
+fi
 if [ ${#FAILED[@]} -gt 0 ]; then
   printf 'failed steps: %s\n' "$(IFS=';'; echo "${FAILED[*]}")" >&2
   exit 1
