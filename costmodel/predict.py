@@ -350,7 +350,8 @@ def sweep(
     cost_shape = np.broadcast_shapes(ctx.shape, b.shape, bwa.shape)
     per_point = np.prod(cost_shape) * 8 > np.prod(shape)
     shared = None if per_point else _Pricer(spec, hw, dtype, keys, b, bwa)
-    cost_cells = np.arange(np.prod(cost_shape)).reshape(cost_shape)  # which cost a point reads
+    # which of the shared costs each point reads
+    cost_cells = None if per_point else np.arange(np.prod(cost_shape)).reshape(cost_shape)
     out = {key: np.empty(shape) for key in ("ar_latency_s", "dtv_latency_s", "wfd_latency_s",
                                             "dtv_block_length")}
     for dv in np.unique(d):
