@@ -161,11 +161,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                         help="default: bf16 on CUDA, fp32 elsewhere")
     parser.add_argument("--modes", nargs="+", default=None,
+                        choices=("eager", "static", "graphs"),
                         help="default: eager static graphs on CUDA, eager static elsewhere")
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this machine has no CUDA device (torch "
+                     f"{torch.__version__}); --device cpu runs the eager and static checks")
+    if not cuda and "graphs" in (args.modes or ()):
+        parser.error("--modes graphs captures CUDA graphs: it needs --device cuda")
     dtype = args.dtype or ("bf16" if cuda else "fp32")
     modes = args.modes or (["eager", "static", "graphs"] if cuda else ["eager", "static"])
     started = time.perf_counter()
