@@ -18,13 +18,12 @@ import torch
 from torch import nn
 
 from costmodel.batching import PREFILL, Lane, merged_call, run_batch
-from costmodel.plans import Plan, make_plan
-from costmodel.simulate import acceptance_draws
+from costmodel.plans import Plan
 from costmodel.trace import CallRecord
 
-from .generate import Decoder
+from .generate import Decoder, RunSetup
 from .runtime import Runner, runner_for
-from .sampling import GenerationError, Sampling, Verifier
+from .sampling import GenerationError, Sampling
 
 
 @dataclass(frozen=True)
@@ -130,18 +129,11 @@ def decode_batch(model: nn.Module, requests: Sequence[Request], *, schedule: str
             raise GenerationError(f"prompt {req.index}: max new tokens must be at least 1, "
                                   f"got {req.max_new_tokens}")
     sampling = sampling or Sampling()
-    depth = depth or model.config.depth
-    if draft_depth is None and depth > 1:
-        draft_depth = min(model.config.default_draft_depth, depth - 1)
-    coda_attends = model.config.coda_layers > 0
+    setup = RunSetup.of(model, schedule, depth, draft_depth, block_length, width_cap)
+    depth, draft_depth = setup.depth, setup.draft_depth
 
     def plan_for(req: Request) -> Plan:
-        try:
-            return make_plan(schedule, len(req.prompt), depth, coda_attends=coda_attends,
-                             draft_depth=draft_depth, block_length=block_length,
-                             width_cap=width_cap)
-        except ValueError as exc:
-            raise GenerationError(str(exc)) from None
+        return setup.plan(len(req.prompt))
 
     probe = plan_for(requests[0])
     regions = min(batch_size, len(requests))
@@ -157,9 +149,8 @@ def decode_batch(model: nn.Module, requests: Sequence[Request], *, schedule: str
     cache = runner.cache
 
     def start(req: Request, region: int):
-        forced = None if force_acceptance is None or schedule == "ar" else acceptance_draws(
-            force_acceptance, req.max_new_tokens + 1, seed + req.index)
-        verifier = Verifier(sampling, forced, first_position=len(req.prompt))
+        verifier = setup.verifier(sampling, len(req.prompt), req.max_new_tokens,
+                                  force_acceptance, seed + req.index)
         decoder = BatchDecoder(runner, req.prompt, max_new_tokens=req.max_new_tokens,
                                sampling=sampling, verifier=verifier, stop_tokens=stop_tokens,
                                sequence=region)

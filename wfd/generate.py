@@ -185,6 +185,47 @@ class Decoder(Executor):
             self.on_rollback(self.runner.cache, self.tokens)
 
 
+@dataclass(frozen=True)
+class RunSetup:
+    """What a run of one schedule fixes before its prompts, shared by single and batched
+    generation: the depth, the draft depth (the model's own, ceil(R / 8) unless its config names
+    one, where none is given), each prompt's plan, and each prompt's verifier."""
+
+    schedule: str
+    depth: int
+    draft_depth: int | None
+    block_length: int
+    width_cap: int | None
+    coda_attends: bool
+
+    @classmethod
+    def of(cls, model: nn.Module, schedule: str, depth: int | None, draft_depth: int | None,
+           block_length: int, width_cap: int | None) -> RunSetup:
+        depth = depth or model.config.depth
+        if draft_depth is None and depth > 1:
+            draft_depth = min(model.config.default_draft_depth, depth - 1)
+        return cls(schedule, depth, draft_depth, block_length, width_cap,
+                   model.config.coda_layers > 0)
+
+    def plan(self, prompt_length: int, readout_depths: Sequence[int] = ()) -> Plan:
+        """The schedule's plan for a prompt; a combination it cannot run in one line."""
+        try:
+            return make_plan(self.schedule, prompt_length, self.depth,
+                             coda_attends=self.coda_attends, draft_depth=self.draft_depth,
+                             block_length=self.block_length, width_cap=self.width_cap,
+                             readout_depths=readout_depths)
+        except ValueError as exc:
+            raise GenerationError(str(exc)) from None
+
+    def verifier(self, sampling: Sampling, prompt_length: int, max_new_tokens: int,
+                 force_acceptance: float | None, seed: int) -> Verifier:
+        """A prompt's verifier: with ``force_acceptance``, the seeded outcomes the simulator
+        draws for the same run (AR verifies nothing)."""
+        forced = None if force_acceptance is None or self.schedule == "ar" else acceptance_draws(
+            force_acceptance, max_new_tokens + 1, seed)
+        return Verifier(sampling, forced, first_position=prompt_length)
+
+
 def prefill(runner: Runner, prompt: list[int], depth: int, readout_depths: Sequence[int]
             ) -> dict[int, torch.Tensor]:
     """Run a prompt through every depth (the plans' prefill); the last position's logits at each
@@ -237,14 +278,13 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
     ``force_acceptance`` replaces verification by seeded
     outcomes (timing on random weights; flagged in the stats)."""
     sampling = sampling or Sampling()
-    depth = depth or model.config.depth
-    if draft_depth is None and depth > 1:  # the model's own (ceil(R / 8) unless it says)
-        draft_depth = min(model.config.default_draft_depth, depth - 1)
+    auto = schedule == "auto"
+    setup = RunSetup.of(model, schedule, depth, draft_depth, block_length, width_cap)
+    depth = setup.depth
     if not prompt:
         raise GenerationError("the prompt is empty")
     if max_new_tokens < 1:
         raise GenerationError(f"max new tokens must be at least 1, got {max_new_tokens}")
-    auto = schedule == "auto"
     if auto and (hardware is None or force_acceptance is not None or depth < 2):
         raise GenerationError("--schedule auto needs a calibration profile, a depth of at least "
                               "2 and the model's own acceptance (no forced acceptance)")
@@ -253,23 +293,16 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
         from costmodel.recommend import QUICK_DEPTHS
 
         readouts = [d for d in QUICK_DEPTHS if d < depth]
-    coda_attends = model.config.coda_layers > 0
-    try:
-        plan = Plan(len(prompt), depth, coda_attends=coda_attends, readout_depths=readouts) \
-            if auto else make_plan(schedule, len(prompt), depth, coda_attends=coda_attends,
-                                   draft_depth=draft_depth, block_length=block_length,
-                                   width_cap=width_cap, readout_depths=readouts)
-    except ValueError as exc:
-        raise GenerationError(str(exc)) from None
+    coda_attends = setup.coda_attends
+    plan = Plan(len(prompt), depth, coda_attends=coda_attends, readout_depths=readouts) \
+        if auto else setup.plan(len(prompt), readouts)
     # auto: room for any schedule's lookahead (DtV's k + 1, WFD's W + 1)
     runner = runner_for(model, mode=mode, record=record, prompt_len=len(prompt),
                         max_new_tokens=max_new_tokens, depth=depth, kv_sharing=kv_sharing,
                         readout_depths=plan.readout_depths,
                         lookahead=max(33, depth + 1) if auto else plan.lookahead)
     cache = runner.cache
-    forced = None if force_acceptance is None else acceptance_draws(
-        force_acceptance, max_new_tokens + 1, seed)
-    verifier = Verifier(sampling, forced, first_position=len(prompt))
+    verifier = setup.verifier(sampling, len(prompt), max_new_tokens, force_acceptance, seed)
     decoder = Decoder(runner, prompt, max_new_tokens=max_new_tokens, sampling=sampling,
                       verifier=verifier, stop_tokens=stop_tokens, keep_depths=bool(readouts),
                       on_rollback=on_rollback)
