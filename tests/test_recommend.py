@@ -4,9 +4,10 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from conftest import model_for
+from conftest import model_for, tiny_model
 
 from costmodel import Workload, get_hardware, get_model, predict, recommend, simulate
 from costmodel.profile import load_profile
@@ -109,14 +110,19 @@ def test_this_machines_profile_is_found_or_the_error_says_how_to_make_one(monkey
     import shutil
 
     import wfd.runtime as runtime
+    from calibrate.transplant import profile_for
 
     monkeypatch.setattr(runtime, "PROFILES_DIR", tmp_path)
+    monkeypatch.setenv("LOOPED_DECODING_CACHE", str(tmp_path / "cache"))
+    huginn, ouro = tiny_model("huginn"), tiny_model("ouro")
     with pytest.raises(GenerationError, match="costmodel calibrate --model huginn"):
-        runtime.machine_profile("huginn", "cpu")
+        profile_for(huginn, "tiny", "cpu")  # nothing of this device kind to start from
     shutil.copy(CPU_PROFILE, tmp_path / "cpu-huginn-fp32.json")
     here = load_profile(CPU_PROFILE).machine  # as if this were the profile's machine
     monkeypatch.setattr(runtime, "machine_name", lambda device: here)
-    path, profile = runtime.machine_profile("huginn", "cpu")
-    assert path.name == "cpu-huginn-fp32.json" and profile.device == "cpu"
-    with pytest.raises(GenerationError):
-        runtime.machine_profile("ouro", "cpu")
+    said = []
+    path, profile = profile_for(huginn, "tiny", "cpu", say=said.append)
+    assert Path(path).name == "cpu-huginn-fp32.json" and profile.device == "cpu"
+    assert said == []  # this machine's own calibration: nothing timed, nothing said
+    with pytest.raises(GenerationError, match="costmodel calibrate --model ouro"):
+        profile_for(ouro, "tiny", "cpu")

@@ -177,18 +177,6 @@ def committed_profiles(family: str, device: str):
             yield path, profile
 
 
-def machine_profile(family: str, device: str):
-    """(path, profile): this machine's calibration profile for a model family in data/profiles/,
-    the default grid's before the quick one's."""
-    here = machine_name(device)
-    for path, profile in committed_profiles(family, device):
-        if profile.machine == here:
-            return path, profile
-    raise GenerationError(f"no calibration profile of {family} for this machine ({here}) in "
-                          f"{PROFILES_DIR}; make one with `costmodel calibrate --model {family}` "
-                          "and pass it with --profile")
-
-
 MODES = ("eager", "static", "graphs")
 
 
