@@ -71,13 +71,7 @@ def unrestricted(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> str:
     """PyTorch's own choice, every candidate kernel allowed."""
     if SDPBackend is None:
         return "unknown"
-    try:
-        with sdpa_kernel([getattr(SDPBackend, name) for name in CANDIDATES]):
-            choice = torch._fused_sdp_choice(q, k, k, mask, 0.0, False, scale=None,
-                                             enable_gqa=q.shape[1] != k.shape[1])
-    except (RuntimeError, TypeError, AttributeError):
-        return "unknown"
-    return BACKEND_NAMES.get(SDPBackend(choice).name, str(choice))
+    return backend_for(q, k, mask, [getattr(SDPBackend, name) for name in CANDIDATES])
 
 
 def chosen(dtype: torch.dtype, device: torch.device) -> list[dict]:

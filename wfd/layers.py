@@ -85,12 +85,14 @@ BACKEND_NAMES = {"MATH": "math", "FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTIO
                  "CUDNN_ATTENTION": "cudnn", "OVERRIDEABLE": "overrideable", "ERROR": "none"}
 
 
-def backend_for(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> str:
+def backend_for(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None,
+                allowed: list | None = None) -> str:
     """The kernel scaled-dot-product attention runs for these queries, keys (as values too) and
-    mask under the device's policy (math, flash, efficient, cudnn), as PyTorch dispatches it."""
+    mask (math, flash, efficient, cudnn), as PyTorch dispatches it: under the device's policy,
+    or among the ``allowed`` kernels when given."""
     if SDPBackend is None:
         return "unknown"
-    with attention_policy(q.device):
+    with attention_policy(q.device) if allowed is None else sdpa_kernel(allowed):
         try:
             choice = torch._fused_sdp_choice(q, k, k, mask, 0.0, False, scale=None,
                                              enable_gqa=q.shape[1] != k.shape[1])
