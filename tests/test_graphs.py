@@ -190,3 +190,20 @@ def test_a_reused_workspace_still_refuses_a_sequence_past_the_models_context():
     with pytest.raises(GenerationError, match="exceeds the model's context of 256"):
         generate(model, PROMPT, schedule="wfd", max_new_tokens=256, mode="static",
                  force_acceptance=0.5)
+
+
+def test_the_attention_kernel_reported_is_the_decode_calls_not_the_prefills(monkeypatch):
+    import wfd.runtime
+
+    asked = {}
+
+    def chosen(model, kind, slots, span):
+        asked[kind] = span
+        return "flash"
+
+    monkeypatch.setattr(wfd.runtime, "chosen_backend", chosen)
+    run = generate(tiny_model("huginn"), PROMPT, max_new_tokens=4, mode="static")
+    assert run.stats["attention_backend"] == dict.fromkeys(("prelude", "block", "coda"), "flash")
+    assert asked == dict.fromkeys(("prelude", "block", "coda"), STATIC_SPAN_KEYS)
+    generate(tiny_model("huginn"), PROMPT, max_new_tokens=1, mode="static")  # a prefill only
+    assert asked["block"] == len(PROMPT)

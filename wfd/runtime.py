@@ -210,9 +210,10 @@ class Runner:
         self.timer = Timer(self.device)
         self.records: list[CallRecord] = []
         self.record = record
-        # call kind -> the slots and span of its first call (the attention kernel it runs is
-        # looked up from these when reported, off the calls' path)
-        self.first_shapes: dict[str, tuple[list[int], int]] = {}
+        # call kind -> the slots and span of its first decode call, or of its prefill call
+        # until one comes (the attention kernel it runs is looked up from these when reported,
+        # off the calls' path), and whether they are the prefill's
+        self.first_shapes: dict[str, tuple[list[int], int, bool]] = {}
         cfg = model.config
         self._frequencies = rope_frequencies(cfg.head_dim, cfg.rope_base, self.device)
         self._parts = {
@@ -243,7 +244,8 @@ class Runner:
         part = self._parts[kind]
         static = self.graphs is not None and not prefill
         span = static_span(max(positions) + 1) if static else max(positions) + 1
-        self.first_shapes.setdefault(kind, (slots, span))
+        if self.first_shapes.get(kind, (None, None, True))[2]:
+            self.first_shapes[kind] = (slots, span, prefill)
         if not static:
             def call() -> torch.Tensor:
                 with attention_policy(self.device):
@@ -297,11 +299,12 @@ class Runner:
         return self.usage.capture_s if self.usage is not None else 0.0
 
     def mode_stats(self) -> dict[str, object]:
-        """The mode, the attention kernel of each call kind, and in static and graphs modes the
+        """The mode, the attention kernel of each call kind (its decode calls', the prefill's
+        where it made none), and in static and graphs modes the
         shapes this run used (prepared by it, or reused from an earlier run), the calls served
         and the seconds preparing took."""
-        backends = {kind: chosen_backend(self.model, kind, *shape)
-                    for kind, shape in self.first_shapes.items()}
+        backends = {kind: chosen_backend(self.model, kind, slots, span)
+                    for kind, (slots, span, _) in self.first_shapes.items()}
         stats: dict[str, object] = {"mode": self.mode, "attention_backend": backends}
         if self.usage is not None:
             stats.update(self.usage.stats())
