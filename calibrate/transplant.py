@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from costmodel.cost import call_cost
 from costmodel.profile import CalibrationProfile, ValidationPoint
+from costmodel.simulate import price_records
 
 from .measure import Grid, Quiet, time_call, warm_up
 
@@ -40,15 +40,10 @@ RECHECK_S = 3600.0  # a kept profile is checked again at most this often
 
 
 def _split(profile: CalibrationProfile, point: ValidationPoint) -> tuple[float, float]:
-    """(host seconds, device seconds) the profile prices a call at."""
-    hw, record = profile.hardware, point.record
-    slots = record.slot_contexts()
-    cost = call_cost(point.spec, hw, point.spec.part(record.kind), profile.dtype,
-                     n_positions=len(record.positions), n_slots=len(slots),
-                     context_sum_positions=sum(record.contexts),
-                     context_sum_slots=sum(slots.values()))
-    host = float(cost.overhead_s)
-    return host, float(cost.time_s) - host
+    """(host seconds, device seconds) the profile prices a call at, as its validation does."""
+    terms = price_records(point.spec, profile.hardware.in_mode(point.mode),
+                          [point.record.model_copy()], dtype=profile.dtype)
+    return terms["overhead_s"], sum(terms.values()) - terms["overhead_s"]
 
 
 def measure_calls(model, name: str, spec, device: str, shapes=SHAPES) -> list[ValidationPoint]:
