@@ -57,6 +57,12 @@ def keys_read(positions: Sequence[int], static: bool) -> list[int]:
     return [p + 1 for p in positions]
 
 
+def in_prefill(positions: Sequence[int], prompt_length: int) -> bool:
+    """Whether a call belongs to the prompt's prefill (decoding's calls hold a position past the
+    prompt): a prefill call runs eagerly in every mode, so it reads its own prefix of keys."""
+    return max(positions) < prompt_length
+
+
 def mean_decode_keys(context, new_tokens, static: bool):
     """The keys a decode step attends over, on average over contexts L .. L + N - 1 (numbers or
     numpy arrays): L + (N - 1) / 2, or in static mode the mean of their static spans."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .cost import call_cost
-from .plans import Call, Executor, Plan, call_slots, keys_read, make_plan
+from .plans import Call, Executor, Plan, call_slots, in_prefill, keys_read, make_plan
 from .specs import AR, WFD, DtV, HardwareSpec, LoopedModelSpec
 from .trace import CallRecord, slot_lengths
 
@@ -73,9 +73,8 @@ class _Simulator(Executor):
         calls = self.result.calls
         calls[call.kind] = calls.get(call.kind, 0) + 1
         slots = call_slots(call.kind, call.depths, self.kv_sharing)
-        # a prefill's calls run eagerly in every mode (wfd.runtime.Runner.run)
-        contexts = keys_read(call.positions,
-                             self.static and max(call.positions) >= self.plan.prompt_length)
+        contexts = keys_read(call.positions, self.static and not in_prefill(
+            call.positions, self.plan.prompt_length))
         if self.records:
             # model_construct: records by the hundred thousand, correct by construction
             self.result.records.append(CallRecord.model_construct(

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from costmodel.plans import Call, Executor, Plan, make_plan
+from costmodel.plans import Call, Executor, Plan, in_prefill, make_plan
 from costmodel.simulate import acceptance_draws
 from costmodel.trace import CallRecord, DepthRecord
 
@@ -109,11 +109,8 @@ class Decoder(Executor):
     def call(self, call: Call) -> None:
         self.take(call, self.runner.run(call.kind, list(call.positions), list(call.depths),
                                         self.inputs(call), tokens=self.tokens_in(call),
-                                        prefill=self.in_prefill(call)))
+                                        prefill=in_prefill(call.positions, len(self.prompt))))
 
-    def in_prefill(self, call: Call) -> bool:
-        """A call of the prompt's prefill: decoding's calls hold a position past the prompt."""
-        return max(call.positions) < len(self.prompt)
 
     def _rows(self, positions: tuple[int, ...]) -> slice | torch.Tensor:
         first = positions[0]
