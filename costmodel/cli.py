@@ -109,7 +109,9 @@ def _print_table(p: Prediction) -> None:
         + ("recurrence-specific KV" if wl.kv_sharing == 0 else f"KV shared over "
            f"{wl.kv_sharing} slot(s)")
         + (f", acceptance {alpha:.2f}" if alpha is not None else "")
-        + (", CUDA graphs" if hw.cuda_graphs else ""))
+        + (", CUDA graphs" if hw.cuda_graphs else "")
+        + (f", exits at mean depth {p.schedules['ar'].mean_exit_depth:.2f} (WFD simulated)"
+           if "ar" in p.schedules and p.schedules["ar"].mean_exit_depth is not None else ""))
     fit = "fits" if mem.fits else "DOES NOT FIT"
     typer.echo(
         f"memory: {fit}: weights {format_bytes(mem.weights_bytes)} + KV "
@@ -132,6 +134,22 @@ def _print_table(p: Prediction) -> None:
     typer.echo(text_table(["schedule", "ms/token", "tokens/s", "speedup", "B calls/token",
                            "weights ms", "KV ms", "compute ms", "overhead ms", "roofline",
                            "bound"], rows, left=(0, 10)))
+
+
+def _exit_options(rule: str | None, min_depth: int, exit_depths: str | None, depth: int
+                  ) -> dict[str, object]:
+    """The adaptive-depth fields of a workload, checked (one line for a bad one)."""
+    from .exits import ExitRule, parse_exit_depths
+
+    out: dict[str, object] = {}
+    if rule is not None:
+        ExitRule.parse(rule, min_depth).for_plan(False, depth)  # ValueError: a UserError
+        out.update(exit_rule=rule, exit_min_depth=min_depth)
+    elif min_depth != 1:
+        raise UserError("--min-depth goes with --exit")
+    if exit_depths is not None:
+        out["exit_depths"] = parse_exit_depths(exit_depths, depth)
+    return out
 
 
 @app.command("predict")
@@ -158,6 +176,14 @@ def predict_cmd(
     depth: Annotated[int | None, typer.Option(help="recurrence depth R (default: model's)")] = None,
     kv_sharing: Annotated[int, typer.Option(
         help="0: one KV slot per depth; S >= 1: S shared slots")] = 0,
+    exit_rule: Annotated[str | None, typer.Option(
+        "--exit", help="adaptive depth: RULE[:THRESHOLD] (kl, entropy-diff, latent-diff, "
+        "argmax-stable, gate); the exit depths are read from --depth-trace under it")] = None,
+    min_depth: Annotated[int, typer.Option(
+        help="--exit: the shallowest depth a token may stop at")] = 1,
+    exit_depths: Annotated[str | None, typer.Option(
+        help="adaptive depth: the exit depths' distribution, e.g. \"4:0.3,6:0.5,8:0.2\" "
+             "(--acceptance: of the drafts of tokens that go past the draft depth)")] = None,
     batch: BatchOption = 1,
     prompts: Annotated[int | None, typer.Option(
         help="a run of N prompts decoded --batch at a time, to its end (the batch empties as "
@@ -184,10 +210,13 @@ def predict_cmd(
     prof, base, dtype = _hardware(profile, hardware, dtype)
     hw = _override(base, bandwidth, flops, memory, launch_overhead, dtype, mode, host_speed)
     spec = get_model(model)
-    workload = Workload(context_length=context, new_tokens=new_tokens, acceptance=acceptance,
+    exits = _exit_options(exit_rule, min_depth, exit_depths, depth or spec.default_depth)
+    if exit_rule is not None and exit_depths is None and depth_trace is None:
+        raise UserError("--exit is priced from the exit depths a --depth-trace gives under it "
+                        "(or give their distribution: --exit-depths)")    workload = Workload(context_length=context, new_tokens=new_tokens, acceptance=acceptance,
                         depth_trace=str(depth_trace) if depth_trace else None,
                         batch_size=batch, dtype=dtype, kv_sharing=kv_sharing, depth=depth,
-                        prompts=prompts)
+                        prompts=prompts, **exits)
     # a run of prompts is simulated call by call: seconds, where the closed forms take a blink
     with spinner(f"simulating {prompts} prompts x {new_tokens} tokens, batch {batch}, for AR, "
                  "DtV and WFD", disable=as_json or prompts is None):

@@ -102,8 +102,19 @@ class Call:
 
 
 @dataclass(frozen=True)
+class Check:
+    """Asks the exit rule about positions a block call just brought to ``depths`` (below R):
+    the plan is sent back the set of those that exit here (their readout at this depth is
+    their token's)."""
+
+    positions: tuple[int, ...]
+    depths: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Draft:
     position: int  # its readout at d proposes the token of position + 1
+    final: bool = False  # the position exited by d: its readout is final, the draft is its token
 
 
 @dataclass(frozen=True)
@@ -113,7 +124,9 @@ class Verify:
 
 @dataclass(frozen=True)
 class Bonus:
-    position: int  # its readout at R commits the token of position + 1 (no draft to check)
+    # its final readout commits the token of position + 1 with no draft to check: DtV's bonus
+    # position, or a position that exited by the draft depth (its draft was its token)
+    position: int
 
 
 @dataclass(frozen=True)
@@ -122,24 +135,48 @@ class Rollback:
     flushed: int = 0  # in-flight positions discarded (WFD)
 
 
-Event = Call | Draft | Verify | Bonus | Rollback
-Steps = Generator[Event, bool | None, None]
+Event = Call | Check | Draft | Verify | Bonus | Rollback
+Steps = Generator[Event, bool | set[int] | None, None]
+
+
+@dataclass(frozen=True)
+class EarlyExit:
+    """What a plan needs of an exit rule (wfd.exits): the shallowest depth a position may exit
+    at, and whether each position is read out at every depth from there on (the rule reads the
+    readouts, or a coda with attention needs them: a later position read out at a depth attends
+    over that depth's coda KV). Otherwise only the depth a position exits at is read out."""
+
+    min_depth: int = 1
+    every_depth: bool = True
 
 
 class Plan:
-    """What every schedule shares: the prefill, and counters the decoder and simulator report."""
+    """What every schedule shares: the prefill, and counters the decoder and simulator report.
+
+    With ``exits`` (adaptive depth) a position stops at the first depth its rule fires (the
+    plan asks with ``Check`` after each block call) or at R; its readout there is final, and it
+    leaves the calls that follow. The prompt runs at full depth."""
 
     kind = "ar"
 
     def __init__(self, prompt_length: int, depth: int, *, coda_attends: bool,
-                 readout_depths: Sequence[int] = (), prefill: bool = True):
+                 readout_depths: Sequence[int] = (), prefill: bool = True,
+                 exits: EarlyExit | None = None):
         if prompt_length < 1:
             raise ValueError("the prompt is empty")
         if depth < 1:
             raise ValueError(f"depth must be at least 1, got {depth}")
+        if exits is not None and not 1 <= exits.min_depth <= depth:
+            raise ValueError(f"the minimum exit depth must be in 1..{depth}, "
+                             f"got {exits.min_depth}")
         self.prompt_length, self.depth = prompt_length, depth
         self.coda_attends = coda_attends  # a coda with attention reads every prompt position out
-        self.readout_depths = sorted({*readout_depths, depth})
+        self.exits = exits
+        # read out whatever else happens (the draft depth, R, a depth trace's); with exits, the
+        # coda keeps a slot for every depth a position may exit at
+        self.always_read = sorted({*readout_depths, depth})
+        exit_depths = range(exits.min_depth, depth + 1) if exits else ()
+        self.readout_depths = sorted({*self.always_read, *exit_depths})
         self.prefill = prefill
         self.rounds = 0  # AR tokens, DtV rounds or WFD ticks begun
         self.flushed = 0
@@ -156,30 +193,54 @@ class Plan:
         position when the coda attends (its KV is needed later) or ``every_position`` asks."""
         last = self.prompt_length - 1
         positions = tuple(range(self.prompt_length))
-        readout = positions if self.coda_attends or every_position else (last,)
+        attends = self.coda_attends or every_position
+        readout = positions if attends else (last,)
+        depths = self.readout_depths if attends else self.always_read
         yield Call("prelude", positions, (0,) * len(positions))
         for r in range(1, self.depth + 1):
             yield Call("block", positions, (r,) * len(positions))
-            if r in self.readout_depths:
+            if r in depths:
                 yield Call("coda", readout, (r,) * len(readout))
         yield Bonus(last)
 
+    def after_block(self, positions: Sequence[int], depths: Sequence[int]
+                    ) -> Generator[Event, bool | set[int] | None, set[int]]:
+        """What follows a block call over ``positions`` at ``depths``: their readouts and, with
+        exits, the rule's verdict. Returns the positions whose readout is now final (exited, or
+        at R)."""
+        pairs = list(zip(positions, depths, strict=True))
+        exited: set[int] = set()
+        checked = [(p, r) for p, r in pairs if r < self.depth] if self.exits else []
+        every = self.exits is not None and self.exits.every_depth
+        if checked and not every:  # the rule reads the states: ask first, read out the exits
+            exited = yield Check(*map(tuple, zip(*checked, strict=True)))
+        depths_read = self.readout_depths if every else self.always_read
+        read = [(p, r) for p, r in pairs if r in depths_read or p in exited]
+        if read:
+            yield Call("coda", *map(tuple, zip(*read, strict=True)))
+        if checked and every:
+            exited = yield Check(*map(tuple, zip(*checked, strict=True)))
+        return set(exited) | {p for p, r in pairs if r == self.depth}
+
     def decode(self) -> Steps:
-        """AR: per token P, R block calls at one position (read out at each readout depth), C."""
+        """AR: per token P, then block calls at one position (read out at each readout depth)
+        until it exits or reaches R, then commit its final readout."""
         for p in count(self.prompt_length):
             self.rounds += 1
             yield Call("prelude", (p,), (0,))
             for r in range(1, self.depth + 1):
                 yield Call("block", (p,), (r,))
-                if r in self.readout_depths:
-                    yield Call("coda", (p,), (r,))
+                if p in (yield from self.after_block((p,), (r,))):
+                    break
             yield Bonus(p)
 
 
 class DtVPlan(Plan):
     """DtV(k, d), nested reuse: draft k + 1 positions one by one at depth d, continue them all
     from d to R in R - d batched calls, verify the k drafts in order, commit the correction at
-    the first mismatch or the bonus token when all match, roll back the rest."""
+    the first mismatch or the bonus token when all match, roll back the rest. With exits a
+    position that exits by d drafts its final token (committed as is), and the others leave the
+    batched calls as they exit."""
 
     kind = "dtv"
 
@@ -198,18 +259,30 @@ class DtVPlan(Plan):
         while True:
             self.rounds += 1
             drafted = tuple(range(cur, cur + k + 1))
+            settled: set[int] = set()  # exited by d: the draft is the final token
             for p in drafted:
                 yield Call("prelude", (p,), (0,))
-                for r in range(1, d + 1):
+                for r in range(1, d + 1):  # the last one's readout only fills the coda's KV
                     yield Call("block", (p,), (r,))
-                yield Call("coda", (p,), (d,))  # the last one only fills the coda's depth-d KV
+                    if p in (yield from self.after_block((p,), (r,))):
+                        settled.add(p)
+                        break
                 if p < cur + k:
-                    yield Draft(p)
+                    yield Draft(p, final=p in settled)
+            going = [p for p in drafted if p not in settled]
             for r in range(d + 1, depth + 1):
-                yield Call("block", drafted, (r,) * len(drafted))
-            yield Call("coda", drafted, (depth,) * len(drafted))
+                if not going:
+                    break
+                yield Call("block", tuple(going), (r,) * len(going))
+                done = yield from self.after_block(going, (r,) * len(going))
+                going = [p for p in going if p not in done]
             accepted = 0
-            while accepted < k and (yield Verify(cur + accepted)):
+            while accepted < k:
+                p = cur + accepted
+                if p in settled:
+                    yield Bonus(p)
+                elif not (yield Verify(p)):
+                    break
                 accepted += 1
             if accepted == k:
                 yield Bonus(cur + k)
@@ -221,7 +294,9 @@ class WFDPlan(Plan):
     """WFD(d, cap): each tick is one block call advancing every in-flight position one step, each
     at its own depth. The newest position reaching d drafts (its token enters next tick, when
     the cap allows); the oldest reaching R verifies, in the same coda call. A rejection commits
-    the correction, flushes every younger position and re-enters the correction at depth 0."""
+    the correction, flushes every younger position and re-enters the correction at depth 0.
+    With exits a position leaves the wave at its exit depth and waits, out of the calls, until
+    every older one is committed; one that exits by d drafts its final token."""
 
     kind = "wfd"
 
@@ -236,43 +311,47 @@ class WFDPlan(Plan):
         self.lookahead = lookahead("wfd", width=self.width)
 
     def decode(self) -> Steps:
-        d, depth, cap = self.draft_depth, self.depth, self.width_cap
-        in_flight: list[list[int]] = []  # [position, depth], oldest first
+        d, cap = self.draft_depth, self.width_cap
+        wave: list[list[int]] = []  # [position, depth, final], oldest first
         waiting: int | None = self.prompt_length  # the position whose token waits to enter
         while True:
             self.rounds += 1  # a tick: its prelude call (if a token enters), B, its coda call
-            if waiting is not None and (cap is None or len(in_flight) < cap):
+            going = [entry for entry in wave if not entry[2]]
+            if waiting is not None and (cap is None or len(going) < cap):
                 yield Call("prelude", (waiting,), (0,))
-                in_flight.append([waiting, 0])
+                wave.append([waiting, 0, False])
+                going.append(wave[-1])
                 waiting = None
-            for entry in in_flight:
+            for entry in going:
                 entry[1] += 1
-            yield Call("block", tuple(p for p, _ in in_flight), tuple(r for _, r in in_flight))
-            (newest, newest_depth), (oldest, oldest_depth) = in_flight[-1], in_flight[0]
-            readout = [(p, r) for p, r in dict.fromkeys(((newest, newest_depth),
-                                                         (oldest, oldest_depth)))
-                       if r in (d, depth)]
-            if not readout:
-                continue
-            yield Call("coda", tuple(p for p, _ in readout), tuple(r for _, r in readout))
-            if newest_depth == d:
-                yield Draft(newest)
-                waiting = newest + 1
-            if oldest_depth == depth:
-                in_flight.pop(0)
-                if not (yield Verify(oldest)):
-                    self.flushed += len(in_flight)
-                    yield Rollback(oldest + 1, flushed=len(in_flight))
-                    in_flight.clear()
-                    waiting = oldest + 1  # the correction re-enters at depth 0
+            yield Call("block", tuple(p for p, _, _ in going), tuple(r for _, r, _ in going))
+            newest = wave[-1]
+            # newest first: the draft's readout, then the verify's
+            done = yield from self.after_block([p for p, _, _ in reversed(going)],
+                                               [r for _, r, _ in reversed(going)])
+            for entry in going:
+                entry[2] = entry[0] in done
+            if newest in going and (newest[1] == d or newest[2] and newest[1] < d):
+                yield Draft(newest[0], final=bool(newest[2]))
+                waiting = newest[0] + 1
+            while wave and wave[0][2]:
+                p, exit_depth, _ = wave.pop(0)
+                if exit_depth <= d:
+                    yield Bonus(p)
+                elif not (yield Verify(p)):
+                    self.flushed += len(wave)
+                    yield Rollback(p + 1, flushed=len(wave))
+                    wave.clear()
+                    waiting = p + 1  # the correction re-enters at depth 0
 
 
 def make_plan(schedule: str, prompt_length: int, depth: int, *, coda_attends: bool,
               draft_depth: int | None = None, block_length: int = 4,
               width_cap: int | None = None, readout_depths: Sequence[int] = (),
-              prefill: bool = True) -> Plan:
-    """A plan by name: "ar" (with extra readout depths, for a depth trace), "dtv" or "wfd"."""
-    common = dict(coda_attends=coda_attends, prefill=prefill)
+              prefill: bool = True, exits: EarlyExit | None = None) -> Plan:
+    """A plan by name: "ar" (with extra readout depths, for a depth trace), "dtv" or "wfd";
+    ``exits``: adaptive depth."""
+    common = dict(coda_attends=coda_attends, prefill=prefill, exits=exits)
     if schedule == "ar":
         return Plan(prompt_length, depth, readout_depths=readout_depths, **common)
     d = default_draft_depth(depth) if draft_depth is None else draft_depth
@@ -290,7 +369,10 @@ class Executor:
 
     def call(self, call: Call) -> None: ...
 
-    def draft(self, position: int) -> None: ...
+    def check(self, positions: tuple[int, ...], depths: tuple[int, ...]) -> set[int]:
+        raise NotImplementedError
+
+    def draft(self, position: int, final: bool = False) -> None: ...
 
     def verify(self, position: int) -> bool:
         raise NotImplementedError
@@ -307,7 +389,7 @@ class Executor:
     def advance(self, steps: Steps) -> Call | None:
         """Handle the events up to the next call and return it, unrun (a batch runs the calls of
         many sequences together); None once ``done`` or the events end."""
-        reply: bool | None = None
+        reply: bool | set[int] | None = None
         while not self.done:
             try:
                 event = steps.send(reply)
@@ -316,8 +398,10 @@ class Executor:
             reply = None
             if isinstance(event, Call):
                 return event
-            if isinstance(event, Draft):
-                self.draft(event.position)
+            if isinstance(event, Check):
+                reply = self.check(event.positions, event.depths)
+            elif isinstance(event, Draft):
+                self.draft(event.position, event.final)
             elif isinstance(event, Verify):
                 reply = self.verify(event.position)
             elif isinstance(event, Bonus):

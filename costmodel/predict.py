@@ -15,6 +15,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+from .adaptive import ar_exit_groups, dtv_exit_groups, exit_profile, simulate_wfd
 from .cost import call_cost
 from .memory import MemoryReport, kv_cache_bytes, memory_report
 from .plans import lookahead, mean_decode_keys, wave_width
@@ -64,6 +65,8 @@ class ScheduleResult(BaseModel):
     # the static KV cache this schedule's run allocates (sequence + its lookahead), what
     # `wfd generate --json` reports as kv_bytes_allocated
     kv_bytes: int
+    # adaptive depth: the mean depth a token stops at (None: every token runs R steps)
+    mean_exit_depth: float | None = None
 
 
 class Prediction(BaseModel):
@@ -219,13 +222,19 @@ def predict(
                          f"{wl.prompts * wl.new_tokens:,} tokens to simulate, more than "
                          f"{MAX_SIMULATED_TOKENS:,}; a run this long is the steady state (leave "
                          "out the prompts)")
-    alpha = np.asarray(acceptance_for(spec, wl, depth, d))
+    exits = exit_profile(spec, wl, depth, d)
+    alpha = np.asarray(acceptance_for(spec, wl, depth, d) if exits is None
+                       else exits.acceptance(d))
     hw.achievable_flops_per_s(wl.dtype)  # an unknown dtype fails here with a clear message
+    # coda readout depths (coda KV slots, prefill readouts): R, d, and with exits every depth a
+    # token may stop at
+    exit_reads = set(range(exits.exits.min_depth, depth + 1)) if exits else set()
+    readout_count = {"ar": len({depth} | exit_reads), "spec": len({depth, d} | exit_reads)}
 
     wfd = WFD(draft_depth=d, width_cap=width_cap)
     width_used = wave_width(depth, d, width_cap)
     ks = [block_length] if block_length else list(range(1, MAX_BLOCK_LENGTH + 1))
-    memory = memory_report(spec, hw, wl, depth=depth, readout_depths=2,
+    memory = memory_report(spec, hw, wl, depth=depth, readout_depths=readout_count["spec"],
                            positions_per_call=max(width_used, max(ks) + 1),
                            lookahead=max(lookahead("wfd", width=width_used),
                                          lookahead("dtv", block_length=max(ks))))
@@ -239,38 +248,51 @@ def predict(
 
     def result(kind, groups, totals, **fields) -> ScheduleResult:
         latency = float(totals["latency_s"])
-        readouts = 1 if kind == "ar" else 2
+        readouts = readout_count["ar" if kind == "ar" else "spec"]
         ahead = lookahead(kind, block_length=fields["block_length"] or 0,
                           width=fields["width"] or 0)
         return ScheduleResult(
             schedule=kind, latency_per_token_s=latency,
             tokens_per_s=wl.batch_size / latency,
             speedup_vs_ar=1.0,
-            block_calls_per_token=float(block_calls_per_token(groups, alpha)),
+            block_calls_per_token=float(block_calls_per_token(groups, alpha)) if groups
+            else float(totals["block_calls"]),
             breakdown=Breakdown(**{k: float(totals[k]) for k in _TERMS}),
             roofline_fraction=float(totals["ideal_s"]) / latency,
             bound=_bound({k: float(totals[k]) for k in _TERMS}),
             prefill_s=prefill_time_s(spec, hw, wl, depth, readouts),
             kv_bytes=kv_cache_bytes(spec, wl, depth=depth, readout_depths=readouts,
                                     lookahead=ahead, static=hw.cuda_graphs),
-            **fields)
+            mean_exit_depth=exits.mean_depth if exits else None, **fields)
 
-    ar_groups = call_groups(AR(), depth)
+    ar_groups = call_groups(AR(), depth) if exits is None else ar_exit_groups(exits)
     results["ar"] = result("ar", ar_groups, pricer.per_token(ar_groups, alpha),
                            draft_depth=None, width=None, block_length=None, acceptance=None)
     best = None
     for k in ks:
-        groups = call_groups(DtV(block_length=k, draft_depth=d), depth)
+        dtv = DtV(block_length=k, draft_depth=d)
+        groups = call_groups(dtv, depth) if exits is None else dtv_exit_groups(dtv, exits)
         totals = pricer.per_token(groups, alpha)
         if best is None or float(totals["latency_s"]) < float(best[2]["latency_s"]):
             best = (k, groups, totals)
     k, groups, totals = best
+    # the acceptance the verifier sees: of the drafts of positions that go past d
+    seen = float(alpha) if exits is None else exits.draft_acceptance(d)
     results["dtv"] = result("dtv", groups, totals, draft_depth=d, width=k + 1, block_length=k,
-                            acceptance=float(alpha))
-    groups = call_groups(wfd, depth, wl.kv_sharing)
-    results["wfd"] = result("wfd", groups, pricer.per_token(groups, alpha), draft_depth=d,
+                            acceptance=seen)
+    if exits is None:
+        groups = call_groups(wfd, depth, wl.kv_sharing)
+        totals = pricer.per_token(groups, alpha)
+    else:  # a wave with exits is simulated (costmodel.adaptive)
+        latency, breakdown, ideal, blocks, decoded = simulate_wfd(spec, hw, wfd, wl, depth,
+                                                                  exits)
+        groups = []
+        totals = {**{key: v / decoded for key, v in breakdown.items()},
+                  "latency_s": latency / decoded, "ideal_s": ideal / decoded,
+                  "block_calls": blocks / decoded}
+    results["wfd"] = result("wfd", groups, totals, draft_depth=d,
                             width=width_used, width_cap=width_cap, block_length=None,
-                            acceptance=float(alpha))
+                            acceptance=seen)
     if wl.prompts is not None:
         for kind, schedule in (("ar", AR()),
                                ("dtv", DtV(block_length=k, draft_depth=d)), ("wfd", wfd)):

@@ -11,13 +11,22 @@ first new token, and decoding commits the remaining ``new_tokens - 1``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .cost import call_cost
-from .plans import Call, Executor, Plan, call_slots, in_prefill, keys_read, make_plan
+from .plans import (
+    Call,
+    EarlyExit,
+    Executor,
+    Plan,
+    call_slots,
+    in_prefill,
+    keys_read,
+    make_plan,
+)
 from .specs import AR, WFD, DtV, HardwareSpec, LoopedModelSpec
 from .trace import CallRecord, slot_lengths
 
@@ -32,6 +41,7 @@ class SimulationResult:
     flushed_positions: int = 0
     rounds_or_ticks: int = 0
     latency_s: float = 0.0
+    ideal_s: float = 0.0  # the decode's calls at the roofline (records=False runs only)
     breakdown_s: dict[str, float] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)  # calls of each part (P, B, C)
 
@@ -51,13 +61,28 @@ def acceptance_draws(acceptance: float, count: int, seed: int) -> list[bool]:
     return [bool(x) for x in rng.random(count) < acceptance]
 
 
+ExitOracle = Callable[[int, int], int]  # (position, its entry: 0, 1, ...) -> its exit depth
+
+
+def exit_sequence_oracle(exit_depths: Sequence[int], start: int, depth: int) -> ExitOracle:
+    """Exit depths by decoded position (entry i: position start + i), the same at every entry
+    of a position; R past the end."""
+    def exit_at(position: int, entry: int) -> int:
+        i = position - start
+        return exit_depths[i] if 0 <= i < len(exit_depths) else depth
+    return exit_at
+
+
 class _Simulator(Executor):
     """Executes a plan without a model: each call becomes a record, each verification takes the
-    outcome of its position from the acceptance sequence."""
+    outcome of its position from the acceptance sequence, each exit check the depth the oracle
+    gives the position at its current entry."""
 
     def __init__(self, plan: Plan, kv_sharing: int, accept: Sequence[bool], tokens: int,
-                 records: bool, static: bool = False):
+                 records: bool, static: bool = False, exit_at: ExitOracle | None = None):
         self.plan, self.kv_sharing, self.accept, self.tokens = plan, kv_sharing, accept, tokens
+        self.exit_at = exit_at
+        self.entries: dict[int, int] = {}  # position -> times it entered (prelude calls)
         self.static = static  # graphs mode: each decode call reads its static span of keys
         self.result = SimulationResult([], committed_tokens=0)
         self.start = plan.prompt_length
@@ -72,6 +97,9 @@ class _Simulator(Executor):
     def call(self, call: Call) -> None:
         calls = self.result.calls
         calls[call.kind] = calls.get(call.kind, 0) + 1
+        if call.kind == "prelude" and self.exit_at is not None:
+            for p in call.positions:
+                self.entries[p] = self.entries.get(p, 0) + 1
         slots = call_slots(call.kind, call.depths, self.kv_sharing)
         contexts = keys_read(call.positions, self.static and not in_prefill(
             call.positions, self.plan.prompt_length))
@@ -84,6 +112,10 @@ class _Simulator(Executor):
             self.shapes.setdefault(call.kind, []).append(
                 (*call_shape(slots, contexts), call.kind != self.previous))
         self.previous = call.kind
+
+    def check(self, positions: tuple[int, ...], depths: tuple[int, ...]) -> set[int]:
+        return {p for p, r in zip(positions, depths, strict=True)
+                if r == self.exit_at(p, self.entries[p] - 1)}
 
     def verify(self, position: int) -> bool:
         ok = bool(self.accept[position - self.start])
@@ -116,6 +148,8 @@ def simulate(
     batch_size: int = 1,
     prefill: bool = False,
     records: bool = True,
+    exits: EarlyExit | None = None,
+    exit_depths: Sequence[int] | ExitOracle | None = None,
 ) -> SimulationResult:
     """Simulate decoding ``new_tokens`` after a prompt of ``context_length`` tokens, and price it.
 
@@ -123,6 +157,8 @@ def simulate(
     draft outcomes; AR needs neither. With ``prefill`` the records begin with the prefill's calls
     (as a decoder's call trace does); the latency and committed tokens count decoding only.
     Without ``records`` only the latency, its breakdown and the counts come back (faster).
+    Adaptive depth: ``exits`` (what the plan needs of the rule) and ``exit_depths``, the depth
+    each decoded position exits at (by decoded position, or an oracle of (position, entry)).
     """
     depth = depth or model.default_depth
     decode_tokens = new_tokens - 1
@@ -138,9 +174,14 @@ def simulate(
     plan = make_plan(schedule.kind, context_length, depth, coda_attends=model.coda_layers > 0,
                      draft_depth=getattr(schedule, "draft_depth", None),
                      block_length=getattr(schedule, "block_length", 1),
-                     width_cap=getattr(schedule, "width_cap", None), prefill=prefill)
+                     width_cap=getattr(schedule, "width_cap", None), prefill=prefill,
+                     exits=exits)
+    if exits is not None and exit_depths is None:
+        raise ValueError("simulating exits needs the depth each position exits at")
+    oracle = exit_depths if callable(exit_depths) or exits is None else exit_sequence_oracle(
+        exit_depths, context_length, depth)
     sim = _Simulator(plan, kv_sharing, padded, new_tokens if prefill else decode_tokens,
-                     records or prefill, static=hw.cuda_graphs)
+                     records or prefill, static=hw.cuda_graphs, exit_at=oracle)
     sim.run(plan.steps())
     res = sim.result
     if prefill:
@@ -150,6 +191,7 @@ def simulate(
         res.breakdown_s, _ = price_shapes(model, hw, sim.shapes, dtype=dtype,
                                           batch_size=batch_size)
         res.latency_s = sum(res.breakdown_s.values())
+        res.ideal_s = _summed(model, hw, sim.shapes, "ideal_s", dtype, batch_size)
         return res
     decode = [r for r in res.records if min(r.positions) >= context_length]
     if prefill:

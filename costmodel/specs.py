@@ -441,11 +441,30 @@ class Workload(Spec):
     # (a finished sequence's place goes to the next prompt), to its end: the batch empties as
     # its last sequences finish (costmodel.predict, simulated call by call).
     prompts: Annotated[int, Field(ge=1)] | None = None
+    # Adaptive depth (costmodel.adaptive): each position stops at its own depth. The exit depths
+    # come from a distribution {depth: probability} (with ``acceptance`` for the drafts of
+    # positions that go past the draft depth), or from ``depth_trace`` read under ``exit_rule``
+    # ("RULE[:THRESHOLD]", costmodel.exits), which alone also says how a rule reads out.
+    exit_depths: dict[int, float] | None = None
+    exit_rule: str | None = None
+    exit_min_depth: Annotated[int, Field(ge=1)] = 1
+
+    @property
+    def adaptive(self) -> bool:
+        return self.exit_depths is not None or self.exit_rule is not None
 
     @model_validator(mode="after")
     def _one_acceptance(self) -> Workload:
         if self.acceptance is not None and self.depth_trace is not None:
             raise ValueError("give an acceptance or a depth trace, not both")
+        if self.exit_depths is not None and self.depth_trace is not None:
+            raise ValueError("exit depths come from a distribution or a depth trace, not both")
+        if self.exit_rule is not None and self.exit_depths is None and self.depth_trace is None:
+            raise ValueError("an exit rule is priced from a depth trace (or give the exit "
+                             "depths' distribution)")
+        if self.adaptive and self.prompts is not None:
+            raise ValueError("a run of prompts is priced at fixed depth only; leave out "
+                             "--prompts to price exits")
         if self.prompts is not None and self.prompts < self.batch_size:
             raise ValueError(f"{self.prompts} prompts cannot fill a batch of "
                              f"{self.batch_size}: give at least as many prompts as the batch")

@@ -83,6 +83,14 @@ class DepthRecord(BaseModel):
     token: int = Field(description="the token committed from this position (y at depth R)")
     predictions: list[int] = Field(description="greedy readout y(p, r) for r = 1..R")
     top1_prob: list[float]
+    # what the exit rules read at each depth r = 1..R (costmodel.exits); absent in older traces
+    kl_step: list[float] | None = Field(None, description="KL(y(p, r-1) || y(p, r)); r = 1: "
+                                        "from the uniform distribution")
+    kl_start: list[float] | None = Field(None, description="KL(uniform || y(p, r))")
+    entropy: list[float] | None = Field(None, description="entropy of y(p, r), nats")
+    latent_step: list[float] | None = Field(None, description="|h_r - h_r-1| / |h_r|")
+    latent_start: list[float] | None = Field(None, description="|h_r - h_0| / |h_r|")
+    exit_lambda: list[float] | None = Field(None, description="the exit gate's hazard at r")
 
 
 class DepthTrace(BaseModel):
@@ -102,6 +110,25 @@ class DepthTrace(BaseModel):
     def acceptance_by_depth(self) -> dict[int, float]:
         """The acceptance of every draft depth 1..R-1 over the decoded positions."""
         return {d: self.acceptance(d) for d in range(1, self.header.depth)}
+
+    def exit_depths(self, rule) -> list[int]:
+        """The depth each decoded position exits at under ``rule`` (costmodel.exits.ExitRule),
+        in order: what the simulator replays for adaptive depth."""
+        depth = self.header.depth
+        return [rule.exit_depth(rec, depth) for rec in self.records
+                if rec.position >= self.header.prompt_length]
+
+    def exit_pairs(self, rule, draft_depth: int) -> list[tuple[int, bool]]:
+        """Per decoded position under ``rule``: its exit depth e, and whether its draft at
+        ``draft_depth`` equals its final readout y(p, e)."""
+        depth = self.header.depth
+        out = []
+        for rec in self.records:
+            if rec.position >= self.header.prompt_length:
+                e = rule.exit_depth(rec, depth)
+                out.append((e, rec.predictions[min(draft_depth, e) - 1]
+                            == rec.predictions[e - 1]))
+        return out
 
     def acceptance(self, draft_depth: int) -> float:
         seq = self.acceptance_sequence(draft_depth)

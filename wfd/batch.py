@@ -108,14 +108,15 @@ def decode_batch(model: nn.Module, requests: Sequence[Request], *, schedule: str
                  block_length: int = 4, width_cap: int | None = None, kv_sharing: int = 0,
                  sampling: Sampling | None = None, stop_tokens: frozenset[int] = frozenset(),
                  force_acceptance: float | None = None, seed: int = 0, mode: str | None = None,
-                 record: bool = False,
+                 record: bool = False, exit_rule=None,
                  on_result: Callable[[SequenceResult], None] | None = None,
                  on_call: Callable[[], None] | None = None) -> BatchRun:
     """Decode ``requests`` with ``batch_size`` sequences in flight (fewer if fewer remain).
     Each sequence's tokens are its own batch-1 run's (same plan, sampling seed and forced
     outcomes, seeded by ``seed`` + its index). ``on_result`` gets each sequence as it ends;
     ``on_call`` is called after every call (progress). ``mode``: eager by default, on any
-    device (wfd.runtime.Runner)."""
+    device (wfd.runtime.Runner). ``exit_rule``: adaptive depth (costmodel.exits), per position
+    of each sequence: a position that exits leaves the calls while the others go on."""
     if schedule not in ("ar", "dtv", "wfd"):
         raise GenerationError(f"a batch decodes with ar, dtv or wfd, not {schedule!r}")
     if batch_size < 1:
@@ -129,7 +130,7 @@ def decode_batch(model: nn.Module, requests: Sequence[Request], *, schedule: str
             raise GenerationError(f"prompt {req.index}: max new tokens must be at least 1, "
                                   f"got {req.max_new_tokens}")
     sampling = sampling or Sampling()
-    setup = RunSetup.of(model, schedule, depth, draft_depth, block_length, width_cap)
+    setup = RunSetup.of(model, schedule, depth, draft_depth, block_length, width_cap, exit_rule)
     depth, draft_depth = setup.depth, setup.draft_depth
 
     def plan_for(req: Request) -> Plan:
@@ -153,7 +154,7 @@ def decode_batch(model: nn.Module, requests: Sequence[Request], *, schedule: str
                                   force_acceptance, seed + req.index)
         decoder = BatchDecoder(runner, req.prompt, max_new_tokens=req.max_new_tokens,
                                sampling=sampling, verifier=verifier, stop_tokens=stop_tokens,
-                               sequence=region)
+                               sequence=region, exit_rule=exit_rule)
         return decoder, plan_for(req)
 
     results: list[SequenceResult] = []
@@ -170,8 +171,11 @@ def decode_batch(model: nn.Module, requests: Sequence[Request], *, schedule: str
         if on_call is not None:
             on_call()
 
+    exit_depths: list[list[int]] = []
+
     def finish(lane: Lane) -> None:
         cache.release(lane.region)
+        exit_depths.append(lane.executor.exit_depths)
         results.append(lane.executor.result(lane.job, lane.block_calls, schedule))
         if on_result is not None:
             on_result(results[-1])
@@ -189,5 +193,8 @@ def decode_batch(model: nn.Module, requests: Sequence[Request], *, schedule: str
     elif schedule == "wfd":
         stats.update(draft_depth=draft_depth, width=probe.width, width_cap=width_cap)
     stats.update(block_calls=len(blocks), positions_per_block_call=sum(blocks) / len(blocks))
+    if exit_rule is not None:
+        depths = [r for lane_depths in exit_depths for r in lane_depths]
+        stats.update(exit_rule=exit_rule.label, mean_exit_depth=sum(depths) / max(len(depths), 1))
     return BatchRun(results=results, wall_s=wall, prefill_s=prefill_s, records=runner.records,
                     stats=stats)

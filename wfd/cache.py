@@ -12,6 +12,12 @@ one indexed store per layer and call, and read as views. Which slot a call uses:
   whatever they wrote last into that slot, as in Huginn's compress-s cache);
 - coda layers (Huginn): one slot per readout depth, so draft readouts never touch the verify path.
 
+Adaptive depth: a position that exits at depth e never writes the slots of deeper depths; a later
+position attending at depth r > e reads its deepest written slot instead (``exit``: the depth-e
+KV copied into the slots of the depths it skipped, core and coda). Such a copy can land ahead of
+an older position still on its way to that depth (in a wave), so a slot also keeps the positions
+written beyond its valid prefix, which join the prefix once the gap before them is filled.
+
 A batch of B sequences gives each sequence a region of its own: the slots of sequence b are rows
 b * slots ... b * slots + slots - 1 of the same tensors (``flat`` slot indices), so one call can
 write and read the slots of many sequences, and a finished sequence's region is handed to the next
@@ -58,6 +64,7 @@ class PartKV:
                  dtype: torch.dtype, device: torch.device | str, sequences: int = 1):
         self.slots = slots  # per sequence; sequence b owns flat slots b * slots ... + slots - 1
         self.lengths = [0] * (slots * sequences)
+        self.ahead: dict[int, set[int]] = {}  # slot -> positions written past its valid prefix
         # without sharing a position is written once: a schedule that writes it again forgot to
         # roll back; with sharing, later depths overwrite the slot by design
         self.overwrite = self.rewrites = overwrite
@@ -78,16 +85,45 @@ class PartKV:
             if pos > new[slot]:
                 raise CacheError(f"slot {slot} holds {new[slot]} positions; writing "
                                  f"position {pos} would leave a hole")
-            if pos < new[slot] and not self.overwrite:
+            if (pos < new[slot] or pos in self.ahead.get(slot, ())) and not self.overwrite:
                 raise CacheError(f"slot {slot} already holds position {pos}; truncate first")
-            new[slot] = max(new[slot], pos + 1)
+            new[slot] = self._joined(slot, max(new[slot], pos + 1))
         lengths[:] = new  # in place: every layer holds this list
+
+    def _joined(self, slot: int, length: int) -> int:
+        """A slot's valid prefix once the positions written ahead of it that now follow on
+        join it."""
+        ahead = self.ahead.get(slot)
+        while ahead and length in ahead:
+            ahead.discard(length)
+            length += 1
+        return length
+
+    def copy_ahead(self, sources: list[int], targets: list[int], position: int) -> None:
+        """Copy ``position``'s entries from each source slot into its target slot, in every
+        layer (an exited position's KV standing in for the depths it skipped)."""
+        if not self.layers or not targets:
+            return
+        src, dst = torch.tensor(sources), torch.tensor(targets)
+        for layer in self.layers:
+            layer.keys[dst, :, position] = layer.keys[src, :, position]
+            layer.values[dst, :, position] = layer.values[src, :, position]
+        for slot in targets:
+            if position < self.lengths[slot]:
+                continue  # already valid there (a shared slot rewritten)
+            if position == self.lengths[slot]:
+                self.lengths[slot] = self._joined(slot, position + 1)
+            else:
+                self.ahead.setdefault(slot, set()).add(position)
 
     def truncate(self, length: int, sequence: int | None = None) -> None:
         """Keep the first ``length`` positions of every slot (of one sequence's slots)."""
         first, last = (0, len(self.lengths)) if sequence is None else (
             sequence * self.slots, (sequence + 1) * self.slots)
         self.lengths[first:last] = [min(n, length) for n in self.lengths[first:last]]
+        for slot in range(first, last):
+            if self.ahead.get(slot):
+                self.ahead[slot] = {p for p in self.ahead[slot] if p < length}
 
     def fill(self, length: int) -> None:
         """Mark every slot valid up to ``length`` and allow rewrites (timing the same call
@@ -98,6 +134,7 @@ class PartKV:
     def reset(self) -> None:
         """Empty every slot for a new run (the tensors stay: a masked key is never read)."""
         self.lengths[:] = [0] * len(self.lengths)
+        self.ahead.clear()
         self.overwrite = self.rewrites
 
 
@@ -167,6 +204,22 @@ class KVCache:
 
     def claim(self, kind: str, slots: list[int], positions: list[int]) -> None:
         self.parts[kind].claim(slots, positions, self.max_len)
+
+    def exit(self, position: int, depth: int, sequence: int | None = None) -> None:
+        """``position`` exited at ``depth``: its KV there stands in for every deeper depth's,
+        in the core slots it never wrote and the coda slots of deeper readout depths."""
+        base = {kind: 0 if sequence is None else sequence * part.slots
+                for kind, part in self.parts.items()}
+        written = {self.core_slot(r) for r in range(1, depth + 1)}
+        skipped = sorted({self.core_slot(r) for r in range(depth + 1, self.depth + 1)} - written)
+        source = base["block"] + self.core_slot(depth)
+        self.parts["block"].copy_ahead([source] * len(skipped),
+                                       [base["block"] + s for s in skipped], position)
+        if depth in self.coda_slot_of:
+            deeper = [i for r, i in self.coda_slot_of.items() if r > depth]
+            source = base["coda"] + self.coda_slot_of[depth]
+            self.parts["coda"].copy_ahead([source] * len(deeper),
+                                          [base["coda"] + s for s in deeper], position)
 
     def layers(self) -> list[LayerKV]:
         return [*self.prelude, *self.core, *self.coda]

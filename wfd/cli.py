@@ -63,6 +63,12 @@ def generate(
     kv_sharing: Annotated[int, typer.Option(
         help="0: one KV slot per depth; S >= 1: S shared slots")] = 0,
     stop_ids: Annotated[str | None, typer.Option(help="token ids that end generation")] = None,
+    exit_rule: Annotated[str | None, typer.Option(
+        "--exit", help="adaptive depth: RULE[:THRESHOLD], each token stops at the first depth "
+        "the rule fires: kl, entropy-diff, latent-diff, argmax-stable, or gate (a model with "
+        "an exit gate)")] = None,
+    min_depth: Annotated[int, typer.Option(
+        help="--exit: the shallowest depth a token may stop at")] = 1,
     dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp16")] = "fp32",
     device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
     mode: Annotated[str | None, typer.Option(
@@ -113,6 +119,18 @@ def generate(
         raise UserError(f"init scale must be >= 0, got {init_scale}")
     if mode is not None and mode not in ("eager", "static", "graphs"):
         raise UserError(f"unknown mode {mode!r}; use eager, static or graphs")
+    rule = None
+    if exit_rule is not None:
+        from costmodel.exits import ExitRule
+
+        try:
+            rule = ExitRule.parse(exit_rule, min_depth)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        if depth is not None and min_depth > depth:
+            raise UserError(f"the minimum exit depth must be in 1..{depth}, got {min_depth}")
+    elif min_depth != 1:
+        raise UserError("--min-depth goes with --exit")
 
     import torch  # heavy: only once the arguments are known to be sane
 
@@ -147,7 +165,7 @@ def generate(
                 max_new_tokens=max_new_tokens, depth=run_depth, draft_depth=draft_depth,
                 block_length=block_length, width_cap=width_cap, kv_sharing=kv_sharing,
                 sampling=Sampling(temperature, top_p, seed), stop_tokens=stops,
-                force_acceptance=force_acceptance, seed=seed, mode=mode)
+                force_acceptance=force_acceptance, seed=seed, mode=mode, exit_rule=rule)
         if prompt is not None:
             if tok is None:
                 raise UserError(f"{model} has no tokenizer.json; give --prompt-ids")
@@ -177,7 +195,7 @@ def generate(
                           depth_trace=depth_trace is not None, draft_depth=draft_depth,
                           block_length=block_length, width_cap=width_cap,
                           force_acceptance=force_acceptance, seed=seed, hardware=hardware,
-                          mode=mode)
+                          mode=mode, exit_rule=rule)
     except (CheckpointError, GenerationError) as exc:
         raise UserError(str(exc)) from None
 
@@ -186,7 +204,8 @@ def generate(
                   schedule=result.schedule, extra={k: v for k, v in result.stats.items()
                                             if k in ("draft_depth", "block_length", "width",
                                                      "width_cap", "forced_acceptance",
-                                                     "mode", "attention_backend")})
+                                                     "mode", "attention_backend",
+                                                     "exit_rule", "mean_exit_depth")})
     if trace is not None:
         write_jsonl(trace, TraceHeader(trace="calls", **header), result.records)
     if depth_trace is not None:
@@ -216,6 +235,8 @@ def generate(
         typer.echo(f"[{result.schedule}] {n} tokens in {result.wall_s:.2f} s "
                    f"({n / result.wall_s:.1f} tokens/s), {result.block_calls} block calls"
                    + (f", acceptance {acceptance:.2f}" if acceptance is not None else "")
+                   + (f", exits by {result.stats['exit_rule']} at mean depth "
+                      f"{result.stats['mean_exit_depth']:.2f}" if rule is not None else "")
                    + (", FORCED acceptance: not a real decode"
                       if result.stats.get("forced_acceptance") else ""), err=True)
 

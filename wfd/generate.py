@@ -17,12 +17,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from costmodel.plans import Call, Executor, Plan, in_prefill, make_plan
+from costmodel.exits import ExitRule
+from costmodel.plans import Call, EarlyExit, Executor, Plan, in_prefill, make_plan
 from costmodel.simulate import acceptance_draws
 from costmodel.trace import CallRecord, DepthRecord
 
 from .cache import KVCache
 from .checkpoint import DTYPE_NAMES
+from .exits import ExitTracker, check_rule, depth_signals
 from .layers import CallPlan
 from .runtime import Runner, make_cache, runner_for
 from .sampling import GenerationError, Proposal, Sampling, Verifier
@@ -63,12 +65,13 @@ class GenerationResult:
                 "tokens_per_block_call": len(self.tokens) / len(blocks) if blocks else 0.0}
 
 
-def depth_record(position: int, token: int, readouts: dict[int, torch.Tensor]) -> DepthRecord:
+def depth_record(position: int, token: int, readouts: dict[int, torch.Tensor],
+                 signals: dict[str, list[float]] | None = None) -> DepthRecord:
     depths = sorted(readouts)
     probs = [torch.softmax(readouts[r].float(), -1) for r in depths]
     return DepthRecord(position=position, token=token,
                        predictions=[int(p.argmax()) for p in probs],
-                       top1_prob=[float(p.max()) for p in probs])
+                       top1_prob=[float(p.max()) for p in probs], **(signals or {}))
 
 
 class Decoder(Executor):
@@ -79,7 +82,7 @@ class Decoder(Executor):
                  sampling: Sampling, verifier: Verifier,
                  stop_tokens: frozenset[int] = frozenset(), keep_depths: bool = False,
                  on_rollback: Callable[[KVCache, list[int]], None] | None = None,
-                 sequence: int | None = None):
+                 sequence: int | None = None, exit_rule: ExitRule | None = None):
         self.runner, self.prompt = runner, list(prompt)
         self.sequence = sequence  # its region of a batched cache (wfd.batch); None: the cache
         self.max_new_tokens, self.stop_tokens = max_new_tokens, stop_tokens
@@ -91,11 +94,15 @@ class Decoder(Executor):
         self.injections = torch.zeros_like(self.states)
         self.token_at = dict(enumerate(self.prompt))  # the token each position enters with
         self.tokens: list[int] = []
-        self.readouts: dict[int, torch.Tensor] = {}  # position -> logits of the last coda call
+        # position -> logits of its latest readout (from the last prompt position on)
+        self.readouts: dict[int, torch.Tensor] = {}
+        self.exits = ExitTracker(exit_rule, runner.model) if exit_rule else None
+        self.exit_depths: list[int] = []  # the depth of each committed decoded token
         self.drafts: dict[int, Proposal] = {}
         # position -> depth -> logits, from the last prompt position on (depth trace, prefill)
         self.keep_depths = keep_depths
         self.depth_logits: dict[int, dict[int, torch.Tensor]] = {}
+        self.depth_states: dict[int, dict[int, torch.Tensor]] = {}  # depth 0: the initial state
         self.depth_records: list[DepthRecord] = []
         self.probe: dict[int, torch.Tensor] | None = None  # depth -> the prompt's greedy readouts
         self.last_depths: dict[int, torch.Tensor] = {}
@@ -136,28 +143,53 @@ class Decoder(Executor):
         """Keep a call's output: injections and initial states, new states, or readouts."""
         positions, depths = list(call.positions), list(call.depths)
         rows = self._rows(call.positions)
+        last_prompt = len(self.prompt) - 1
         if call.kind == "prelude":
             self.injections[rows] = out
             self.states[rows] = self.runner.model.initial_state(positions, out)
+            if self.exits is not None and positions[0] > last_prompt:
+                self.exits.enter(positions, self.states[rows])
         elif call.kind == "block":
             self.states[rows] = out
         else:
-            self.readouts = dict(zip(positions, out, strict=True))
+            keep = [i for i, p in enumerate(positions) if p >= last_prompt]
+            self.readouts.update((positions[i], out[i]) for i in keep)
             if self.probe is not None:
                 self.probe[depths[0]] = out.argmax(-1)
             if self.keep_depths:
-                for p, r, row in zip(positions, depths, out, strict=True):
-                    if p >= len(self.prompt) - 1:
-                        self.depth_logits.setdefault(p, {})[r] = row
+                for i in keep:
+                    self.depth_logits.setdefault(positions[i], {})[depths[i]] = out[i]
+        if self.keep_depths and call.kind != "coda" and positions[-1] >= last_prompt:
+            # the states a depth trace's exit quantities are measured on (depth 0: initial)
+            for p, r in zip(positions, depths, strict=True):
+                if p >= last_prompt:
+                    self.depth_states.setdefault(p, {})[r] = self.states[p].clone()
 
     def commit(self, position: int, token: int) -> None:
         if not self.tokens:  # the prefill's readout: the time to the first token
             self.first_token_at = time.perf_counter() - self.runner.capture_s
         self.tokens.append(token)
         self.token_at[position + 1] = token
+        self.readouts.pop(position, None)
+        if self.exits is not None and position >= len(self.prompt):
+            self.exit_depths.append(self.exits.exit_depths.pop(position,
+                                                                self.runner.cache.depth))
 
-    def draft(self, position: int) -> None:
-        draft = self.verifier.draft(self.readouts[position], position)
+    def check(self, positions: tuple[int, ...], depths: tuple[int, ...]) -> set[int]:
+        """Ask the exit rule; an exiting position's KV stands in for the depths it skips."""
+        readouts = [self.readouts.get(p) for p in positions]
+        exited = self.exits.check(positions, depths, self.states[self._rows(positions)],
+                                  readouts)
+        for p, r in zip(positions, depths, strict=True):
+            if p in exited:
+                self.runner.cache.exit(p, r, self.sequence)
+        return exited
+
+    def draft(self, position: int, final: bool = False) -> None:
+        readout = self.readouts[position]
+        # a final readout (the position exited by the draft depth) proposes the token it commits
+        draft = Proposal(self.sampling.choose(readout, position), None) if final else \
+            self.verifier.draft(readout, position)
         self.drafts[position] = draft
         self.token_at[position + 1] = draft.token
 
@@ -174,7 +206,10 @@ class Decoder(Executor):
             self.verifier.bonus += 1
         if self.keep_depths:
             self.last_depths = self.depth_logits.pop(position)
-            self.depth_records.append(depth_record(position, token, self.last_depths))
+            states = self.depth_states.pop(position)
+            signals = depth_signals(states, states[0], self.last_depths, self.runner.model) \
+                if len(self.last_depths) == self.runner.cache.depth else None
+            self.depth_records.append(depth_record(position, token, self.last_depths, signals))
 
     def rollback(self, length: int) -> None:
         self.runner.cache.truncate(length, self.sequence)
@@ -194,15 +229,24 @@ class RunSetup:
     block_length: int
     width_cap: int | None
     coda_attends: bool
+    exit_rule: ExitRule | None = None
 
     @classmethod
     def of(cls, model: nn.Module, schedule: str, depth: int | None, draft_depth: int | None,
-           block_length: int, width_cap: int | None) -> RunSetup:
+           block_length: int, width_cap: int | None, exit_rule: ExitRule | None = None
+           ) -> RunSetup:
         depth = depth or model.config.depth
         if draft_depth is None and depth > 1:
             draft_depth = min(model.config.default_draft_depth, depth - 1)
+        if exit_rule is not None:
+            check_rule(exit_rule, model, depth)
         return cls(schedule, depth, draft_depth, block_length, width_cap,
-                   model.config.coda_layers > 0)
+                   model.config.coda_layers > 0, exit_rule)
+
+    @property
+    def exits(self) -> EarlyExit | None:
+        rule = self.exit_rule
+        return None if rule is None else rule.for_plan(self.coda_attends, self.depth)
 
     def plan(self, prompt_length: int, readout_depths: Sequence[int] = ()) -> Plan:
         """The schedule's plan for a prompt; a combination it cannot run in one line."""
@@ -210,7 +254,7 @@ class RunSetup:
             return make_plan(self.schedule, prompt_length, self.depth,
                              coda_attends=self.coda_attends, draft_depth=self.draft_depth,
                              block_length=self.block_length, width_cap=self.width_cap,
-                             readout_depths=readout_depths)
+                             readout_depths=readout_depths, exits=self.exits)
         except ValueError as exc:
             raise GenerationError(str(exc)) from None
 
@@ -263,8 +307,8 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
              draft_depth: int | None = None, block_length: int = 4,
              width_cap: int | None = None, force_acceptance: float | None = None,
              seed: int = 0, record: bool = True, hardware=None, mode: str | None = None,
-             on_rollback: Callable[[KVCache, list[int]], None] | None = None
-             ) -> GenerationResult:
+             on_rollback: Callable[[KVCache, list[int]], None] | None = None,
+             exit_rule: ExitRule | None = None) -> GenerationResult:
     """Run one schedule: "ar" (with ``depth_trace``), "dtv" (block_length, draft_depth), "wfd"
     (draft_depth, width_cap), or "auto": the prefill reads every prompt position out at every
     depth, and the cost model with ``hardware`` (a calibrated HardwareSpec) picks the fastest
@@ -273,10 +317,11 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
     eager, static or graphs (wfd.runtime.Runner; graphs on CUDA, eager elsewhere by default;
     static and graphs reuse the shapes earlier runs of the model prepared, wfd.graphs).
     ``force_acceptance`` replaces verification by seeded
-    outcomes (timing on random weights; flagged in the stats)."""
+    outcomes (timing on random weights; flagged in the stats). ``exit_rule``: adaptive depth,
+    each decoded position stops at the first depth the rule fires (costmodel.exits)."""
     sampling = sampling or Sampling()
     auto = schedule == "auto"
-    setup = RunSetup.of(model, schedule, depth, draft_depth, block_length, width_cap)
+    setup = RunSetup.of(model, schedule, depth, draft_depth, block_length, width_cap, exit_rule)
     depth = setup.depth
     if not prompt:
         raise GenerationError("the prompt is empty")
@@ -285,6 +330,9 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
     if auto and (hardware is None or force_acceptance is not None or depth < 2):
         raise GenerationError("--schedule auto needs a calibration profile, a depth of at least "
                               "2 and the model's own acceptance (no forced acceptance)")
+    if auto and exit_rule is not None:
+        raise GenerationError("--schedule auto chooses among fixed-depth schedules; name the "
+                              "schedule to run with an exit rule")
     readouts = range(1, depth + 1) if depth_trace and schedule == "ar" else ()
     if auto:  # the probe reads the prompt out at the draft depths the quick search tries
         from costmodel.recommend import QUICK_DEPTHS
@@ -302,7 +350,7 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
     verifier = setup.verifier(sampling, len(prompt), max_new_tokens, force_acceptance, seed)
     decoder = Decoder(runner, prompt, max_new_tokens=max_new_tokens, sampling=sampling,
                       verifier=verifier, stop_tokens=stop_tokens, keep_depths=bool(readouts),
-                      on_rollback=on_rollback)
+                      on_rollback=on_rollback, exit_rule=exit_rule)
     start = time.perf_counter()
     decision: dict[str, object] = {}
     with torch.inference_mode():
@@ -338,6 +386,9 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
                  "width_cap": plan.width_cap}
     if decision:
         stats["auto"] = decision
+    if exit_rule is not None:
+        stats["exit_rule"] = exit_rule.label
+        stats["mean_exit_depth"] = sum(decoder.exit_depths) / max(len(decoder.exit_depths), 1)
     stats.update(runner.mode_stats())
     stats["kv_bytes_allocated"] = cache.nbytes
     # prefill and first token; the rest of wall_s is the decode proper

@@ -1,0 +1,152 @@
+"""Exit rules for adaptive depth, as data: which rule, its threshold, the shallowest exit depth,
+and the decision each makes from the quantities a depth trace records.
+
+A rule is checked after every step r >= the minimum depth, per position, against what it
+remembers from the check before (the first check compares with a fixed start, as the public
+Huginn code does):
+
+- ``kl``: KL(previous || current) of the next-token distributions, below the threshold; the
+  start is the uniform distribution.
+- ``entropy-diff``: |entropy - previous entropy| below the threshold; the start is 100 nats.
+- ``latent-diff``: |h_r - h_previous| / |h_r| of the recurrent state below the threshold; the
+  start is the initial state h_0.
+- ``argmax-stable``: the same top token at N successive checks (the threshold N counts the
+  checks after the first that agree with the one before).
+- ``gate`` (a model with an exit gate, Ouro): the gate's cumulative exit probability
+  1 - prod_{j <= r} (1 - lambda_j) reaches the threshold; the hazards of every step count,
+  checked or not.
+
+Defaults are the public code's: kl 1e-3, entropy-diff 1e-3, latent-diff 0.03,
+argmax-stable 5. The released Ouro configs set the gate's threshold to 1.0, which exits only at
+the last step; the default here is 0.5, the median of the gate's exit distribution.
+The decoder (wfd.exits) computes the quantities with tensors; the simulator reads them from a
+depth trace (``exit_depth``); both decide with ``ExitRule.fires``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .plans import EarlyExit
+
+DEFAULT_THRESHOLDS = {"kl": 1e-3, "entropy-diff": 1e-3, "latent-diff": 0.03,
+                      "argmax-stable": 5.0, "gate": 0.5}
+READS_READOUTS = frozenset({"kl", "entropy-diff", "argmax-stable"})
+ENTROPY_START = 100.0  # nats: the public code's first "previous entropy"
+
+
+@dataclass(frozen=True)
+class ExitRule:
+    name: str
+    threshold: float
+    min_depth: int = 1
+
+    @classmethod
+    def parse(cls, text: str, min_depth: int = 1) -> ExitRule:
+        """``RULE`` or ``RULE:THRESHOLD``; a bad one raises ValueError in one line."""
+        name, _, value = text.strip().partition(":")
+        if name not in DEFAULT_THRESHOLDS:
+            raise ValueError(f"unknown exit rule {name!r}; use one of "
+                             f"{', '.join(DEFAULT_THRESHOLDS)}")
+        threshold = DEFAULT_THRESHOLDS[name]
+        if value:
+            try:
+                threshold = float(value)
+            except ValueError:
+                raise ValueError(f"exit threshold {value!r} is not a number") from None
+        if not (math.isfinite(threshold) and threshold > 0):
+            raise ValueError(f"exit threshold must be a positive finite number, got {value}")
+        if name == "gate" and threshold > 1:
+            raise ValueError(f"the gate's threshold is a probability in (0, 1], got {value}")
+        if name == "argmax-stable" and threshold != int(threshold):
+            raise ValueError(f"argmax-stable counts checks: a whole number, got {value}")
+        if min_depth < 1:
+            raise ValueError(f"the minimum exit depth must be at least 1, got {min_depth}")
+        return cls(name, threshold, min_depth)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}:{self.threshold:g}" + (
+            f" from depth {self.min_depth}" if self.min_depth > 1 else "")
+
+    @property
+    def reads_readouts(self) -> bool:
+        return self.name in READS_READOUTS
+
+    def for_plan(self, coda_attends: bool, depth: int) -> EarlyExit:
+        """What a plan needs: every checked depth is read out when the rule reads readouts or
+        the coda attends (a later position's readout at that depth attends over its KV)."""
+        if self.min_depth > depth:
+            raise ValueError(f"the minimum exit depth must be in 1..{depth}, "
+                             f"got {self.min_depth}")
+        return EarlyExit(self.min_depth, self.reads_readouts or coda_attends)
+
+    def fires(self, value: float) -> bool:
+        """Whether the quantity a check measured exits the position."""
+        if self.name == "argmax-stable":
+            return value >= self.threshold
+        if self.name == "gate":
+            return value >= self.threshold
+        return value < self.threshold
+
+    def exit_depth(self, record, depth: int) -> int:
+        """The depth this rule exits a depth trace's position at (R when it never fires), from
+        the quantities the record holds (``costmodel.trace.DepthRecord``)."""
+        first = self.min_depth
+        if self.name == "gate":
+            lambdas = _needs(record.exit_lambda, "exit_lambda", self.name)
+            survive = 1.0
+            for r in range(1, depth):
+                survive *= 1.0 - lambdas[r - 1]
+                if r >= first and self.fires(1.0 - survive):
+                    return r
+            return depth
+        count = 0
+        for r in range(first, depth):
+            i = r - 1
+            if self.name == "kl":
+                kl = _needs(record.kl_start if r == first else record.kl_step, "kl", self.name)
+                value = kl[i]
+            elif self.name == "entropy-diff":
+                entropy = _needs(record.entropy, "entropy", self.name)
+                value = abs(entropy[i] - (ENTROPY_START if r == first else entropy[i - 1]))
+            elif self.name == "latent-diff":
+                value = _needs(record.latent_start if r == first else record.latent_step,
+                               "latent change", self.name)[i]
+            else:
+                same = r > first and record.predictions[i] == record.predictions[i - 1]
+                count = count + 1 if same else 0
+                value = count
+            if self.fires(value):
+                return r
+        return depth
+
+
+def _needs(values, what: str, rule: str):
+    if values is None:
+        raise ValueError(f"this depth trace records no {what}; the {rule} rule needs it "
+                         f"(record the trace again with this version)")
+    return values
+
+
+def parse_exit_depths(text: str, depth: int) -> dict[int, float]:
+    """A distribution of exit depths, ``"4:0.3,6:0.5,8:0.2"`` (depth: probability, summing to
+    1), each depth in 1..R; ValueError in one line otherwise."""
+    dist: dict[int, float] = {}
+    for part in text.split(","):
+        d, sep, p = part.strip().partition(":")
+        try:
+            r, prob = int(d), float(p)
+        except ValueError:
+            raise ValueError(f"exit depths are DEPTH:PROBABILITY pairs, got {part.strip()!r}"
+                             ) from None
+        if not sep or not 1 <= r <= depth:
+            raise ValueError(f"exit depth {d} outside 1..{depth}")
+        if not (math.isfinite(prob) and prob >= 0):
+            raise ValueError(f"probability of exit depth {r} must be >= 0, got {p}")
+        dist[r] = dist.get(r, 0.0) + prob
+    total = sum(dist.values())
+    if abs(total - 1) > 1e-6:
+        raise ValueError(f"exit depth probabilities sum to {total:g}, not 1")
+    return dict(sorted(dist.items()))

@@ -1,0 +1,140 @@
+"""Exit rules on tensors: what each decoded position's rule remembers between checks, and the
+quantity each check measures (costmodel.exits says what the rules are and decides with them).
+
+The decoder keeps one ``ExitTracker`` per run. A position starts afresh each time it enters
+(a flushed position re-enters with a new prefix); a check measures every checked position at
+once, from the readouts (kl, entropy-diff, argmax-stable) or the states (latent-diff, gate).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from costmodel.exits import ENTROPY_START, ExitRule
+
+from .sampling import GenerationError
+
+
+def check_rule(rule: ExitRule, model: nn.Module, depth: int) -> None:
+    """A rule this model and depth can run; one line otherwise."""
+    if rule.name == "gate" and not hasattr(model, "exit_lambda"):
+        raise GenerationError(f"the gate rule needs a model with an exit gate; "
+                              f"{model.family} has none")
+    if not 1 <= rule.min_depth <= depth:
+        raise GenerationError(f"the minimum exit depth must be in 1..{depth}, "
+                              f"got {rule.min_depth}")
+
+
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def kl(previous: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+    """KL(previous || current) per row, from log-probabilities."""
+    return (previous.exp() * (previous - current)).sum(-1)
+
+
+def entropy(current: torch.Tensor) -> torch.Tensor:
+    return -(current.exp() * current).sum(-1)
+
+
+def relative_change(state: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    state, previous = state.float(), previous.float()
+    return (state - previous).norm(dim=-1) / state.norm(dim=-1)
+
+
+def kl_from_uniform(current: torch.Tensor) -> torch.Tensor:
+    """KL(uniform || current) per row."""
+    return -math.log(current.shape[-1]) - current.mean(-1)
+
+
+class ExitTracker:
+    """Per position in flight: the rule's memory (the last checked readout's log-probabilities
+    or entropy or argmax and its streak, the last checked state, the gate's survival)."""
+
+    def __init__(self, rule: ExitRule, model: nn.Module):
+        self.rule, self.model = rule, model
+        self.memory: dict[int, object] = {}
+        self.exit_depths: dict[int, int] = {}  # position -> depth of its latest exit
+
+    def enter(self, positions: list[int], initial_states: torch.Tensor) -> None:
+        """Positions entering at depth 0 with their initial states."""
+        for p, h0 in zip(positions, initial_states, strict=True):
+            self.memory[p] = {"latent-diff": h0.clone(), "gate": 1.0}.get(self.rule.name)
+            self.exit_depths.pop(p, None)
+
+    def check(self, positions: tuple[int, ...], depths: tuple[int, ...],
+              states: torch.Tensor, readouts: list[torch.Tensor]) -> set[int]:
+        """The positions the rule exits at these depths, given their states (rows of
+        ``states``) and latest readouts (``readouts``, one per position when the rule reads
+        them)."""
+        rule, first = self.rule, self.rule.min_depth
+        if rule.name == "gate":  # every step's hazard counts, checked or not
+            hazards = self.model.exit_lambda(states).tolist()
+            values = []
+            for p, h in zip(positions, hazards, strict=True):
+                self.memory[p] *= 1.0 - h
+                values.append(1.0 - self.memory[p])
+            return self._decide(positions, depths, values)
+        checked = [i for i, r in enumerate(depths) if r >= first]
+        if not checked:
+            return set()
+        ps = [positions[i] for i in checked]
+        if rule.name == "latent-diff":
+            now = states[checked]
+            values = relative_change(now, torch.stack([self.memory[p] for p in ps])).tolist()
+            new_memory = list(now)
+        else:
+            current = log_probs(torch.stack([readouts[i] for i in checked]))
+            fresh = [depths[i] == first for i in checked]
+            if rule.name == "kl":
+                uniform = torch.full_like(current[:1], -math.log(current.shape[-1]))
+                previous = torch.stack([uniform[0] if f else self.memory[p]
+                                        for p, f in zip(ps, fresh, strict=True)])
+                values = kl(previous, current).tolist()
+                new_memory = list(current)
+            elif rule.name == "entropy-diff":
+                now = entropy(current).tolist()
+                values = [abs(h - (ENTROPY_START if f else self.memory[p]))
+                          for p, h, f in zip(ps, now, fresh, strict=True)]
+                new_memory = now
+            else:  # argmax-stable
+                tops = current.argmax(-1).tolist()
+                new_memory, values = [], []
+                for p, top, f in zip(ps, tops, fresh, strict=True):
+                    last, streak = (-1, 0) if f else self.memory[p]
+                    streak = streak + 1 if top == last else 0
+                    new_memory.append((top, streak))
+                    values.append(streak)
+        for p, m in zip(ps, new_memory, strict=True):
+            self.memory[p] = m
+        return self._decide(ps, [depths[i] for i in checked], values)
+
+    def _decide(self, positions, depths, values) -> set[int]:
+        out = set()
+        for p, r, v in zip(positions, depths, values, strict=True):
+            if r >= self.rule.min_depth and self.rule.fires(v):
+                out.add(p)
+                self.exit_depths[p] = r
+        return out
+
+
+def depth_signals(states: dict[int, torch.Tensor], initial: torch.Tensor,
+                  logits: dict[int, torch.Tensor], model: nn.Module) -> dict[str, list[float]]:
+    """What every rule reads at each depth r = 1..R of one position, for its depth trace: from
+    its states by depth (and its initial state) and its readouts by depth."""
+    depths = sorted(logits)
+    lp = log_probs(torch.stack([logits[r] for r in depths]))
+    uniform = torch.full_like(lp[:1], -math.log(lp.shape[-1]))
+    h = torch.stack([initial, *(states[r] for r in depths)])
+    out = {"kl_step": kl(torch.cat([uniform, lp[:-1]]), lp).tolist(),
+           "kl_start": kl_from_uniform(lp).tolist(),
+           "entropy": entropy(lp).tolist(),
+           "latent_step": relative_change(h[1:], h[:-1]).tolist(),
+           "latent_start": relative_change(h[1:], h[:1].expand_as(h[1:])).tolist()}
+    if hasattr(model, "exit_lambda"):
+        out["exit_lambda"] = model.exit_lambda(h[1:]).tolist()
+    return out
