@@ -213,7 +213,8 @@ def predict_cmd(
     exits = _exit_options(exit_rule, min_depth, exit_depths, depth or spec.default_depth)
     if exit_rule is not None and exit_depths is None and depth_trace is None:
         raise UserError("--exit is priced from the exit depths a --depth-trace gives under it "
-                        "(or give their distribution: --exit-depths)")    workload = Workload(context_length=context, new_tokens=new_tokens, acceptance=acceptance,
+                        "(or give their distribution: --exit-depths)")
+    workload = Workload(context_length=context, new_tokens=new_tokens, acceptance=acceptance,
                         depth_trace=str(depth_trace) if depth_trace else None,
                         batch_size=batch, dtype=dtype, kv_sharing=kv_sharing, depth=depth,
                         prompts=prompts, **exits)
