@@ -5,8 +5,11 @@
 
 For each model: bits per byte at each depth and the rate at which the greedy readout at depth d
 equals the readout at full depth R (held-out windows of 256 bytes, the training script's split),
-and the acceptance WFD achieves when generating from held-out prompts (greedy, d = ceil(R / 8)).
-Prints Markdown tables; with --write-cards, writes wfd/models/NAME/README.md.
+and the acceptance WFD achieves when generating from held-out prompts (greedy, d = ceil(R / 8)),
+and with adaptive depth (EXIT_RULES: the model's rule at three thresholds) the bits per byte
+against the mean exit depth and the exit depths' distribution (teacher forced through the
+decoder: wfd.exits.held_out_bits). Prints Markdown tables; with --write-cards, writes
+wfd/models/NAME/README.md and measurements.json.
 """
 
 from __future__ import annotations
@@ -60,6 +63,10 @@ CORPUS_WORDS = {
     "stdlib-code": "the `.py` files of the Python standard library of the training interpreter "
                    "without its test suites, docstrings and comments (`--corpus stdlib-code`)",
 }
+# the rule each card measures at three thresholds (Huginn: the public code's KL rule; Ouro: its
+# trained exit gate)
+EXIT_RULES = {"huginn-tiny": ["kl:0.01", "kl:0.001", "kl:0.0001"],
+              "ouro-tiny": ["gate:0.8", "gate:0.9", "gate:0.95"]}
 CODE_PROMPTS = ["import os\ndef main():\n", "class Stack:\n    def push(self, item):\n"]
 TEMPERATURES = (0.7, 1.0)
 
@@ -92,7 +99,48 @@ def distinct_lines(model, prompt: str, new_tokens: int = 200) -> dict:
     return {"prompt": prompt, "lines": len(lines), "distinct": len(set(lines)), "text": text}
 
 
-def card(name: str, model, training: dict, metrics: dict, gen: dict, draft_depth: int) -> str:
+def exit_measurements(model, name: str, data: bytes, windows: int) -> dict:
+    """Bits per byte at fixed depth and under each of the card's exit rules, with the mean exit
+    depth and the exit depths' distribution."""
+    from costmodel.exits import ExitRule
+    from wfd.exits import held_out_bits
+
+    out = {"fixed": held_out_bits(model, data, None, windows=windows)}
+    for text in EXIT_RULES.get(name, []):
+        out[text] = {**held_out_bits(model, data, ExitRule.parse(text), windows=windows),
+                     "depth": model.config.depth}
+    return out
+
+
+def exit_table(exits: dict, depth: int) -> str:
+    if len(exits) < 2:
+        return ""
+    fixed = exits["fixed"]["bits_per_byte"]
+    rows = "\n".join(
+        f"| `{rule}` | {m['mean_exit_depth']:.2f} | {1 - m['mean_exit_depth'] / depth:.0%} | "
+        f"{m['bits_per_byte']:.4f} ({m['bits_per_byte'] / fixed - 1:+.2%}) | "
+        + ", ".join(f"{r}: {p:.2f}" for r, p in m["exit_depths"].items()) + " |"
+        for rule, m in exits.items() if rule != "fixed")
+    return f"""
+Adaptive depth (docs/adaptive-depth.md), teacher forced through the decoder on the held-out
+windows (fixed depth {depth}: {fixed:.4f} bits per byte):
+
+| rule | mean exit depth | block steps saved | bits per byte (vs fixed) | exit depths |
+|---|---|---|---|---|
+{rows}
+"""
+
+
+def gate_line(training: dict) -> str:
+    gate = training.get("gate")
+    if gate is None:
+        return ""
+    return (f"\n- Exit gate, trained after, the language model frozen: `{gate['command']}`; "
+            f"{gate['labels']}; {gate['steps']} steps in {gate['minutes']} minutes.")
+
+
+def card(name: str, model, training: dict, metrics: dict, gen: dict, draft_depth: int,
+         exits: dict | None = None) -> str:
     cfg = model.config
     bpb = metrics["bits_per_byte"]
     agree = metrics["agreement_with_full_depth"]
@@ -121,7 +169,7 @@ runs with real drafts and real rejections on a laptop CPU.
   file into train ({training['train_bytes']:,} bytes) and held-out ({training['heldout_bytes']:,}
   bytes) sets by a hash of the path (`wfd/train.py`).
 - Training: `{training['command']}`; {training['steps']} steps in {training['minutes']} minutes
-  on a 2-core CPU ({thread_words}), torch {training['torch']}.
+  on a 2-core CPU ({thread_words}), torch {training['torch']}.{gate_line(training)}
 
 {CARD_NOTES.get(name, "")}## Held-out measurements (`python bench/tiny_models.py --write-cards`)
 
@@ -132,7 +180,7 @@ runs with real drafts and real rejections on a laptop CPU.
 WFD (d = {draft_depth}) generating {gen['new_tokens']} tokens from {gen['prompts']}
 held-out prompts: greedy acceptance {gen['acceptance']:.3f} over {gen['drafts']} drafts (tokens
 equal to AR: {gen['wfd_equals_ar']}); sampled (speculative sampling, top-p 1){sampled}.
-
+{exit_table(exits or {}, cfg.depth)}
 Greedy continuations of 200 tokens from code prompts (non-blank lines, distinct among them):
 {lines}
 """
@@ -179,13 +227,18 @@ def main() -> None:
                           for t in TEMPERATURES))
         for row in gen["code_prompts"]:
             print(f"{row['prompt']!r}: {row['lines']} lines, {row['distinct']} distinct")
+        exits = exit_measurements(model, name, data, min(args.windows, 8))
+        print(exit_table(exits, depth))
         if args.write_cards:
             folder = SHIPPED_DIR / name
             training = json.loads((folder / "training.json").read_text())
-            (folder / "README.md").write_text(card(name, model, training, metrics, gen, d))
+            (folder / "README.md").write_text(card(name, model, training, metrics, gen, d,
+                                                   exits))
             (folder / "measurements.json").write_text(json.dumps(
                 {"heldout": metrics, "wfd": gen, "draft_depth": d,
-                 "agreement_at_draft_depth": metrics["agreement_with_full_depth"][d - 1]},
+                 "agreement_at_draft_depth": metrics["agreement_with_full_depth"][d - 1],
+                 "exits": {k: v for k, v in exits.items() if k != "fixed"},
+                 "exit_fixed_bits_per_byte": exits["fixed"]["bits_per_byte"]},
                 indent=2) + "\n")
 
 

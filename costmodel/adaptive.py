@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache, cached_property
 
 import numpy as np
 
@@ -26,7 +27,7 @@ from .plans import EarlyExit
 from .schedules import CallGroup
 from .specs import WFD, DtV, HardwareSpec, LoopedModelSpec, Workload
 
-WFD_POSITIONS = 4096  # simulated per WFD prediction: the mean of a wave's cost to about 1%
+WFD_POSITIONS = 2048  # simulated per WFD prediction: a wave's mean cost to about 2%
 
 
 @dataclass(frozen=True)
@@ -67,9 +68,13 @@ class ExitProfile:
     def mean_depth(self) -> float:
         return sum(r * p for r, p in enumerate(self.probs, start=1))
 
+    @cached_property
+    def _tails(self) -> tuple[float, ...]:
+        return tuple(float(t) for t in np.cumsum(self.probs[::-1])[::-1]) + (0.0,)
+
     def at_least(self, r: int) -> float:
         """P(e >= r)."""
-        return sum(self.probs[r - 1:])
+        return self._tails[r - 1]
 
     def acceptance(self, draft_depth: int) -> float:
         """P(a position's draft is its token): it exits by d, or its draft equals its final."""
@@ -165,7 +170,13 @@ def dtv_exit_groups(schedule: DtV, profile: ExitProfile) -> list[CallGroup]:
 def _binomial(n: int, p: float) -> np.ndarray:
     """P(X = i), i = 0..n, X ~ Binomial(n, p)."""
     p = min(max(p, 0.0), 1.0)
-    return np.array([math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(n + 1)])
+    i = np.arange(n + 1)
+    return _combinations(n) * p**i * (1 - p) ** (n - i)
+
+
+@cache
+def _combinations(n: int) -> np.ndarray:
+    return np.array([math.comb(n, i) for i in range(n + 1)], dtype=float)
 
 
 def exit_profile(model: LoopedModelSpec, workload: Workload, depth: int, draft_depth: int

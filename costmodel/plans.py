@@ -105,10 +105,11 @@ class Call:
 class Check:
     """Asks the exit rule about positions a block call just brought to ``depths`` (below R):
     the plan is sent back the set of those that exit here (their readout at this depth is
-    their token's)."""
+    their token's). With ``draft``, asks the draft rule instead: those that draft here."""
 
     positions: tuple[int, ...]
     depths: tuple[int, ...]
+    draft: bool = False
 
 
 @dataclass(frozen=True)
@@ -155,13 +156,16 @@ class Plan:
 
     With ``exits`` (adaptive depth) a position stops at the first depth its rule fires (the
     plan asks with ``Check`` after each block call) or at R; its readout there is final, and it
-    leaves the calls that follow. The prompt runs at full depth."""
+    leaves the calls that follow. The prompt runs at full depth. With ``drafts`` (adaptive
+    drafting, DtV and WFD), a position drafts at the first depth below d its draft rule fires,
+    or at d; its draft-rule readouts below d use the depth-d coda slot (drafts are proposals:
+    what they attend over does not touch the tokens)."""
 
     kind = "ar"
 
     def __init__(self, prompt_length: int, depth: int, *, coda_attends: bool,
                  readout_depths: Sequence[int] = (), prefill: bool = True,
-                 exits: EarlyExit | None = None):
+                 exits: EarlyExit | None = None, drafts: EarlyExit | None = None):
         if prompt_length < 1:
             raise ValueError("the prompt is empty")
         if depth < 1:
@@ -171,7 +175,7 @@ class Plan:
                              f"got {exits.min_depth}")
         self.prompt_length, self.depth = prompt_length, depth
         self.coda_attends = coda_attends  # a coda with attention reads every prompt position out
-        self.exits = exits
+        self.exits, self.drafts = exits, drafts
         # read out whatever else happens (the draft depth, R, a depth trace's); with exits, the
         # coda keeps a slot for every depth a position may exit at
         self.always_read = sorted({*readout_depths, depth})
@@ -202,6 +206,28 @@ class Plan:
             if r in depths:
                 yield Call("coda", readout, (r,) * len(readout))
         yield Bonus(last)
+
+    def read_at(self, depth: int) -> bool:
+        """Whether ``after_block`` reads out a position at ``depth`` whatever its exit."""
+        every = self.exits is not None and self.exits.every_depth
+        return depth in (self.readout_depths if every else self.always_read)
+
+    def draft_check(self, position: int, depth: int, draft_depth: int
+                    ) -> Generator[Event, bool | set[int] | None, bool]:
+        """Adaptive drafting: whether ``position``, at ``depth`` below the draft depth, drafts
+        now (its draft rule asked, after a readout into the draft slot when the rule reads one
+        and none was made)."""
+        rule = self.drafts
+        if rule is None or depth < rule.min_depth:
+            return False
+        read = self.read_at(depth)
+        if rule.every_depth and not read:
+            yield Call("coda", (position,), (draft_depth,))
+            read = True
+        fired = position in (yield Check((position,), (depth,), draft=True))
+        if fired and not read:  # a rule on the states: the draft's readout now
+            yield Call("coda", (position,), (draft_depth,))
+        return fired
 
     def after_block(self, positions: Sequence[int], depths: Sequence[int]
                     ) -> Generator[Event, bool | set[int] | None, set[int]]:
@@ -254,27 +280,39 @@ class DtVPlan(Plan):
         self.lookahead = lookahead("dtv", block_length=block_length)
 
     def decode(self) -> Steps:
-        k, d, depth = self.block_length, self.draft_depth, self.depth
+        k, d = self.block_length, self.draft_depth
         cur = self.prompt_length  # the position holding the newest committed token
         while True:
             self.rounds += 1
             drafted = tuple(range(cur, cur + k + 1))
             settled: set[int] = set()  # exited by d: the draft is the final token
+            at: dict[int, int] = {}  # the depth each drafted position stopped drafting at
+            limit = d  # adaptive drafts never go deeper than the one before (exactness)
             for p in drafted:
                 yield Call("prelude", (p,), (0,))
-                for r in range(1, d + 1):  # the last one's readout only fills the coda's KV
+                for r in range(1, limit + 1):  # the last one's readout only fills the coda's KV
                     yield Call("block", (p,), (r,))
+                    at[p] = r
                     if p in (yield from self.after_block((p,), (r,))):
-                        settled.add(p)
+                        settled.add(p)  # its KV stands in for every deeper depth: no limit
+                        break
+                    if r == limit:  # below d: where the one before drafted; read out here
+                        if not self.read_at(r):
+                            yield Call("coda", (p,), (d,))
+                        break
+                    if (yield from self.draft_check(p, r, d)):
+                        limit = r
                         break
                 if p < cur + k:
                     yield Draft(p, final=p in settled)
+            # the rest continue together, each a step per call from where it drafted (the older
+            # never shallower), leaving as they exit or reach R
             going = [p for p in drafted if p not in settled]
-            for r in range(d + 1, depth + 1):
-                if not going:
-                    break
-                yield Call("block", tuple(going), (r,) * len(going))
-                done = yield from self.after_block(going, (r,) * len(going))
+            while going:
+                for p in going:
+                    at[p] += 1
+                yield Call("block", tuple(going), tuple(at[p] for p in going))
+                done = yield from self.after_block(going, [at[p] for p in going])
                 going = [p for p in going if p not in done]
             accepted = 0
             while accepted < k:
@@ -307,36 +345,43 @@ class WFDPlan(Plan):
         if width_cap is not None and width_cap < 1:
             raise ValueError(f"width cap must be at least 1, got {width_cap}")
         self.draft_depth, self.width_cap = draft_depth, width_cap
-        self.width = wave_width(depth, draft_depth, width_cap)
+        # adaptive drafts may come as shallow as the draft rule's first depth: a wider wave
+        shallowest = min(draft_depth, self.drafts.min_depth) if self.drafts else draft_depth
+        self.width = wave_width(depth, shallowest, width_cap)
         self.lookahead = lookahead("wfd", width=self.width)
 
     def decode(self) -> Steps:
         d, cap = self.draft_depth, self.width_cap
-        wave: list[list[int]] = []  # [position, depth, final], oldest first
+        # [position, depth, final, drafted: 0 not yet, 1 a proposal, 2 its final token], oldest
+        # first
+        wave: list[list[int]] = []
         waiting: int | None = self.prompt_length  # the position whose token waits to enter
         while True:
             self.rounds += 1  # a tick: its prelude call (if a token enters), B, its coda call
             going = [entry for entry in wave if not entry[2]]
             if waiting is not None and (cap is None or len(going) < cap):
                 yield Call("prelude", (waiting,), (0,))
-                wave.append([waiting, 0, False])
+                wave.append([waiting, 0, False, 0])
                 going.append(wave[-1])
                 waiting = None
             for entry in going:
                 entry[1] += 1
-            yield Call("block", tuple(p for p, _, _ in going), tuple(r for _, r, _ in going))
+            yield Call("block", tuple(e[0] for e in going), tuple(e[1] for e in going))
             newest = wave[-1]
             # newest first: the draft's readout, then the verify's
-            done = yield from self.after_block([p for p, _, _ in reversed(going)],
-                                               [r for _, r, _ in reversed(going)])
+            done = yield from self.after_block([e[0] for e in reversed(going)],
+                                               [e[1] for e in reversed(going)])
             for entry in going:
                 entry[2] = entry[0] in done
-            if newest in going and (newest[1] == d or newest[2] and newest[1] < d):
-                yield Draft(newest[0], final=bool(newest[2]))
-                waiting = newest[0] + 1
+            p, r, final, drafted = newest
+            if newest in going and not drafted and (
+                    r == d or final or (yield from self.draft_check(p, r, d))):
+                yield Draft(p, final=bool(final))
+                newest[3] = 2 if final else 1
+                waiting = p + 1
             while wave and wave[0][2]:
-                p, exit_depth, _ = wave.pop(0)
-                if exit_depth <= d:
+                p, _, _, drafted = wave.pop(0)
+                if drafted == 2:
                     yield Bonus(p)
                 elif not (yield Verify(p)):
                     self.flushed += len(wave)
@@ -348,10 +393,13 @@ class WFDPlan(Plan):
 def make_plan(schedule: str, prompt_length: int, depth: int, *, coda_attends: bool,
               draft_depth: int | None = None, block_length: int = 4,
               width_cap: int | None = None, readout_depths: Sequence[int] = (),
-              prefill: bool = True, exits: EarlyExit | None = None) -> Plan:
+              prefill: bool = True, exits: EarlyExit | None = None,
+              drafts: EarlyExit | None = None) -> Plan:
     """A plan by name: "ar" (with extra readout depths, for a depth trace), "dtv" or "wfd";
-    ``exits``: adaptive depth."""
-    common = dict(coda_attends=coda_attends, prefill=prefill, exits=exits)
+    ``exits``: adaptive depth; ``drafts``: adaptive drafting (DtV, WFD)."""
+    if drafts is not None and schedule == "ar":
+        raise ValueError("adaptive drafting goes with dtv or wfd")
+    common = dict(coda_attends=coda_attends, prefill=prefill, exits=exits, drafts=drafts)
     if schedule == "ar":
         return Plan(prompt_length, depth, readout_depths=readout_depths, **common)
     d = default_draft_depth(depth) if draft_depth is None else draft_depth
@@ -369,7 +417,8 @@ class Executor:
 
     def call(self, call: Call) -> None: ...
 
-    def check(self, positions: tuple[int, ...], depths: tuple[int, ...]) -> set[int]:
+    def check(self, positions: tuple[int, ...], depths: tuple[int, ...], draft: bool = False
+              ) -> set[int]:
         raise NotImplementedError
 
     def draft(self, position: int, final: bool = False) -> None: ...
@@ -399,7 +448,7 @@ class Executor:
             if isinstance(event, Call):
                 return event
             if isinstance(event, Check):
-                reply = self.check(event.positions, event.depths)
+                reply = self.check(event.positions, event.depths, event.draft)
             elif isinstance(event, Draft):
                 self.draft(event.position, event.final)
             elif isinstance(event, Verify):

@@ -79,9 +79,10 @@ class _Simulator(Executor):
     gives the position at its current entry."""
 
     def __init__(self, plan: Plan, kv_sharing: int, accept: Sequence[bool], tokens: int,
-                 records: bool, static: bool = False, exit_at: ExitOracle | None = None):
+                 records: bool, static: bool = False, exit_at: ExitOracle | None = None,
+                 draft_at: ExitOracle | None = None):
         self.plan, self.kv_sharing, self.accept, self.tokens = plan, kv_sharing, accept, tokens
-        self.exit_at = exit_at
+        self.exit_at, self.draft_at = exit_at, draft_at
         self.entries: dict[int, int] = {}  # position -> times it entered (prelude calls)
         self.static = static  # graphs mode: each decode call reads its static span of keys
         self.result = SimulationResult([], committed_tokens=0)
@@ -97,7 +98,7 @@ class _Simulator(Executor):
     def call(self, call: Call) -> None:
         calls = self.result.calls
         calls[call.kind] = calls.get(call.kind, 0) + 1
-        if call.kind == "prelude" and self.exit_at is not None:
+        if call.kind == "prelude" and (self.exit_at or self.draft_at) is not None:
             for p in call.positions:
                 self.entries[p] = self.entries.get(p, 0) + 1
         slots = call_slots(call.kind, call.depths, self.kv_sharing)
@@ -113,9 +114,11 @@ class _Simulator(Executor):
                 (*call_shape(slots, contexts), call.kind != self.previous))
         self.previous = call.kind
 
-    def check(self, positions: tuple[int, ...], depths: tuple[int, ...]) -> set[int]:
+    def check(self, positions: tuple[int, ...], depths: tuple[int, ...], draft: bool = False
+              ) -> set[int]:
+        oracle = self.draft_at if draft else self.exit_at
         return {p for p, r in zip(positions, depths, strict=True)
-                if r == self.exit_at(p, self.entries[p] - 1)}
+                if r == oracle(p, self.entries[p] - 1)}
 
     def verify(self, position: int) -> bool:
         ok = bool(self.accept[position - self.start])
@@ -150,6 +153,8 @@ def simulate(
     records: bool = True,
     exits: EarlyExit | None = None,
     exit_depths: Sequence[int] | ExitOracle | None = None,
+    drafts: EarlyExit | None = None,
+    draft_depths: ExitOracle | None = None,
 ) -> SimulationResult:
     """Simulate decoding ``new_tokens`` after a prompt of ``context_length`` tokens, and price it.
 
@@ -159,6 +164,8 @@ def simulate(
     Without ``records`` only the latency, its breakdown and the counts come back (faster).
     Adaptive depth: ``exits`` (what the plan needs of the rule) and ``exit_depths``, the depth
     each decoded position exits at (by decoded position, or an oracle of (position, entry)).
+    Adaptive drafting: ``drafts`` and ``draft_depths``, an oracle of the depth each entry of a
+    position's draft rule fires at (one it never reaches: the rule does not fire).
     """
     depth = depth or model.default_depth
     decode_tokens = new_tokens - 1
@@ -175,13 +182,14 @@ def simulate(
                      draft_depth=getattr(schedule, "draft_depth", None),
                      block_length=getattr(schedule, "block_length", 1),
                      width_cap=getattr(schedule, "width_cap", None), prefill=prefill,
-                     exits=exits)
+                     exits=exits, drafts=drafts)
     if exits is not None and exit_depths is None:
         raise ValueError("simulating exits needs the depth each position exits at")
     oracle = exit_depths if callable(exit_depths) or exits is None else exit_sequence_oracle(
         exit_depths, context_length, depth)
     sim = _Simulator(plan, kv_sharing, padded, new_tokens if prefill else decode_tokens,
-                     records or prefill, static=hw.cuda_graphs, exit_at=oracle)
+                     records or prefill, static=hw.cuda_graphs, exit_at=oracle,
+                     draft_at=draft_depths)
     sim.run(plan.steps())
     res = sim.result
     if prefill:

@@ -15,7 +15,7 @@ from .common import StudyResult, write_outputs
 STUDIES = {
     "paper-table": "paper_table", "dtv-block-length": "dtv_block_length", "width": "width",
     "hardware": "hardware", "context": "context", "batch": "batch", "memory": "memory",
-    "overhead": "overhead", "recommend": "recommend",
+    "overhead": "overhead", "recommend": "recommend", "adaptive-depth": "adaptive_depth",
 }
 
 

@@ -125,7 +125,10 @@ def test_kv_sharing_lets_longer_contexts_fit():
      ["--acceptance", "-0.1"], ["--block-length", "0"], ["--batch", "0"], ["--context", "0"],
      ["--kv-sharing", "-1"], ["--dtype", "int3"], ["--width", "8", "--draft-depth", "4"],
      ["--depth", "1"], ["--no-such-flag"], ["--prompts", "0"], ["--batch", "4", "--prompts", "2"],
-     ["--prompts", "1000", "--new-tokens", "512"], ["--prompts", "2", "--new-tokens", "1"]],
+     ["--prompts", "1000", "--new-tokens", "512"], ["--prompts", "2", "--new-tokens", "1"],
+     ["--exit", "kl"], ["--exit", "gate:2", "--exit-depths", "8:1"], ["--exit-depths", "8:0.5"],
+     ["--exit-depths", "33:1"], ["--exit-depths", "eight"], ["--min-depth", "3"],
+     ["--exit-depths", "8:1", "--prompts", "4"]],
 )
 def test_bad_input_is_one_line_and_exit_2(args):
     out = run("predict", *args)

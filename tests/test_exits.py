@@ -302,3 +302,92 @@ def test_plan_exit_checks_read_out_every_depth_only_where_needed():
 
     assert [c.depths for c in events(False)] == [(3,)]
     assert [c.depths for c in events(True)] == [(2,), (3,)]
+
+
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(exit_cases(), st.sampled_from(["ar", "dtv", "wfd"]),
+       st.lists(st.tuples(st.lists(st.integers(0, 63), min_size=1, max_size=8),
+                          st.integers(1, 10)), min_size=2, max_size=5), st.integers(1, 3))
+def test_in_a_batch_each_sequences_positions_exit_on_their_own(case, schedule, prompts,
+                                                               batch_size):
+    """A batch goes on while one sequence's positions exit: each sequence's tokens are its own
+    AR-with-exit run's, and the batch's block calls hold only positions still going."""
+    from wfd.batch import Request, decode_batch
+
+    family, rule = case
+    model = model_for(family, True)
+    requests = [Request(i, p, n) for i, (p, n) in enumerate(prompts)]
+    run = decode_batch(model, requests, schedule=schedule, batch_size=batch_size,
+                       exit_rule=rule, record=True)
+    for result in run.results:
+        p, n = prompts[result.index]
+        assert result.tokens == generate(model, p, max_new_tokens=n, exit_rule=rule,
+                                         record=False).tokens
+
+
+# --- adaptive drafting -------------------------------------------------------------------
+
+DRAFT_RULES = {"huginn": ["kl:0.5", "argmax-stable:1", "latent-diff:0.3"],
+               "ouro": ["gate:0.3", "kl:0.5", "argmax-stable:1"]}
+
+
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(["huginn", "ouro"]), st.booleans(),
+       st.lists(st.integers(0, 63), min_size=1, max_size=8), st.sampled_from(["dtv", "wfd"]),
+       st.integers(1, 7), st.integers(1, 6), st.one_of(st.none(), st.integers(1, 6)),
+       st.booleans(), st.integers(0, 2), st.sampled_from(["eager", "static"]))
+def test_adaptive_drafts_keep_dtv_and_wfd_exact(family, easy, prompt, schedule, d, k, cap,
+                                                with_exit, which, mode):
+    """Drafting at the first depth a looser rule fires (bounded by d) changes the drafts only:
+    the tokens are AR's (with the same exit rule, when one is given)."""
+    model = model_for(family, easy)
+    d = min(d, model.config.depth - 1)
+    rule = ExitRule.parse(RULES[family][which]) if with_exit else None
+    draft_rule = ExitRule.parse(DRAFT_RULES[family][which])
+    ar = run(model, prompt, max_new_tokens=14, exit_rule=rule)
+    fast = run(model, prompt, schedule, max_new_tokens=14, exit_rule=rule,
+               draft_rule=draft_rule, draft_depth=d, block_length=k, width_cap=cap, mode=mode)
+    assert fast.tokens == ar.tokens
+
+
+def test_adaptive_drafts_draft_shallower():
+    """A draft rule that fires early drafts below d: fewer position-steps before each draft."""
+    model = model_for("huginn", True)
+    prompt = [5, 9, 33, 2, 17]
+    fixed = run(model, prompt, "wfd", max_new_tokens=24, draft_depth=4)
+    early = run(model, prompt, "wfd", max_new_tokens=24, draft_depth=4,
+                draft_rule=ExitRule.parse("argmax-stable:1"))
+    assert early.tokens == fixed.tokens
+    assert early.stats["ticks"] < fixed.stats["ticks"]
+
+
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(["huginn", "ouro"]), st.booleans(), st.sampled_from(["dtv", "wfd"]),
+       st.lists(st.integers(0, 63), min_size=1, max_size=6), st.integers(2, 14),
+       st.integers(1, 5), st.integers(1, 7), st.booleans(), st.integers(0, 2))
+def test_a_run_with_adaptive_drafts_replays_call_for_call(family, easy, name, prompt,
+                                                          new_tokens, k, d, with_exit, which):
+    model = model_for(family, easy)
+    depth = model.config.depth
+    d = min(d, depth - 1)
+    rule = ExitRule.parse(RULES[family][which]) if with_exit else None
+    draft_rule = ExitRule.parse(DRAFT_RULES[family][which])
+    res = generate(model, prompt, schedule=name, max_new_tokens=new_tokens, draft_depth=d,
+                   block_length=k, exit_rule=rule, draft_rule=draft_rule)
+    schedule = DtV(block_length=k, draft_depth=d) if name == "dtv" else WFD(draft_depth=d)
+    fired = res.draft_fired
+
+    def draft_at(p, entry):
+        return fired[p][entry] or depth  # never below d: the rule did not fire
+
+    sim = simulate(model.config.to_spec("tiny"), HARDWARE, schedule,
+                   context_length=len(prompt), new_tokens=new_tokens,
+                   accept_sequence=res.acceptance_sequence(), depth=depth, prefill=True,
+                   exits=rule.for_plan(model.config.coda_layers > 0, depth) if rule else None,
+                   exit_depths=_decoder_exits(res) if rule else None,
+                   drafts=EarlyExit(draft_rule.min_depth, draft_rule.reads_readouts),
+                   draft_depths=draft_at)
+    assert shape(sim.records) == shape(res.records)

@@ -59,6 +59,14 @@ def test_prompt_ids_without_tokenizer_prints_ids():
     ["--model", "huginn-tiny:random", "--prompt", "x", "--temperature", "-1"],
     ["--model", "huginn-tiny:random", "--prompt", "x", "--mode", "fast"],
     ["--model", "huginn-tiny:random", "--prompt", "x", "--mode", "graphs"],  # no CUDA here
+    ["--model", "huginn-tiny:random", "--prompt", "x", "--exit", "gate"],  # no gate
+    ["--model", "huginn-tiny:random", "--prompt", "x", "--exit", "median"],
+    ["--model", "huginn-tiny:random", "--prompt", "x", "--exit", "kl:0"],
+    ["--model", "huginn-tiny:random", "--prompt", "x", "--exit", "kl:nan"],
+    ["--model", "huginn-tiny:random", "--prompt", "x", "--exit", "kl", "--min-depth", "9"],
+    ["--model", "huginn-tiny:random", "--prompt", "x", "--exit", "kl", "--min-depth", "0"],
+    ["--model", "huginn-tiny:random", "--prompt", "x", "--min-depth", "2"],
+    ["--model", "huginn-tiny:random", "--prompt", "x", "--exit", "kl", "--schedule", "auto"],
 ])
 def test_bad_input_is_one_line_and_exit_2(args):
     out = run("generate", *args)

@@ -108,7 +108,7 @@ def decode_batch(model: nn.Module, requests: Sequence[Request], *, schedule: str
                  block_length: int = 4, width_cap: int | None = None, kv_sharing: int = 0,
                  sampling: Sampling | None = None, stop_tokens: frozenset[int] = frozenset(),
                  force_acceptance: float | None = None, seed: int = 0, mode: str | None = None,
-                 record: bool = False, exit_rule=None,
+                 record: bool = False, exit_rule=None, draft_rule=None,
                  on_result: Callable[[SequenceResult], None] | None = None,
                  on_call: Callable[[], None] | None = None) -> BatchRun:
     """Decode ``requests`` with ``batch_size`` sequences in flight (fewer if fewer remain).
@@ -116,7 +116,8 @@ def decode_batch(model: nn.Module, requests: Sequence[Request], *, schedule: str
     outcomes, seeded by ``seed`` + its index). ``on_result`` gets each sequence as it ends;
     ``on_call`` is called after every call (progress). ``mode``: eager by default, on any
     device (wfd.runtime.Runner). ``exit_rule``: adaptive depth (costmodel.exits), per position
-    of each sequence: a position that exits leaves the calls while the others go on."""
+    of each sequence: a position that exits leaves the calls while the others go on.
+    ``draft_rule``: adaptive drafting (wfd.generate.generate)."""
     if schedule not in ("ar", "dtv", "wfd"):
         raise GenerationError(f"a batch decodes with ar, dtv or wfd, not {schedule!r}")
     if batch_size < 1:
@@ -130,7 +131,8 @@ def decode_batch(model: nn.Module, requests: Sequence[Request], *, schedule: str
             raise GenerationError(f"prompt {req.index}: max new tokens must be at least 1, "
                                   f"got {req.max_new_tokens}")
     sampling = sampling or Sampling()
-    setup = RunSetup.of(model, schedule, depth, draft_depth, block_length, width_cap, exit_rule)
+    setup = RunSetup.of(model, schedule, depth, draft_depth, block_length, width_cap, exit_rule,
+                        draft_rule)
     depth, draft_depth = setup.depth, setup.draft_depth
 
     def plan_for(req: Request) -> Plan:
@@ -148,13 +150,15 @@ def decode_batch(model: nn.Module, requests: Sequence[Request], *, schedule: str
                         kv_sharing=kv_sharing, readout_depths=probe.readout_depths,
                         lookahead=probe.lookahead, sequences=regions)
     cache = runner.cache
+    if draft_rule is not None:
+        cache.allow_rewrites("coda")
 
     def start(req: Request, region: int):
         verifier = setup.verifier(sampling, len(req.prompt), req.max_new_tokens,
                                   force_acceptance, seed + req.index)
         decoder = BatchDecoder(runner, req.prompt, max_new_tokens=req.max_new_tokens,
                                sampling=sampling, verifier=verifier, stop_tokens=stop_tokens,
-                               sequence=region, exit_rule=exit_rule)
+                               sequence=region, exit_rule=exit_rule, draft_rule=draft_rule)
         return decoder, plan_for(req)
 
     results: list[SequenceResult] = []

@@ -205,6 +205,11 @@ class KVCache:
     def claim(self, kind: str, slots: list[int], positions: list[int]) -> None:
         self.parts[kind].claim(slots, positions, self.max_len)
 
+    def allow_rewrites(self, kind: str) -> None:
+        """Let a part's writes rewrite positions it holds until the next ``reset``: adaptive
+        drafting reads a position out into the draft slot at each depth its draft rule checks."""
+        self.parts[kind].overwrite = True
+
     def exit(self, position: int, depth: int, sequence: int | None = None) -> None:
         """``position`` exited at ``depth``: its KV there stands in for every deeper depth's,
         in the core slots it never wrote and the coda slots of deeper readout depths."""

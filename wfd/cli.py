@@ -69,6 +69,9 @@ def generate(
         "an exit gate)")] = None,
     min_depth: Annotated[int, typer.Option(
         help="--exit: the shallowest depth a token may stop at")] = 1,
+    draft_when: Annotated[str | None, typer.Option(
+        help="dtv/wfd, adaptive drafting: RULE:THRESHOLD (the --exit rules, looser), a token "
+             "drafts at the first depth it fires, --draft-depth the deepest")] = None,
     dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp16")] = "fp32",
     device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
     mode: Annotated[str | None, typer.Option(
@@ -129,8 +132,21 @@ def generate(
             raise UserError(str(exc)) from None
         if depth is not None and min_depth > depth:
             raise UserError(f"the minimum exit depth must be in 1..{depth}, got {min_depth}")
+        if schedule == "auto":
+            raise UserError("--schedule auto chooses among fixed-depth schedules; name the "
+                            "schedule to run with --exit")
     elif min_depth != 1:
         raise UserError("--min-depth goes with --exit")
+    draft_rule = None
+    if draft_when is not None:
+        from costmodel.exits import ExitRule
+
+        if schedule not in ("dtv", "wfd"):
+            raise UserError("--draft-when drafts adaptively in dtv or wfd")
+        try:
+            draft_rule = ExitRule.parse(draft_when)
+        except ValueError as exc:
+            raise UserError(f"--draft-when: {exc}") from None
 
     import torch  # heavy: only once the arguments are known to be sane
 
@@ -165,7 +181,8 @@ def generate(
                 max_new_tokens=max_new_tokens, depth=run_depth, draft_depth=draft_depth,
                 block_length=block_length, width_cap=width_cap, kv_sharing=kv_sharing,
                 sampling=Sampling(temperature, top_p, seed), stop_tokens=stops,
-                force_acceptance=force_acceptance, seed=seed, mode=mode, exit_rule=rule)
+                force_acceptance=force_acceptance, seed=seed, mode=mode, exit_rule=rule,
+                draft_rule=draft_rule)
         if prompt is not None:
             if tok is None:
                 raise UserError(f"{model} has no tokenizer.json; give --prompt-ids")
@@ -195,7 +212,7 @@ def generate(
                           depth_trace=depth_trace is not None, draft_depth=draft_depth,
                           block_length=block_length, width_cap=width_cap,
                           force_acceptance=force_acceptance, seed=seed, hardware=hardware,
-                          mode=mode, exit_rule=rule)
+                          mode=mode, exit_rule=rule, draft_rule=draft_rule)
     except (CheckpointError, GenerationError) as exc:
         raise UserError(str(exc)) from None
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from costmodel.exits import ENTROPY_START, ExitRule
 
-from .sampling import GenerationError
+from .sampling import GenerationError, Sampling
 
 
 def check_rule(rule: ExitRule, model: nn.Module, depth: int) -> None:
@@ -59,12 +59,15 @@ class ExitTracker:
         self.rule, self.model = rule, model
         self.memory: dict[int, object] = {}
         self.exit_depths: dict[int, int] = {}  # position -> depth of its latest exit
+        # position -> the depth the rule fired at, per entry (None: it did not)
+        self.fired: dict[int, list[int | None]] = {}
 
     def enter(self, positions: list[int], initial_states: torch.Tensor) -> None:
         """Positions entering at depth 0 with their initial states."""
         for p, h0 in zip(positions, initial_states, strict=True):
             self.memory[p] = {"latent-diff": h0.clone(), "gate": 1.0}.get(self.rule.name)
             self.exit_depths.pop(p, None)
+            self.fired.setdefault(p, []).append(None)
 
     def check(self, positions: tuple[int, ...], depths: tuple[int, ...],
               states: torch.Tensor, readouts: list[torch.Tensor]) -> set[int]:
@@ -119,6 +122,7 @@ class ExitTracker:
             if r >= self.rule.min_depth and self.rule.fires(v):
                 out.add(p)
                 self.exit_depths[p] = r
+                self.fired[p][-1] = r
         return out
 
 
@@ -137,4 +141,44 @@ def depth_signals(states: dict[int, torch.Tensor], initial: torch.Tensor,
            "latent_start": relative_change(h[1:], h[:1].expand_as(h[1:])).tolist()}
     if hasattr(model, "exit_lambda"):
         out["exit_lambda"] = model.exit_lambda(h[1:]).tolist()
+    return out
+
+
+class _TeacherForcing(Sampling):
+    """Commits the text's next byte whatever the readout, and adds up its negative log-likelihood
+    (a held-out evaluation run through the decoder, exits and their KV rule included)."""
+
+    def __init__(self, text: list[int]):
+        super().__init__()
+        self.text, self.nll, self.count = text, 0.0, 0
+
+    def choose(self, logits: torch.Tensor, position: int) -> int:
+        target = self.text[position + 1]
+        self.nll -= float(log_probs(logits)[target])
+        self.count += 1
+        return target
+
+
+def held_out_bits(model: nn.Module, data: bytes, rule: ExitRule | None, *, windows: int = 8,
+                  length: int = 256) -> dict[str, object]:
+    """Bits per byte over ``windows`` windows of ``length`` bytes spread over ``data``, each
+    decoded from its first byte by AR with ``rule`` (None: fixed depth R) and teacher forcing:
+    every later byte is predicted at its own exit depth, attending over the KV its earlier bytes
+    left. Also the mean exit depth and the exit depths' distribution."""
+    from .generate import generate
+
+    step = max((len(data) - length - 1) // windows, 1)
+    nll, count, depths = 0.0, 0, []
+    for w in range(windows):
+        text = list(data[w * step: w * step + length + 1])
+        forcing = _TeacherForcing(text)
+        res = generate(model, text[:1], max_new_tokens=length, sampling=forcing,
+                       exit_rule=rule, record=False)
+        nll += forcing.nll
+        count += forcing.count
+        depths += res.stats.get("exit_depths", [])
+    out: dict[str, object] = {"bits_per_byte": nll / count / math.log(2)}
+    if depths:
+        out["mean_exit_depth"] = sum(depths) / len(depths)
+        out["exit_depths"] = {r: depths.count(r) / len(depths) for r in sorted(set(depths))}
     return out

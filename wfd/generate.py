@@ -44,6 +44,8 @@ class GenerationResult:
     stats: dict[str, float | int | None] = field(default_factory=dict)
     cache: KVCache | None = None
     outcomes: dict[int, bool] = field(default_factory=dict)  # position -> draft accepted
+    # adaptive drafting: position -> the depth its draft rule fired at, per entry (None: not)
+    draft_fired: dict[int, list[int | None]] = field(default_factory=dict)
 
     def acceptance_sequence(self) -> list[bool]:
         """Draft outcomes by decoded position (as ``costmodel.simulate`` replays them); a
@@ -82,7 +84,8 @@ class Decoder(Executor):
                  sampling: Sampling, verifier: Verifier,
                  stop_tokens: frozenset[int] = frozenset(), keep_depths: bool = False,
                  on_rollback: Callable[[KVCache, list[int]], None] | None = None,
-                 sequence: int | None = None, exit_rule: ExitRule | None = None):
+                 sequence: int | None = None, exit_rule: ExitRule | None = None,
+                 draft_rule: ExitRule | None = None):
         self.runner, self.prompt = runner, list(prompt)
         self.sequence = sequence  # its region of a batched cache (wfd.batch); None: the cache
         self.max_new_tokens, self.stop_tokens = max_new_tokens, stop_tokens
@@ -97,6 +100,7 @@ class Decoder(Executor):
         # position -> logits of its latest readout (from the last prompt position on)
         self.readouts: dict[int, torch.Tensor] = {}
         self.exits = ExitTracker(exit_rule, runner.model) if exit_rule else None
+        self.draft_rule = ExitTracker(draft_rule, runner.model) if draft_rule else None
         self.exit_depths: list[int] = []  # the depth of each committed decoded token
         self.drafts: dict[int, Proposal] = {}
         # position -> depth -> logits, from the last prompt position on (depth trace, prefill)
@@ -147,8 +151,10 @@ class Decoder(Executor):
         if call.kind == "prelude":
             self.injections[rows] = out
             self.states[rows] = self.runner.model.initial_state(positions, out)
-            if self.exits is not None and positions[0] > last_prompt:
-                self.exits.enter(positions, self.states[rows])
+            if positions[0] > last_prompt:
+                for tracker in (self.exits, self.draft_rule):
+                    if tracker is not None:
+                        tracker.enter(positions, self.states[rows])
         elif call.kind == "block":
             self.states[rows] = out
         else:
@@ -175,11 +181,15 @@ class Decoder(Executor):
             self.exit_depths.append(self.exits.exit_depths.pop(position,
                                                                 self.runner.cache.depth))
 
-    def check(self, positions: tuple[int, ...], depths: tuple[int, ...]) -> set[int]:
-        """Ask the exit rule; an exiting position's KV stands in for the depths it skips."""
+    def check(self, positions: tuple[int, ...], depths: tuple[int, ...], draft: bool = False
+              ) -> set[int]:
+        """Ask the exit rule (an exiting position's KV stands in for the depths it skips), or
+        with ``draft`` the draft rule."""
         readouts = [self.readouts.get(p) for p in positions]
-        exited = self.exits.check(positions, depths, self.states[self._rows(positions)],
-                                  readouts)
+        tracker = self.draft_rule if draft else self.exits
+        exited = tracker.check(positions, depths, self.states[self._rows(positions)], readouts)
+        if draft:
+            return exited
         for p, r in zip(positions, depths, strict=True):
             if p in exited:
                 self.runner.cache.exit(p, r, self.sequence)
@@ -230,23 +240,34 @@ class RunSetup:
     width_cap: int | None
     coda_attends: bool
     exit_rule: ExitRule | None = None
+    draft_rule: ExitRule | None = None
 
     @classmethod
     def of(cls, model: nn.Module, schedule: str, depth: int | None, draft_depth: int | None,
-           block_length: int, width_cap: int | None, exit_rule: ExitRule | None = None
-           ) -> RunSetup:
+           block_length: int, width_cap: int | None, exit_rule: ExitRule | None = None,
+           draft_rule: ExitRule | None = None) -> RunSetup:
         depth = depth or model.config.depth
         if draft_depth is None and depth > 1:
             draft_depth = min(model.config.default_draft_depth, depth - 1)
         if exit_rule is not None:
             check_rule(exit_rule, model, depth)
+        if draft_rule is not None:
+            if schedule not in ("dtv", "wfd"):
+                raise GenerationError("adaptive drafting (--draft-when) goes with dtv or wfd")
+            check_rule(draft_rule, model, draft_depth or 1)
         return cls(schedule, depth, draft_depth, block_length, width_cap,
-                   model.config.coda_layers > 0, exit_rule)
+                   model.config.coda_layers > 0, exit_rule, draft_rule)
 
     @property
     def exits(self) -> EarlyExit | None:
         rule = self.exit_rule
         return None if rule is None else rule.for_plan(self.coda_attends, self.depth)
+
+    @property
+    def drafts(self) -> EarlyExit | None:
+        """A draft rule's readouts are proposals' (whatever the coda attends over)."""
+        rule = self.draft_rule
+        return None if rule is None else EarlyExit(rule.min_depth, rule.reads_readouts)
 
     def plan(self, prompt_length: int, readout_depths: Sequence[int] = ()) -> Plan:
         """The schedule's plan for a prompt; a combination it cannot run in one line."""
@@ -254,7 +275,8 @@ class RunSetup:
             return make_plan(self.schedule, prompt_length, self.depth,
                              coda_attends=self.coda_attends, draft_depth=self.draft_depth,
                              block_length=self.block_length, width_cap=self.width_cap,
-                             readout_depths=readout_depths, exits=self.exits)
+                             readout_depths=readout_depths, exits=self.exits,
+                             drafts=self.drafts)
         except ValueError as exc:
             raise GenerationError(str(exc)) from None
 
@@ -308,7 +330,8 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
              width_cap: int | None = None, force_acceptance: float | None = None,
              seed: int = 0, record: bool = True, hardware=None, mode: str | None = None,
              on_rollback: Callable[[KVCache, list[int]], None] | None = None,
-             exit_rule: ExitRule | None = None) -> GenerationResult:
+             exit_rule: ExitRule | None = None, draft_rule: ExitRule | None = None
+             ) -> GenerationResult:
     """Run one schedule: "ar" (with ``depth_trace``), "dtv" (block_length, draft_depth), "wfd"
     (draft_depth, width_cap), or "auto": the prefill reads every prompt position out at every
     depth, and the cost model with ``hardware`` (a calibrated HardwareSpec) picks the fastest
@@ -318,10 +341,13 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
     static and graphs reuse the shapes earlier runs of the model prepared, wfd.graphs).
     ``force_acceptance`` replaces verification by seeded
     outcomes (timing on random weights; flagged in the stats). ``exit_rule``: adaptive depth,
-    each decoded position stops at the first depth the rule fires (costmodel.exits)."""
+    each decoded position stops at the first depth the rule fires (costmodel.exits).
+    ``draft_rule`` (dtv, wfd): a position drafts at the first depth below the draft depth where
+    this (looser) rule fires, the draft depth bounding it."""
     sampling = sampling or Sampling()
     auto = schedule == "auto"
-    setup = RunSetup.of(model, schedule, depth, draft_depth, block_length, width_cap, exit_rule)
+    setup = RunSetup.of(model, schedule, depth, draft_depth, block_length, width_cap, exit_rule,
+                        draft_rule)
     depth = setup.depth
     if not prompt:
         raise GenerationError("the prompt is empty")
@@ -347,10 +373,12 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
                         readout_depths=plan.readout_depths,
                         lookahead=max(33, depth + 1) if auto else plan.lookahead)
     cache = runner.cache
+    if draft_rule is not None:
+        cache.allow_rewrites("coda")
     verifier = setup.verifier(sampling, len(prompt), max_new_tokens, force_acceptance, seed)
     decoder = Decoder(runner, prompt, max_new_tokens=max_new_tokens, sampling=sampling,
                       verifier=verifier, stop_tokens=stop_tokens, keep_depths=bool(readouts),
-                      on_rollback=on_rollback, exit_rule=exit_rule)
+                      on_rollback=on_rollback, exit_rule=exit_rule, draft_rule=draft_rule)
     start = time.perf_counter()
     decision: dict[str, object] = {}
     with torch.inference_mode():
@@ -389,6 +417,7 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
     if exit_rule is not None:
         stats["exit_rule"] = exit_rule.label
         stats["mean_exit_depth"] = sum(decoder.exit_depths) / max(len(decoder.exit_depths), 1)
+        stats["exit_depths"] = decoder.exit_depths
     stats.update(runner.mode_stats())
     stats["kv_bytes_allocated"] = cache.nbytes
     # prefill and first token; the rest of wall_s is the decode proper
@@ -396,7 +425,8 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
     return GenerationResult(prompt=list(prompt), tokens=decoder.tokens, wall_s=wall,
                             schedule=schedule, records=runner.records,
                             depth_records=decoder.depth_records, stats=stats, cache=cache,
-                            outcomes=verifier.outcomes)
+                            outcomes=verifier.outcomes,
+                            draft_fired=decoder.draft_rule.fired if draft_rule else {})
 
 
 @torch.inference_mode()

@@ -11,7 +11,12 @@ writes statements rather than prose), split by file into train
 (about 95%) and held-out sets by a hash of the file's path (deterministic). Byte-level
 vocabulary (256). Architectures: the `huginn-tiny` and `ouro-tiny` presets of costmodel.
 
-- Ouro: the whole stack looped R = 4 times; cross-entropy at every loop exit, averaged.
+- Ouro: the whole stack looped R = 4 times; cross-entropy at every loop exit, averaged. Then,
+  with ``--gate-only`` (the language model frozen, as the Ouro recipe's last stage), its exit
+  gate: at each step t < R it is taught to exit where the next step would not improve the
+  token's loss, towards 1 - sigmoid(50 (I_t - 0.005)) with I_t = loss_t - loss_{t+1}.
+
+    python -m wfd.train --family ouro --out wfd/models/ouro-tiny --gate-only --minutes 5
 - Huginn: a random depth per step, drawn as Huginn was trained (Poisson of a log-normal rate,
   here with mean ``--mean-depth``, optionally ramped up from 1 over the first ``--depth-ramp``
   of the time budget), truncated backpropagation through the last
@@ -223,6 +228,64 @@ def evaluate(model, data: torch.Tensor, depth: int, length: int = 256, windows: 
             "agreement_with_full_depth": (agree / count).tolist()}
 
 
+GATE_SHARPNESS, GATE_MIN_GAIN = 50.0, 0.005  # the Ouro recipe's gate labels
+
+
+def gate_targets(losses: torch.Tensor) -> torch.Tensor:
+    """Exit targets for steps 1..R-1 from per-token losses at every step [R, ...]: exit where
+    the next step does not improve the loss by more than GATE_MIN_GAIN nats."""
+    gain = losses[:-1] - losses[1:]
+    return 1.0 - torch.sigmoid(GATE_SHARPNESS * (gain - GATE_MIN_GAIN))
+
+
+def gate_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Binary cross-entropy of the exit gate's hazards against ``gate_targets``; the language
+    model runs without gradients."""
+    depth = model.config.depth
+    positions = list(range(x.shape[1]))
+    plan = CallPlan.uncached(positions, model.config, x.device)
+    with torch.no_grad():
+        e = model.prelude(x, plan, None)
+        state = model.initial_state(positions, e[0]).expand_as(e)
+        states, losses = [], []
+        for _ in range(depth):
+            state = model.block(state, e, plan, None)
+            logits = model.coda(state, plan, None)
+            losses.append(F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none"))
+            states.append(state)
+        targets = gate_targets(torch.stack(losses))
+    hazards = torch.stack([model.exit_lambda(s).flatten() for s in states[:-1]])
+    return F.binary_cross_entropy(hazards.clamp(1e-6, 1 - 1e-6), targets)
+
+
+def train_gate(args, train: torch.Tensor, gen: torch.Generator) -> tuple[object, int, list]:
+    """The ``--gate-only`` stage: the model in ``--out`` with only its exit gate trained."""
+    from .checkpoint import load_model
+
+    model = load_model(str(args.out))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    gate = model.model.early_exit_gate
+    for p in gate.parameters():
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(gate.parameters(), lr=args.lr, weight_decay=0.0)
+    start, step, log = time.time(), 0, []
+    for x, y in batches(train, args.batch, args.length, gen):
+        elapsed = time.time() - start
+        if elapsed > args.minutes * 60:
+            break
+        loss = gate_loss(model, x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        step += 1
+        if step % 50 == 0:
+            line = {"step": step, "minutes": round(elapsed / 60, 1), "loss": round(loss.item(), 4)}
+            log.append(line)
+            print(json.dumps(line), flush=True)
+    return model, step, log
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -242,13 +305,19 @@ def main() -> None:
     parser.add_argument("--intermediate-weight", type=float, default=0.5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gate-only", action="store_true",
+                        help="Ouro: train only the exit gate of the model already in --out")
     args = parser.parse_args()
     if not 0 <= args.depth_ramp <= 1:
         parser.error(f"--depth-ramp is a fraction of the minutes, 0 to 1, not {args.depth_ramp}")
 
+    if args.gate_only and args.family != "ouro":
+        parser.error("--gate-only trains an Ouro model's exit gate")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
+    if args.gate_only:
+        return _gate_only(args, gen)
     cfg = ModelConfig.from_spec(MODELS[f"{args.family}-tiny"])
     model = init_random(build(cfg), seed=args.seed)
     model.train()
@@ -302,6 +371,26 @@ def main() -> None:
         "torch": torch.__version__, "heldout": metrics, "log": log,
     }, indent=2) + "\n")
     print(json.dumps(metrics))
+
+
+def _gate_only(args, gen: torch.Generator) -> None:
+    record = json.loads((args.out / "training.json").read_text())
+    train = torch.frombuffer(bytearray(load_corpus("train", trained_corpus(args.out))),
+                             dtype=torch.uint8).long()
+    start = time.time()
+    model, steps, log = train_gate(args, train, gen)
+    model.eval()
+    config = (args.out / "config.json").read_text()
+    save(model, args.out)
+    (args.out / "config.json").write_text(config)  # the weights changed, the config did not
+    record["gate"] = {
+        "command": f"python -m wfd.train --family ouro --out {args.out} --gate-only "
+                   f"--minutes {args.minutes} --batch {args.batch} --length {args.length} "
+                   f"--lr {args.lr} --threads {args.threads} --seed {args.seed}",
+        "labels": f"exit where the next step gains at most {GATE_MIN_GAIN} nats "
+                  f"(sharpness {GATE_SHARPNESS:g})",
+        "steps": steps, "minutes": round((time.time() - start) / 60, 1), "log": log}
+    (args.out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":
