@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,27 +38,20 @@ from costmodel.exits import ExitRule
 from costmodel.predict import predict
 from costmodel.specs import Workload
 from costmodel.trace import TraceHeader, write_jsonl
-from wfd.checkpoint import SHIPPED_DIR, load_model
-from wfd.exits import held_out_bits
+from wfd.checkpoint import load_model
 from wfd.generate import generate
-from wfd.train import load_corpus, trained_corpus
+from wfd.heldout import held_out_bits
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_models import heldout_prompts, model_heldout  # noqa: E402
 
 RULES = {"huginn-tiny": ["kl:0.01", "kl:0.001", "kl:0.0001", "entropy-diff:0.01",
                          "latent-diff:0.03", "argmax-stable:2"],
-         "ouro-tiny": ["gate:0.3", "gate:0.5", "gate:0.7", "kl:0.01", "latent-diff:0.05"]}
+         "ouro-tiny": ["gate:0.8", "gate:0.9", "gate:0.95", "kl:0.01"]}
 BLOCK_LENGTH = 4
 DRAFT_RULES = {"huginn-tiny": ["argmax-stable:1", "kl:0.1", "kl:0.02"],
                "ouro-tiny": ["argmax-stable:1", "kl:0.1", "gate:0.5"]}
 DRAFT_BOUND = {"huginn-tiny": 4, "ouro-tiny": 3}  # the deepest an adaptive draft goes
-
-
-def heldout_prompts(data: bytes, count: int, length: int = 64) -> list[list[int]]:
-    step = len(data) // (count + 1)
-    out = []
-    for i in range(1, count + 1):
-        start = data.find(b"\n", i * step) + 1
-        out.append(list(data[start:start + length]))
-    return out
 
 
 def timed(model, prompts, repeats: int, configs: dict[str, dict]) -> dict[str, dict]:
@@ -153,8 +147,8 @@ def main() -> None:
     for name in args.models:
         model = load_model(name)
         depth, d = model.config.depth, model.config.default_draft_depth
-        data = load_corpus("heldout", trained_corpus(SHIPPED_DIR / name))
-        prompts = heldout_prompts(data, args.prompts)
+        data = model_heldout(name)
+        prompts = heldout_prompts(data, args.prompts, length=64)
         base = next(p for _, p in committed_profiles(model.config.family, "cpu"))
         started = time.perf_counter()
         profile = transplant(base, model, name, machine_name("cpu"))
@@ -166,12 +160,8 @@ def main() -> None:
             adaptive_drafts(model, name, prompts, args.repeats, common)
             continue
         fixed_bits = held_out_bits(model, data, None, windows=args.windows)["bits_per_byte"]
-        base = timed(model, prompts, args.repeats, {"ar": common,
-                                                     "wfd": dict(schedule="wfd", **common)})
-        ar, wfd = base["ar"], base["wfd"]
-        print(f"fixed depth: {fixed_bits:.4f} bits/byte; AR {ar['tokens_per_s']:.1f} tokens/s "
-              f"({ar['spread'][0]:.1f}-{ar['spread'][1]:.1f}), WFD {wfd['tokens_per_s']:.1f} "
-              f"({wfd['spread'][0]:.1f}-{wfd['spread'][1]:.1f})\n")
+        print(f"fixed depth: {fixed_bits:.4f} bits/byte; each row's runs interleave fixed-depth "
+              "AR and WFD with the rule's AR, WFD and DtV, pass by pass\n")
         print("| rule | mean exit depth | bits/byte (vs R) | tokens = fixed AR's | AR tokens/s "
               "(x fixed AR) | WFD tokens/s (x fixed WFD) | WFD / AR-exit (tick bound, share) | "
               "predicted WFD / AR-exit | DtV / AR-exit | predicted DtV / AR-exit |")
@@ -180,11 +170,13 @@ def main() -> None:
             rule = ExitRule.parse(text)
             bits = held_out_bits(model, data, rule, windows=args.windows)
             runs = timed(model, prompts, args.repeats, {
+                "fixed ar": common, "fixed wfd": dict(schedule="wfd", **common),
                 "ar": dict(exit_rule=rule, **common),
                 "wfd": dict(schedule="wfd", exit_rule=rule, **common),
                 "dtv": dict(schedule="dtv", exit_rule=rule, block_length=BLOCK_LENGTH,
                             **common)})
             ar_x, wfd_x, dtv_x = runs["ar"], runs["wfd"], runs["dtv"]
+            ar, wfd = runs["fixed ar"], runs["fixed wfd"]
             same = [a == b for x, y in zip(ar_x["results"], ar["results"], strict=True)
                     for a, b in zip(x.tokens, y.tokens, strict=False)]
             bound = tick_bound(ar_x, wfd_x, d)

@@ -4,7 +4,7 @@ block call vs the number of positions in it.
     python bench/decode_speed.py schedules [--models huginn-tiny ouro-tiny huginn-mid:random
         ouro-mid:random] [--modes eager static] [--device cpu] [--context 0] [--repeats 5]
         [--new-tokens 64] [--acceptance 0.9] [--threads 2] [--reference-huginn DIR]
-        [--reference-ouro DIR] [--out FILE.json]
+        [--reference-ouro DIR] [--exit-depths "16:0.5,32:0.5"] [--out FILE.json]
     python bench/decode_speed.py block-calls [--model huginn-mid:random] [--dtype fp32 bf16]
         [--threads 1 2]
     python bench/decode_speed.py operations [--models huginn-3.5b ouro-2.6b] [--dtypes fp32 bf16]
@@ -13,6 +13,9 @@ Runs are interleaved (each repeat runs every configuration once, in turn) and th
 reported. A trained model decodes for real; a random-weight model (PRESET:random) uses the
 forced-acceptance mode at --acceptance, which times the schedule without a real decode (flagged in
 the table). --context N decodes after a prompt of N tokens instead of the three code prompts.
+--exit-depths DIST times every schedule with adaptive depth, each token exiting at a depth drawn
+from DIST (forced exits, costmodel.exits.ForcedExits: not a real decode, flagged), what
+`costmodel predict --exit-depths DIST` prices.
 
 Columns: tokens/s over the whole run (prefill included, as the WFD paper reports); ms per decoded
 token (after the first token); the fraction of the bandwidth roofline the decode reaches (the bytes
@@ -44,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from costmodel.exits import ForcedExits
 from costmodel.plans import wave_width
 from costmodel.predict import resolve_draft_depth
 from costmodel.presets import get_hardware
@@ -148,10 +152,13 @@ def schedules(args) -> None:
         prompts = prompts_for(model, args.context, args.prompts)
         depth = model.config.depth
         d = resolve_draft_depth(model.config, depth, None, args.draft_depth)
-        configs = {"AR": ("ar", {})}
+        exits = {} if args.exit_depths is None else {
+            "exit_rule": ForcedExits.parse(args.exit_depths, depth)}
+        configs = {"AR": ("ar", exits)}
         for k in args.block_lengths:
-            configs[f"DtV k={k} d={d}"] = ("dtv", {"block_length": k, "draft_depth": d})
-        configs[f"WFD d={d} W={wave_width(depth, d)}"] = ("wfd", {"draft_depth": d})
+            configs[f"DtV k={k} d={d}"] = ("dtv", {"block_length": k, "draft_depth": d,
+                                                   **exits})
+        configs[f"WFD d={d} W={wave_width(depth, d)}"] = ("wfd", {"draft_depth": d, **exits})
         runs = [(mode, label) for mode in modes for label in configs]
         results: dict[tuple[str, str], list[dict]] = {run: [] for run in runs}
         for mode in modes:  # warm-up; in static and graphs modes AR's shapes, kept for the runs
@@ -183,8 +190,9 @@ def schedules(args) -> None:
                     "tokens_per_s": median(label, "tokens_per_s"), "ms_per_token": ms,
                     "roofline_fraction": byte_counts[label] / bandwidth / (ms / 1e3),
                     "speedup_vs_ar": median(label, "tokens_per_s") / ar, "acceptance": acc,
-                    "decode": "forced acceptance" if forced is not None and label != "AR"
-                    else "real"})
+                    "decode": ", ".join(
+                        (["forced acceptance"] if forced is not None and label != "AR" else [])
+                        + (["forced exits " + args.exit_depths] if exits else [])) or "real"})
         reference = {"huginn": args.reference_huginn, "ouro": args.reference_ouro}[
             model.config.family]
         if reference:
@@ -292,6 +300,8 @@ def main() -> None:
     s.add_argument("--reference-ouro", default=None)
     s.add_argument("--reference-tokens", type=int, default=32,
                    help="new tokens per reference run (it is slow: tokens/s is what counts)")
+    s.add_argument("--exit-depths", default=None,
+                   help="forced exits: each token exits at a depth drawn from this distribution")
     s.add_argument("--out", default=None)
     b = sub.add_parser("block-calls")
     b.add_argument("--model", default="huginn-mid:random")

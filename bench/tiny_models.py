@@ -8,7 +8,7 @@ equals the readout at full depth R (held-out windows of 256 bytes, the training 
 and the acceptance WFD achieves when generating from held-out prompts (greedy, d = ceil(R / 8)),
 and with adaptive depth (EXIT_RULES: the model's rule at three thresholds) the bits per byte
 against the mean exit depth and the exit depths' distribution (teacher forced through the
-decoder: wfd.exits.held_out_bits). Prints Markdown tables; with --write-cards, writes
+decoder: wfd.heldout.held_out_bits). Prints Markdown tables; with --write-cards, writes
 wfd/models/NAME/README.md and measurements.json.
 """
 
@@ -103,7 +103,7 @@ def exit_measurements(model, name: str, data: bytes, windows: int) -> dict:
     """Bits per byte at fixed depth and under each of the card's exit rules, with the mean exit
     depth and the exit depths' distribution."""
     from costmodel.exits import ExitRule
-    from wfd.exits import held_out_bits
+    from wfd.heldout import held_out_bits
 
     out = {"fixed": held_out_bits(model, data, None, windows=windows)}
     for text in EXIT_RULES.get(name, []):

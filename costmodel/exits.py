@@ -28,6 +28,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from .plans import EarlyExit
 
 DEFAULT_THRESHOLDS = {"kl": 1e-3, "entropy-diff": 1e-3, "latent-diff": 0.03,
@@ -150,3 +152,44 @@ def parse_exit_depths(text: str, depth: int) -> dict[int, float]:
     if abs(total - 1) > 1e-6:
         raise ValueError(f"exit depth probabilities sum to {total:g}, not 1")
     return dict(sorted(dist.items()))
+
+
+@dataclass(frozen=True)
+class ForcedExits:
+    """Timing on random weights (like forced acceptance): each decoded position exits at a depth
+    drawn from ``distribution`` by a draw that depends only on (seed, position), not where a
+    rule fires. NOT a real decode; the simulator draws the same depths (``depth_at``)."""
+
+    distribution: tuple[tuple[int, float], ...]  # (depth, probability), depths ascending
+    seed: int = 0
+    name = "forced"
+    reads_readouts = False
+
+    @classmethod
+    def parse(cls, text: str, depth: int, seed: int = 0) -> ForcedExits:
+        return cls(tuple(parse_exit_depths(text, depth).items()), seed)
+
+    @property
+    def min_depth(self) -> int:
+        return min(r for r, p in self.distribution if p > 0)
+
+    @property
+    def label(self) -> str:
+        return "forced " + ",".join(f"{r}:{p:g}" for r, p in self.distribution)
+
+    def for_plan(self, coda_attends: bool, depth: int) -> EarlyExit:
+        if max(r for r, _ in self.distribution) > depth:
+            raise ValueError(f"forced exit depths must be in 1..{depth}")
+        return EarlyExit(self.min_depth, coda_attends)
+
+    def depth_at(self, position: int) -> int:
+        u = np.random.default_rng([self.seed, position]).random()
+        total = 0.0
+        for r, p in self.distribution:
+            total += p
+            if u < total:
+                return r
+        return self.distribution[-1][0]
+
+
+Rule = ExitRule | ForcedExits  # what decides where a position stops

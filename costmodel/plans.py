@@ -1,9 +1,11 @@
 """The schedules, written once: AR, DtV(k, d) and WFD(d, cap) as plans.
 
 A plan is a generator of events. ``Call`` says which part (P, B or C) runs next over which
-positions at which depths; ``Draft``, ``Verify`` and ``Bonus`` say what to do with the readouts
-of the last coda call; ``Rollback`` drops the KV of discarded positions. ``Verify`` takes back
-the outcome (``plan.send(accepted)``). The decoder (``wfd.generate``) executes a plan with
+positions at which depths; ``Draft``, ``Verify`` and ``Bonus`` say what to do with a position's
+latest readout; ``Rollback`` drops the KV of discarded positions. ``Verify`` takes back the
+outcome (``plan.send(accepted)``); ``Check`` asks an exit rule (or a draft rule) about positions
+just advanced and takes back those it fires for, outcomes learned at run time like
+verification (adaptive depth: ``EarlyExit``). The decoder (``wfd.generate``) executes a plan with
 tensors and the model; the simulator (``costmodel.simulate``) executes the same plan with draws
 or a measured acceptance sequence and prices each call. Both stop the plan once enough tokens
 are committed (each ``Verify`` and each ``Bonus`` commits one).
@@ -240,8 +242,7 @@ class Plan:
         every = self.exits is not None and self.exits.every_depth
         if checked and not every:  # the rule reads the states: ask first, read out the exits
             exited = yield Check(*map(tuple, zip(*checked, strict=True)))
-        depths_read = self.readout_depths if every else self.always_read
-        read = [(p, r) for p, r in pairs if r in depths_read or p in exited]
+        read = [(p, r) for p, r in pairs if self.read_at(r) or p in exited]
         if read:
             yield Call("coda", *map(tuple, zip(*read, strict=True)))
         if checked and every:
@@ -266,7 +267,9 @@ class DtVPlan(Plan):
     from d to R in R - d batched calls, verify the k drafts in order, commit the correction at
     the first mismatch or the bonus token when all match, roll back the rest. With exits a
     position that exits by d drafts its final token (committed as is), and the others leave the
-    batched calls as they exit."""
+    batched calls as they exit. With adaptive drafts each position drafts where its draft rule
+    fires, never deeper than the one before, and they continue together each from its own depth
+    (the older never shallower, as in a wave)."""
 
     kind = "dtv"
 
@@ -334,7 +337,8 @@ class WFDPlan(Plan):
     the cap allows); the oldest reaching R verifies, in the same coda call. A rejection commits
     the correction, flushes every younger position and re-enters the correction at depth 0.
     With exits a position leaves the wave at its exit depth and waits, out of the calls, until
-    every older one is committed; one that exits by d drafts its final token."""
+    every older one is committed; one that exits by d drafts its final token. With adaptive
+    drafts the newest drafts where its draft rule fires (by d), and the next enters sooner."""
 
     kind = "wfd"
 

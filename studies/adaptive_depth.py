@@ -101,8 +101,12 @@ def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult
         for hw, dtype in hardware:
             name = getattr(hw, "name", hw)
             for label, shape in shapes.items():
+                seen = []
                 for fraction in fractions:
                     dist = shape(fraction * depth, depth)
+                    if dist in seen:  # a coarse shape (few depths) that lands on one already
+                        continue
+                    seen.append(dist)
                     s = predict(model, hw, Workload(context_length=CONTEXT, exit_depths=dist,
                                                     dtype=dtype)).schedules
                     rows.append({

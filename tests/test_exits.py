@@ -391,3 +391,59 @@ def test_a_run_with_adaptive_drafts_replays_call_for_call(family, easy, name, pr
                    drafts=EarlyExit(draft_rule.min_depth, draft_rule.reads_readouts),
                    draft_depths=draft_at)
     assert shape(sim.records) == shape(res.records)
+
+
+# --- forced exits (timing on random weights) ---------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["huginn", "ouro"])
+@pytest.mark.parametrize("schedule", [AR(), DtV(block_length=3, draft_depth=2),
+                                      WFD(draft_depth=1), WFD(draft_depth=2, width_cap=2)])
+def test_forced_exits_are_the_simulators_draws(family, schedule):
+    """A timing run with forced exits (and forced acceptance) makes the simulator's calls with
+    the same draws: each position's exit depth depends on (seed, position) only."""
+    from costmodel.exits import ForcedExits
+
+    model = model_for(family, False)
+    depth = model.config.depth
+    forced = ForcedExits.parse("2:0.3,3:0.3,4:0.4", depth, seed=3)
+    kind = schedule.kind
+    res = generate(model, [1, 2, 3, 4], schedule=kind, max_new_tokens=30,
+                   draft_depth=getattr(schedule, "draft_depth", None),
+                   block_length=getattr(schedule, "block_length", 4),
+                   width_cap=getattr(schedule, "width_cap", None),
+                   force_acceptance=None if kind == "ar" else 0.7, seed=5, exit_rule=forced)
+    assert res.stats["forced_exits"] and res.stats["mean_exit_depth"] < depth
+    sim = simulate(model.config.to_spec("tiny"), HARDWARE, schedule, context_length=4,
+                   new_tokens=30, acceptance=0.7, seed=5, depth=depth, prefill=True,
+                   exits=forced.for_plan(model.config.coda_layers > 0, depth),
+                   exit_depths=lambda p, entry: forced.depth_at(p))
+    assert shape(sim.records) == shape(res.records)
+
+
+def test_forced_exit_draws_follow_their_distribution():
+    from costmodel.exits import ForcedExits
+
+    forced = ForcedExits.parse("4:0.25,8:0.75", 8)
+    draws = [forced.depth_at(p) for p in range(4000)]
+    assert set(draws) == {4, 8}
+    assert draws.count(4) / len(draws) == pytest.approx(0.25, abs=0.03)
+
+
+@pytest.mark.parametrize("family", ["huginn", "ouro"])
+def test_held_out_bits_through_the_decoder_equal_the_uncached_evaluation(family):
+    """Teacher forcing through the decoder at fixed depth gives the uncached forward's bits per
+    byte (what a card's exit table is measured against)."""
+    import torch
+
+    from wfd.heldout import held_out_bits
+    from wfd.train import evaluate
+
+    model = model_for(family, True)
+    data = bytes((7 * i + i * i) % 64 for i in range(40))
+    decoded = held_out_bits(model, data, None, windows=1, length=32)["bits_per_byte"]
+    uncached = evaluate(model, torch.tensor(list(data)), model.config.depth, length=32,
+                        windows=1)["bits_per_byte"][-1]
+    assert decoded == pytest.approx(uncached, rel=1e-4)
+    early = held_out_bits(model, data, ExitRule.parse(RULES[family][0]), windows=1, length=32)
+    assert early["mean_exit_depth"] < model.config.depth

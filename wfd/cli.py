@@ -69,6 +69,9 @@ def generate(
         "an exit gate)")] = None,
     min_depth: Annotated[int, typer.Option(
         help="--exit: the shallowest depth a token may stop at")] = 1,
+    force_exits: Annotated[str | None, typer.Option(
+        help="timing mode: each token exits at a depth drawn from this distribution, e.g. "
+             "\"8:0.5,16:0.5\", instead of where a rule fires (NOT a real decode)")] = None,
     draft_when: Annotated[str | None, typer.Option(
         help="dtv/wfd, adaptive drafting: RULE:THRESHOLD (the --exit rules, looser), a token "
              "drafts at the first depth it fires, --draft-depth the deepest")] = None,
@@ -137,6 +140,8 @@ def generate(
                             "schedule to run with --exit")
     elif min_depth != 1:
         raise UserError("--min-depth goes with --exit")
+    if force_exits is not None and exit_rule is not None:
+        raise UserError("give --exit or --force-exits, not both")
     draft_rule = None
     if draft_when is not None:
         from costmodel.exits import ExitRule
@@ -172,6 +177,13 @@ def generate(
         tok = tokenizer_for(folder if folder.is_dir() else None, net.config.vocab_size)
         stops = frozenset(_parse_ids(stop_ids, "--stop-ids")) if stop_ids else frozenset()
         run_depth = depth or net.config.depth
+        if force_exits is not None:
+            from costmodel.exits import ForcedExits
+
+            try:
+                rule = ForcedExits.parse(force_exits, run_depth, seed)
+            except ValueError as exc:
+                raise UserError(f"--force-exits: {exc}") from None
         if schedule in ("dtv", "wfd"):
             draft_depth = resolve_draft_depth(net.config, run_depth, width, draft_depth)
         if prompts_file is not None:
@@ -254,6 +266,7 @@ def generate(
                    + (f", acceptance {acceptance:.2f}" if acceptance is not None else "")
                    + (f", exits by {result.stats['exit_rule']} at mean depth "
                       f"{result.stats['mean_exit_depth']:.2f}" if rule is not None else "")
+                   + (", FORCED exits: not a real decode" if force_exits else "")
                    + (", FORCED acceptance: not a real decode"
                       if result.stats.get("forced_acceptance") else ""), err=True)
 

@@ -15,11 +15,17 @@ from torch import nn
 
 from costmodel.exits import ENTROPY_START, ExitRule
 
-from .sampling import GenerationError, Sampling
+from .sampling import GenerationError
 
 
 def check_rule(rule: ExitRule, model: nn.Module, depth: int) -> None:
     """A rule this model and depth can run; one line otherwise."""
+    if rule.name == "forced":
+        try:
+            rule.for_plan(False, depth)
+        except ValueError as exc:
+            raise GenerationError(str(exc)) from None
+        return
     if rule.name == "gate" and not hasattr(model, "exit_lambda"):
         raise GenerationError(f"the gate rule needs a model with an exit gate; "
                               f"{model.family} has none")
@@ -69,12 +75,20 @@ class ExitTracker:
             self.exit_depths.pop(p, None)
             self.fired.setdefault(p, []).append(None)
 
+    def forget(self, position: int) -> None:
+        """A committed position's memory is not needed again (it re-enters only if flushed,
+        which ``enter`` starts afresh)."""
+        self.memory.pop(position, None)
+
     def check(self, positions: tuple[int, ...], depths: tuple[int, ...],
               states: torch.Tensor, readouts: list[torch.Tensor]) -> set[int]:
         """The positions the rule exits at these depths, given their states (rows of
         ``states``) and latest readouts (``readouts``, one per position when the rule reads
         them)."""
         rule, first = self.rule, self.rule.min_depth
+        if rule.name == "forced":  # timing: the drawn depths, whatever the model computes
+            return self._decide(positions, depths, [r == rule.depth_at(p) for p, r in zip(
+                positions, depths, strict=True)], forced=True)
         if rule.name == "gate":  # every step's hazard counts, checked or not
             hazards = self.model.exit_lambda(states).tolist()
             values = []
@@ -116,10 +130,10 @@ class ExitTracker:
             self.memory[p] = m
         return self._decide(ps, [depths[i] for i in checked], values)
 
-    def _decide(self, positions, depths, values) -> set[int]:
+    def _decide(self, positions, depths, values, forced: bool = False) -> set[int]:
         out = set()
         for p, r, v in zip(positions, depths, values, strict=True):
-            if r >= self.rule.min_depth and self.rule.fires(v):
+            if r >= self.rule.min_depth and (v if forced else self.rule.fires(v)):
                 out.add(p)
                 self.exit_depths[p] = r
                 self.fired[p][-1] = r
@@ -143,42 +157,3 @@ def depth_signals(states: dict[int, torch.Tensor], initial: torch.Tensor,
         out["exit_lambda"] = model.exit_lambda(h[1:]).tolist()
     return out
 
-
-class _TeacherForcing(Sampling):
-    """Commits the text's next byte whatever the readout, and adds up its negative log-likelihood
-    (a held-out evaluation run through the decoder, exits and their KV rule included)."""
-
-    def __init__(self, text: list[int]):
-        super().__init__()
-        self.text, self.nll, self.count = text, 0.0, 0
-
-    def choose(self, logits: torch.Tensor, position: int) -> int:
-        target = self.text[position + 1]
-        self.nll -= float(log_probs(logits)[target])
-        self.count += 1
-        return target
-
-
-def held_out_bits(model: nn.Module, data: bytes, rule: ExitRule | None, *, windows: int = 8,
-                  length: int = 256) -> dict[str, object]:
-    """Bits per byte over ``windows`` windows of ``length`` bytes spread over ``data``, each
-    decoded from its first byte by AR with ``rule`` (None: fixed depth R) and teacher forcing:
-    every later byte is predicted at its own exit depth, attending over the KV its earlier bytes
-    left. Also the mean exit depth and the exit depths' distribution."""
-    from .generate import generate
-
-    step = max((len(data) - length - 1) // windows, 1)
-    nll, count, depths = 0.0, 0, []
-    for w in range(windows):
-        text = list(data[w * step: w * step + length + 1])
-        forcing = _TeacherForcing(text)
-        res = generate(model, text[:1], max_new_tokens=length, sampling=forcing,
-                       exit_rule=rule, record=False)
-        nll += forcing.nll
-        count += forcing.count
-        depths += res.stats.get("exit_depths", [])
-    out: dict[str, object] = {"bits_per_byte": nll / count / math.log(2)}
-    if depths:
-        out["mean_exit_depth"] = sum(depths) / len(depths)
-        out["exit_depths"] = {r: depths.count(r) / len(depths) for r in sorted(set(depths))}
-    return out

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from costmodel.exits import ExitRule
+from costmodel.exits import ExitRule, Rule
 from costmodel.plans import Call, EarlyExit, Executor, Plan, in_prefill, make_plan
 from costmodel.simulate import acceptance_draws
 from costmodel.trace import CallRecord, DepthRecord
@@ -84,7 +84,7 @@ class Decoder(Executor):
                  sampling: Sampling, verifier: Verifier,
                  stop_tokens: frozenset[int] = frozenset(), keep_depths: bool = False,
                  on_rollback: Callable[[KVCache, list[int]], None] | None = None,
-                 sequence: int | None = None, exit_rule: ExitRule | None = None,
+                 sequence: int | None = None, exit_rule: Rule | None = None,
                  draft_rule: ExitRule | None = None):
         self.runner, self.prompt = runner, list(prompt)
         self.sequence = sequence  # its region of a batched cache (wfd.batch); None: the cache
@@ -177,6 +177,9 @@ class Decoder(Executor):
         self.tokens.append(token)
         self.token_at[position + 1] = token
         self.readouts.pop(position, None)
+        for tracker in (self.exits, self.draft_rule):
+            if tracker is not None:
+                tracker.forget(position)
         if self.exits is not None and position >= len(self.prompt):
             self.exit_depths.append(self.exits.exit_depths.pop(position,
                                                                 self.runner.cache.depth))
@@ -239,12 +242,12 @@ class RunSetup:
     block_length: int
     width_cap: int | None
     coda_attends: bool
-    exit_rule: ExitRule | None = None
+    exit_rule: Rule | None = None
     draft_rule: ExitRule | None = None
 
     @classmethod
     def of(cls, model: nn.Module, schedule: str, depth: int | None, draft_depth: int | None,
-           block_length: int, width_cap: int | None, exit_rule: ExitRule | None = None,
+           block_length: int, width_cap: int | None, exit_rule: Rule | None = None,
            draft_rule: ExitRule | None = None) -> RunSetup:
         depth = depth or model.config.depth
         if draft_depth is None and depth > 1:
@@ -330,7 +333,7 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
              width_cap: int | None = None, force_acceptance: float | None = None,
              seed: int = 0, record: bool = True, hardware=None, mode: str | None = None,
              on_rollback: Callable[[KVCache, list[int]], None] | None = None,
-             exit_rule: ExitRule | None = None, draft_rule: ExitRule | None = None
+             exit_rule: Rule | None = None, draft_rule: ExitRule | None = None
              ) -> GenerationResult:
     """Run one schedule: "ar" (with ``depth_trace``), "dtv" (block_length, draft_depth), "wfd"
     (draft_depth, width_cap), or "auto": the prefill reads every prompt position out at every
@@ -416,6 +419,7 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
         stats["auto"] = decision
     if exit_rule is not None:
         stats["exit_rule"] = exit_rule.label
+        stats["forced_exits"] = exit_rule.name == "forced"
         stats["mean_exit_depth"] = sum(decoder.exit_depths) / max(len(decoder.exit_depths), 1)
         stats["exit_depths"] = decoder.exit_depths
     stats.update(runner.mode_stats())
