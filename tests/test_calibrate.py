@@ -430,12 +430,14 @@ def test_the_gpu_script_rehearsed_as_the_gpu_image_runs_it(tmp_path):
     assert {"run/smoke.json", "run/campaign.log", "run/gpu-ouro-fp32.json",
             "run/gpu-ouro-fp32.validation.json", "run/gpu-ouro-fp32.png",
             "run/bench-ouro-fp32.json", "run/bench-ouro-fp32.md", "run/batch-ouro-fp32.json",
-            "run/batch-ouro-fp32.md"} <= packed
+            "run/batch-ouro-fp32.md", "run/bench-exits-ouro-fp32.json"} <= packed
     back = tmp_path / "back" / "run"
     bench = json.loads((back / "bench-ouro-fp32.json").read_text())
     assert {row["schedule"].split()[0] for row in bench["rows"]} == {"AR", "DtV", "WFD"}
     assert all(row["tokens_per_s"] > 0 and row["mode"] == "eager" for row in bench["rows"])
     assert "| ouro-tiny:random | eager | AR |" in (back / "bench-ouro-fp32.md").read_text()
+    exits = json.loads((back / "bench-exits-ouro-fp32.json").read_text())["rows"]
+    assert all("forced exits 2:0.5,3:0.25,4:0.25" in row["decode"] for row in exits)
     assert json.loads((back / "smoke.json").read_text())["tiny_models"]
     assert {r["batch"] for r in json.loads((back / "batch-ouro-fp32.json").read_text())["runs"]
             } == {1, 2}
