@@ -65,6 +65,7 @@ class PartKV:
         self.slots = slots  # per sequence; sequence b owns flat slots b * slots ... + slots - 1
         self.lengths = [0] * (slots * sequences)
         self.ahead: dict[int, set[int]] = {}  # slot -> positions written past its valid prefix
+        self._copy_index: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         # without sharing a position is written once: a schedule that writes it again forgot to
         # roll back; with sharing, later depths overwrite the slot by design
         self.overwrite = self.rewrites = overwrite
@@ -104,7 +105,12 @@ class PartKV:
         layer (an exited position's KV standing in for the depths it skipped)."""
         if not self.layers or not targets:
             return
-        src, dst = torch.tensor(sources), torch.tensor(targets)
+        key = (tuple(sources), tuple(targets))
+        if key not in self._copy_index:  # made once per pattern, on the cache's device
+            device = self.layers[0].keys.device
+            self._copy_index[key] = (torch.tensor(sources, device=device),
+                                     torch.tensor(targets, device=device))
+        src, dst = self._copy_index[key]
         for layer in self.layers:
             layer.keys[dst, :, position] = layer.keys[src, :, position]
             layer.values[dst, :, position] = layer.values[src, :, position]
