@@ -30,8 +30,8 @@
 #    were written for, carried as wheels on PYTHONPATH: Huginn's raven_modeling_minimal.py runs
 #    under 4.53.3 (tokenizers 0.21, huggingface-hub < 1), ouro_rl's modeling_ouro.py under 4.57.6
 #    (tokenizers 0.22, huggingface-hub < 1), so run each family with its own PYTHONPATH.
-#    EXITS=1 (default): the same with adaptive depth, each token exiting at a depth drawn from
-#    EXITS_HUGINN / EXITS_OURO (forced exits; default a spread around R/2):
+#    EXITS=1 (default), after stage 3: the same with adaptive depth, each token exiting at a
+#    depth drawn from EXITS_HUGINN / EXITS_OURO (forced exits; default a spread around R/2):
 #    bench-exits-FAMILY-DTYPE.md and .json, what `costmodel predict --exit-depths` prices.
 # 3. Each mode in MODES (default on CUDA: eager and graphs; on a CPU: eager): random-weight
 #    models at the real sizes (timing needs no trained weights) fitted with the small and mid
@@ -128,24 +128,6 @@ if [ "${BENCH:-1}" = "1" ]; then
       --out "$RESULTS/bench-$family-$DTYPE.json" && cat "$RESULTS/bench-$family-$DTYPE.md"
     echo "$family benchmarked at $SECONDS s"
   done
-  if [ "${EXITS:-1}" = "1" ]; then
-    for family in $FAMILIES; do
-      read -r _ _ bench_model <<< "$(models "$family")"
-      draft=$([ "$family" = huginn ] && echo 4 || echo 1)
-      exits_var="EXITS_${family^^}"
-      if [ "$family" = ouro ]; then default_exits="2:0.5,3:0.25,4:0.25"
-      elif [ "$SIZES" = real ]; then default_exits="8:0.25,12:0.25,16:0.25,24:0.25"
-      else default_exits="2:0.25,3:0.25,4:0.25,6:0.25"; fi  # huginn-tiny: R = 8
-      step "$family exits benchmark" "$RESULTS/bench-exits-$family-$DTYPE.md" \
-        "$PY" bench/decode_speed.py schedules --models "$bench_model" --device "$DEVICE" \
-        --dtype "$DTYPE" --modes $BENCH_MODES --context "${BENCH_CONTEXT:-1024}" \
-        --new-tokens "${BENCH_TOKENS:-256}" --repeats 1 --prompts 1 \
-        --draft-depth "$draft" --block-lengths 4 --acceptance 0.9 \
-        --exit-depths "${!exits_var:-$default_exits}" \
-        --out "$RESULTS/bench-exits-$family-$DTYPE.json" \
-        && cat "$RESULTS/bench-exits-$family-$DTYPE.md"
-    done
-  fi
 fi
 for family in $FAMILIES; do
   read -r fit holdout _ <<< "$(models "$family")"
@@ -177,6 +159,25 @@ for family in $FAMILIES; do
         "$PY" -m costmodel validate --profile "$RESULTS/$joint.json" --json
   fi
 done
+# adaptive depth after the calibrations: the campaign's first figures come first
+if [ "${BENCH:-1}" = "1" ] && [ "${EXITS:-1}" = "1" ]; then
+  for family in $FAMILIES; do
+    read -r _ _ bench_model <<< "$(models "$family")"
+    draft=$([ "$family" = huginn ] && echo 4 || echo 1)
+    exits_var="EXITS_${family^^}"
+    if [ "$family" = ouro ]; then default_exits="2:0.5,3:0.25,4:0.25"
+    elif [ "$SIZES" = real ]; then default_exits="8:0.25,12:0.25,16:0.25,24:0.25"
+    else default_exits="2:0.25,3:0.25,4:0.25,6:0.25"; fi  # huginn-tiny: R = 8
+    step "$family exits benchmark" "$RESULTS/bench-exits-$family-$DTYPE.md" \
+      "$PY" bench/decode_speed.py schedules --models "$bench_model" --device "$DEVICE" \
+      --dtype "$DTYPE" --modes $BENCH_MODES --context "${BENCH_CONTEXT:-1024}" \
+      --new-tokens "${BENCH_TOKENS:-256}" --repeats 1 --prompts 1 \
+      --draft-depth "$draft" --block-lengths 4 --acceptance 0.9 \
+      --exit-depths "${!exits_var:-$default_exits}" \
+      --out "$RESULTS/bench-exits-$family-$DTYPE.json" \
+      && cat "$RESULTS/bench-exits-$family-$DTYPE.md"
+  done
+fi
 if [ "$BATCH" = "1" ]; then
   for family in $FAMILIES; do
     read -r _ _ bench_model <<< "$(models "$family")"
