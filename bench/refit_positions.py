@@ -48,7 +48,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("profile", type=Path)
     parser.add_argument("subsets", nargs="+", help="comma-separated positions per call")
-    parser.add_argument("--fix", nargs="+", default=[], choices=[p[0] for p in PARAMETERS],
+    parser.add_argument("--fix", nargs="+", default=[], choices=[p.name for p in PARAMETERS],
                         help="coefficients held at their default instead of fitted")
     args = parser.parse_args()
     try:
@@ -62,7 +62,7 @@ def main() -> None:
     start = profile.hardware.model_copy(update={
         name: HardwareSpec.model_fields[name].default for name in args.fix})
     # every coefficient this version fits on this kind of device
-    free = [p for p in parameters_for(profile.hardware) if p[0] not in args.fix]
+    free = [p for p in parameters_for(profile.hardware) if p.name not in args.fix]
     runs = [p for p in profile.validation if p.kind == "run"]
 
     def errors(hardware, points: list[ValidationPoint]) -> list[float]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -34,9 +35,27 @@ from costmodel.specs import HardwareSpec, LoopedModelSpec
 from costmodel.trace import CallRecord
 
 F_SCALE = 0.05
-# HardwareSpec field, lower bound, upper bound, start (and prior), unit, kind: an "overhead" that
-# the calls do not determine is dropped (0); a "fraction" or "scale" is held at its prior.
-PARAMETERS = [
+
+
+class Parameter(NamedTuple):
+    """A coefficient a fit may free: its HardwareSpec field, bounds, start (and prior), unit, and
+    kind: an "overhead" that the calls do not determine is dropped (0); a "fraction" or "scale"
+    is held at its prior."""
+
+    name: str
+    lower: float
+    upper: float
+    start: float
+    unit: str
+    kind: str
+
+    @property
+    def held(self) -> float:
+        """The value it is held at when taken out of a fit."""
+        return 0.0 if self.kind == "overhead" else self.start
+
+
+PARAMETERS = [Parameter(*row) for row in [
     ("host_overhead_s", 0.0, 5e-3, 2e-5, "s", "overhead"),
     ("layer_overhead_s", 0.0, 5e-3, 1e-5, "s per layer", "overhead"),
     ("attention_one_set_host_s", 0.0, 5e-3, 5e-6, "s per layer", "overhead"),
@@ -51,7 +70,7 @@ PARAMETERS = [
     ("flops_efficiency", 0.01, 1.0, 0.7, "fraction of peak", "fraction"),
     ("attention_flops_efficiency", 0.005, 1.0, 0.2, "fraction of peak", "fraction"),
     ("matmul_time_scale", 0.2, 5.0, 1.0, "x the measured curve", "scale"),
-]
+]]
 # Each mode's host terms; the rest of a GPU's coefficients are the device's, shared by the modes.
 # A GPU's eager host pays per call, per operation launched and for its attention's shape; no per
 # layer term: a layer's operations are counted, and a per-layer constant would be their launch
@@ -62,14 +81,14 @@ MODE_TERMS = {"eager": ("host_overhead_s", "attention_one_set_host_s",
 # A CPU's products are priced by the measured curve (its flops and weight bandwidth are in it);
 # the rest of a call's traffic, KV included, shares one efficiency. It runs eagerly.
 CPU_PARAMETERS = [p for p in PARAMETERS
-                  if p[0] not in ("kv_bandwidth_efficiency", "flops_efficiency", "kernel_device_s",
-                                  "attention_one_set_host_s", "attention_grouped_host_s",
-                                  *MODE_TERMS["graphs"])]
-GPU_PARAMETERS = [p for p in PARAMETERS if p[0] not in ("matmul_time_scale", "layer_overhead_s",
+                  if p.name not in ("kv_bandwidth_efficiency", "flops_efficiency",
+                                    "kernel_device_s", "attention_one_set_host_s",
+                                    "attention_grouped_host_s", *MODE_TERMS["graphs"])]
+GPU_PARAMETERS = [p for p in PARAMETERS if p.name not in ("matmul_time_scale", "layer_overhead_s",
                                                        "attention_key_set_s")]
 
 
-def parameters_for(hw: HardwareSpec, modes: Sequence[str] | None = None) -> list[tuple]:
+def parameters_for(hw: HardwareSpec, modes: Sequence[str] | None = None) -> list[Parameter]:
     """The coefficients a fit frees: a CPU's set, or a GPU's device coefficients with the host
     terms of the ``modes`` its calls ran in (default: the hardware's own mode). A mode whose
     calls are not in the fit keeps its host terms as they are. The device's time per kernel
@@ -79,7 +98,7 @@ def parameters_for(hw: HardwareSpec, modes: Sequence[str] | None = None) -> list
         return CPU_PARAMETERS
     modes = set(modes or [hw.mode])
     other = {t for m, terms in MODE_TERMS.items() if m not in modes for t in terms}
-    return [p for p in GPU_PARAMETERS if p[0] not in other | set(eager_held(hw, modes))]
+    return [p for p in GPU_PARAMETERS if p.name not in other | set(eager_held(hw, modes))]
 
 
 EAGER_HELD = {"kernel_device_s": "eager calls cannot tell it from the host's launch cost: held at "
@@ -99,7 +118,7 @@ MICROBENCHMARKS = {"replay_host_s": "graph_host_overhead_s",
 
 
 def prior(name: str) -> float:
-    return next(p[3] for p in PARAMETERS if p[0] == name)
+    return next(p.start for p in PARAMETERS if p.name == name)
 
 
 @dataclass
@@ -121,7 +140,7 @@ class FitResult:
     cost: float
 
     def coefficients(self) -> dict[str, FittedValue]:
-        units = {p[0]: p[4] for p in PARAMETERS}
+        units = {p.name: p.unit for p in PARAMETERS}
         return {name: FittedValue(value=value, stderr=self.stderr[name], unit=units[name])
                 for name, value in self.values.items()}
 
@@ -170,13 +189,14 @@ def predict_calls(hw: HardwareSpec, obs: Sequence[Observation], dtype: str) -> n
     return out
 
 
-def _with(base: HardwareSpec, parameters: Sequence[tuple], theta: np.ndarray) -> HardwareSpec:
-    return base.model_copy(update={name: float(v) for (name, *_), v in
+def _with(base: HardwareSpec, parameters: Sequence[Parameter], theta: np.ndarray
+          ) -> HardwareSpec:
+    return base.model_copy(update={p.name: float(v) for p, v in
                                    zip(parameters, theta, strict=True)})
 
 
 def undetermined(hw: HardwareSpec, obs: Sequence[Observation], dtype: str,
-                 parameters: Sequence[tuple] = PARAMETERS, step: float = 0.1,
+                 parameters: Sequence[Parameter] = PARAMETERS, step: float = 0.1,
                  tolerance: float = 0.01) -> set[str]:
     """The coefficients the training calls do not determine. The Jacobian of the calls' log times
     in the coefficients' relative changes (central differences of ``step``, within the bounds)
@@ -186,9 +206,10 @@ def undetermined(hw: HardwareSpec, obs: Sequence[Observation], dtype: str,
     depends on them. The standard errors from the Jacobian's pseudo-inverse read near zero
     there."""
     # a coefficient the spec leaves unset (attention's efficiency: the projections') at its start
-    hw = hw.model_copy(update={p[0]: p[3] for p in parameters if getattr(hw, p[0]) is None})
+    hw = hw.model_copy(update={p.name: p.start for p in parameters
+                               if getattr(hw, p.name) is None})
     columns = []
-    for name, lower, upper, start, *_ in parameters:
+    for name, lower, upper, start, *_ in parameters:  # a Parameter's fields, in order
         value = getattr(hw, name)
         scale = max(abs(value), abs(start))
         low, high = max(lower, value - step * scale), min(upper, value + step * scale)
@@ -201,18 +222,18 @@ def undetermined(hw: HardwareSpec, obs: Sequence[Observation], dtype: str,
     _, singular, vt = np.linalg.svd(np.column_stack(columns), full_matrices=True)
     null = vt[int(np.sum(singular > tolerance)):]
     share = np.sum(null**2, axis=0)  # each coefficient's share in the undetermined directions
-    return {p[0] for p, w in zip(parameters, share, strict=True) if w > 0.5}
+    return {p.name for p, w in zip(parameters, share, strict=True) if w > 0.5}
 
 
 def _solve(base: HardwareSpec, obs: Sequence[Observation], dtype: str,
-           parameters: Sequence[tuple]) -> tuple[np.ndarray, np.ndarray, float]:
+           parameters: Sequence[Parameter]) -> tuple[np.ndarray, np.ndarray, float]:
     """(values, standard errors, cost) of a least-squares fit of ``parameters``."""
     from scipy.optimize import least_squares
 
     measured = np.array([o.seconds for o in obs])
-    lower = np.array([p[1] for p in parameters])
-    upper = np.array([p[2] for p in parameters])
-    start = np.array([p[3] for p in parameters])
+    lower = np.array([p.lower for p in parameters])
+    upper = np.array([p.upper for p in parameters])
+    start = np.array([p.start for p in parameters])
 
     def residual(theta: np.ndarray) -> np.ndarray:
         return np.log(predict_calls(_with(base, parameters, theta), obs, dtype)) - np.log(
@@ -223,7 +244,7 @@ def _solve(base: HardwareSpec, obs: Sequence[Observation], dtype: str,
         # where the host's time overlaps the device's, a host term hidden behind the device at
         # the start moves no call and would stay there: start also from host terms large enough
         # to show in every call, and keep the better fit
-        starts.append(np.where([p[5] == "overhead" for p in parameters],
+        starts.append(np.where([p.kind == "overhead" for p in parameters],
                                np.minimum(start * 30, upper), start))
     res = min((least_squares(residual, x0, bounds=(lower, upper), loss="soft_l1",
                              f_scale=F_SCALE, x_scale="jac") for x0 in starts),
@@ -238,29 +259,25 @@ def _solve(base: HardwareSpec, obs: Sequence[Observation], dtype: str,
 
 
 def _weak(hw: HardwareSpec, obs: Sequence[Observation], dtype: str,
-          parameters: Sequence[tuple], values: np.ndarray, stderr: np.ndarray
+          parameters: Sequence[Parameter], values: np.ndarray, stderr: np.ndarray
           ) -> dict[str, str]:
     """The fitted coefficients the calls do not determine, each with why: in a direction the
     calls do not constrain, an overhead fitted at zero, or a standard error above its value."""
     loose = undetermined(hw, obs, dtype, parameters)
     weak = {}
     for p, value, error in zip(parameters, values, stderr, strict=True):
-        if p[0] in loose:
-            weak[p[0]] = "not determined by the calls"
-        elif p[5] == "overhead" and value <= 1e-9:
-            weak[p[0]] = "fitted at zero"
+        if p.name in loose:
+            weak[p.name] = "not determined by the calls"
+        elif p.kind == "overhead" and value <= 1e-9:
+            weak[p.name] = "fitted at zero"
         elif not value or error > abs(value):
-            weak[p[0]] = f"its standard error was {error / abs(value) if value else np.inf:.0%}" \
+            weak[p.name] = f"its standard error was {error / abs(value) if value else np.inf:.0%}" \
                          " of its value"
     return weak
 
 
-def _held_value(row: tuple) -> float:
-    return 0.0 if row[5] == "overhead" else row[3]
-
-
 def fit(base: HardwareSpec, obs: Sequence[Observation], dtype: str,
-        parameters: Sequence[tuple] | None = None) -> FitResult:
+        parameters: Sequence[Parameter] | None = None) -> FitResult:
     """Fit the free coefficients of ``base`` (whose peaks, curve and kernel counts are the
     measured ones) to ``obs``: those of ``parameters`` (rows of PARAMETERS; default: the CPU's
     or the GPU's set); the others keep their values in ``base``. Coefficients the calls do not
@@ -280,9 +297,9 @@ def fit(base: HardwareSpec, obs: Sequence[Observation], dtype: str,
         # of the weak ones, take out the one whose absence the calls miss least: the simpler
         # structure that fits best (two collinear overheads: the one the other replaces)
         trials = []
-        for row in (p for p in free if p[0] in weak):
+        for row in (p for p in free if p.name in weak):
             rest = [p for p in free if p is not row]
-            trial_hw = hw.model_copy(update={row[0]: _held_value(row)})
+            trial_hw = hw.model_copy(update={row.name: row.held})
             trial = _solve(trial_hw, obs, dtype, rest) if rest else (
                 np.array([]), np.array([]), float("nan"))
             trials.append((row, trial_hw, rest, trial))
@@ -290,9 +307,8 @@ def fit(base: HardwareSpec, obs: Sequence[Observation], dtype: str,
         row, hw, free, (values, stderr, cost) = min(trials,
                                                     key=lambda t: t[3][2] if t[2] else 0.0)
         fitted_hw = _with(hw, free, values)
-        held = _held_value(row)
-        dropped[row[0]] = (f"{weak[row[0]]}: dropped (0)" if row[5] == "overhead"
-                           else f"{weak[row[0]]}: held at its prior {held:g}")
+        dropped[row.name] = (f"{weak[row.name]}: dropped (0)" if row.kind == "overhead"
+                             else f"{weak[row.name]}: held at its prior {row.held:g}")
     measured = np.array([o.seconds for o in obs])
     predicted = predict_calls(fitted_hw, obs, dtype)
     rel = predicted / measured - 1
@@ -300,6 +316,6 @@ def fit(base: HardwareSpec, obs: Sequence[Observation], dtype: str,
         z = (np.log(predicted / measured) / F_SCALE) ** 2
         cost = float(F_SCALE**2 * np.sum(np.sqrt(1 + z) - 1))  # least_squares' soft-L1 cost
     return FitResult(hardware=fitted_hw,
-                     values={p[0]: float(v) for p, v in zip(free, values, strict=True)},
-                     stderr={p[0]: float(v) for p, v in zip(free, stderr, strict=True)},
+                     values={p.name: float(v) for p, v in zip(free, values, strict=True)},
+                     stderr={p.name: float(v) for p, v in zip(free, stderr, strict=True)},
                      dropped=dropped, residuals=rel, cost=cost)

@@ -33,7 +33,7 @@ def with_priors(hw: HardwareSpec, coefficients: dict[str, FittedValue] | None = 
     prior, or at what a microbenchmark among the profile's ``coefficients`` measured for it: a
     refit owes nothing to the fit it replaces, and a fit on one mode nothing to the other
     mode's."""
-    start = {p[0]: p[3] for p in parameters_for(hw, list(MODE_TERMS))}
+    start = {p.name: p.start for p in parameters_for(hw, list(MODE_TERMS))}
     start.update({name: coefficients[key].value for key, name in MICROBENCHMARKS.items()
                   if coefficients and key in coefficients})
     return hw.model_copy(update=start)

@@ -79,7 +79,7 @@ def test_fit_recovers_known_coefficients():
 
 def test_fit_frees_only_the_coefficients_it_is_given():
     truth = CPU.model_copy(update=TRUTH)
-    free = [p for p in CPU_PARAMETERS if p[0] != "attention_flops_efficiency"]
+    free = [p for p in CPU_PARAMETERS if p.name != "attention_flops_efficiency"]
     start = CPU.model_copy(update={"attention_flops_efficiency": 0.1})
     result = fit(start, synthetic(truth, noise=0.01), "fp32", free)
     assert "attention_flops_efficiency" not in result.values
@@ -152,8 +152,8 @@ def _profile(**kw) -> CalibrationProfile:
         created="2026-11-29T00:00:00+00:00", hardware=CPU, device="cpu",
         torch_version="x", dtype="fp32", commit="abc", models=["huginn-tiny"],
         grid={"positions": [1, 2]}, coefficients={
-            name: FittedValue(value=1.0, stderr=0.1, unit=p[4]) for name, *_, p in
-            [(p[0], p) for p in PARAMETERS]}, fit_stats={"train_points": 3}, **kw)
+            p.name: FittedValue(value=1.0, stderr=0.1, unit=p.unit) for p in PARAMETERS},
+        fit_stats={"train_points": 3}, **kw)
 
 
 def test_profile_round_trip(tmp_path):

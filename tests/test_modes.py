@@ -86,7 +86,7 @@ def test_the_modes_price_host_and_device_apart():
 def test_one_fit_over_both_modes_recovers_every_coefficient_it_can_see():
     obs = calls("eager", 0.01, 0) + calls("graphs", 0.01, 1)
     result = fit(GPU, obs, "fp32")
-    assert {p[0] for p in parameters_for(GPU, ["eager", "graphs"])} >= set(DEVICE) | set(
+    assert {p.name for p in parameters_for(GPU, ["eager", "graphs"])} >= set(DEVICE) | set(
         MODE_TERMS["eager"]) | set(MODE_TERMS["graphs"])
     for name, value in {**DEVICE, **EAGER, **GRAPHS}.items():
         # not in the truth: dropped, or worth less than the calls' noise (1%, 3 sigma) on any call
