@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from calibrate.measure import Quiet
+from calibrate.timing import Quiet
 from costmodel.profile import load_profile
 from costmodel.simulate import price_records
 from wfd.checkpoint import load_model

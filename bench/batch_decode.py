@@ -43,7 +43,7 @@ import sys
 
 import torch
 
-from calibrate.measure import Quiet
+from calibrate.timing import Quiet
 from costmodel.figures import batch_speedup_axes, save_figure
 from costmodel.profile import load_profile
 from costmodel.simulate import price_records

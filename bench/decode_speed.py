@@ -28,7 +28,7 @@ random weights as the baseline (it needs transformers in this environment).
 Prints a Markdown table for docs/ and, with --out, writes its rows as JSON.
 
 `operations` counts what the decoder dispatches per layer and per call of each part, by class, as
-a calibration counts it (calibrate.measure.decoder_operations): matrix products, attention and
+a calibration counts it (calibrate.operations.decoder_operations): matrix products, attention and
 other kernels, and views (no kernel). The counts do not depend on widths, so each preset is
 counted on a narrow copy with its own layers, heads ratio and options.
 """
@@ -140,7 +140,7 @@ def reference_rate(family: str, folder: str, model, prompts: list[list[int]], ne
 
 
 def schedules(args) -> None:
-    from calibrate.measure import memory_bandwidth
+    from calibrate.machine import memory_bandwidth
 
     torch.set_num_threads(args.threads)
     modes = args.modes or [default_mode(args.device)]
@@ -255,7 +255,7 @@ def block_calls(args) -> None:
 
 
 def operations(args) -> None:
-    from calibrate.measure import decoder_operations
+    from calibrate.operations import decoder_operations
     from costmodel.presets import get_model
     from wfd.checkpoint import build
     from wfd.config import ModelConfig

@@ -110,7 +110,7 @@ def eager_held(hw: HardwareSpec, modes: Sequence[str]) -> dict[str, str]:
     return EAGER_HELD if hw.matmul is None and "graphs" not in modes else {}
 
 
-# Microbenchmarks a GPU calibration records (calibrate.measure.graph_replay_costs), by profile
+# Microbenchmarks a GPU calibration records (calibrate.operations.graph_replay_costs), by profile
 # coefficient, and the coefficient each starts from in place of its prior: a graphs-mode
 # prediction from an eager fit stands on them.
 MICROBENCHMARKS = {"replay_host_s": "graph_host_overhead_s",

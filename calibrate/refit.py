@@ -19,6 +19,7 @@ from costmodel.specs import HardwareSpec
 from costmodel.trace import current_commit
 
 from .fit import MICROBENCHMARKS, MODE_TERMS, Observation, fit, parameters_for
+from .machine import streamed_start
 from .validate import report
 
 
@@ -37,20 +38,6 @@ def with_priors(hw: HardwareSpec, coefficients: dict[str, FittedValue] | None = 
     start.update({name: coefficients[key].value for key, name in MICROBENCHMARKS.items()
                   if coefficients and key in coefficients})
     return hw.model_copy(update=start)
-
-
-# the working sets a CPU calibration copies to find where its cache ends: 512 KiB to 128 MiB,
-# doubling (calibrate.measure.measure_peaks)
-COPY_WORKING_SETS_BYTES = [float(2**k) for k in range(19, 28)]
-
-
-def streamed_start(cache_bytes: float) -> float | None:
-    """Where products start to stream (``MatmulCurve.streamed_from_bytes``): the copy working
-    set after the cache knee, the first copied at memory speed; None without a knee, or with the
-    knee at the largest set copied."""
-    if not 0 < cache_bytes < COPY_WORKING_SETS_BYTES[-1]:
-        return None
-    return min(ws for ws in COPY_WORKING_SETS_BYTES if ws > cache_bytes)
 
 
 def with_streamed_start(hw: HardwareSpec, coefficients: dict[str, FittedValue]) -> HardwareSpec:

@@ -26,27 +26,23 @@ from costmodel.profile import (
 from costmodel.specs import HardwareSpec
 from costmodel.trace import current_commit
 
+from .curve import CURVE_ROWS, CURVE_ROWS_QUICK
 from .fit import MICROBENCHMARKS, Observation, fit, prior
+from .machine import Peaks, measure_peaks
 from .measure import (
-    CURVE_ROWS,
-    CURVE_ROWS_QUICK,
     FULL,
     QUICK,
     CallSample,
     Grid,
-    Peaks,
-    Quiet,
     call_grid,
     contexts_for,
-    decoder_operations,
-    graph_replay_costs,
-    measure_peaks,
     measure_runs,
-    operation_host_weights,
     time_call,
     warm_up,
 )
+from .operations import decoder_operations, graph_replay_costs, operation_host_weights
 from .refit import with_streamed_start
+from .timing import Quiet
 from .validate import ValidationPoint, run_point
 
 TRAIN_POSITIONS = (1, 2, 3, 4, 32)

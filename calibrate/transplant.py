@@ -26,7 +26,8 @@ import numpy as np
 from costmodel.profile import CalibrationProfile, ValidationPoint
 from costmodel.simulate import price_records
 
-from .measure import Grid, Quiet, time_call, warm_up
+from .measure import Grid, time_call, warm_up
+from .timing import Quiet
 
 # (part, positions, distinct slots): a decode step's calls and a wave's, shapes the two factors
 # move apart

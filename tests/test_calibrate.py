@@ -502,7 +502,7 @@ def test_machine_measurements_are_reused_only_from_the_same_setting():
 def test_decoder_operations_are_counted_per_layer_and_per_part():
     from conftest import TINY_CONFIGS
 
-    from calibrate.measure import count_ops, decoder_operations
+    from calibrate.operations import count_ops, decoder_operations
     from costmodel.specs import HardwareSpec
     from wfd.checkpoint import build
 
@@ -533,7 +533,7 @@ def test_a_cast_to_another_dtype_is_a_kernel_and_a_cast_to_the_same_is_a_view():
     import torch
     from conftest import TINY_CONFIGS
 
-    from calibrate.measure import count_ops
+    from calibrate.operations import count_ops
     from wfd.checkpoint import build
 
     cfg = TINY_CONFIGS["huginn"]
@@ -545,7 +545,7 @@ def test_a_cast_to_another_dtype_is_a_kernel_and_a_cast_to_the_same_is_a_view():
 
 
 def test_operation_classes_host_weights_are_measured():
-    from calibrate.measure import operation_host_weights
+    from calibrate.operations import operation_host_weights
 
     weights = operation_host_weights("cpu", "fp32", calls=50)
     assert set(weights) == {"matmul", "attention", "other", "view"} and weights["other"] == 1.0
@@ -554,7 +554,9 @@ def test_operation_classes_host_weights_are_measured():
 
 
 def test_machine_peaks_are_plausible():
-    from calibrate.measure import CURVE_SIZES_BYTES, Quiet, measure_peaks
+    from calibrate.curve import CURVE_SIZES_BYTES
+    from calibrate.machine import measure_peaks
+    from calibrate.timing import Quiet
 
     rows = [1, 2, 4]  # a short curve in one pass (no waiting out load): the test's time
     peaks = measure_peaks("cpu", "fp32", quiet=Quiet("cpu", retries=0), curve_rows=rows,
@@ -583,7 +585,7 @@ def test_machine_peaks_are_plausible():
 def test_each_curve_point_is_the_median_of_passes_timed_apart():
     """A spell of load slows the lines timed one after another in one pass: the median of the
     passes, a whole pass apart, drops it."""
-    from calibrate.measure import median_over_passes
+    from calibrate.curve import median_over_passes
 
     clock, spell = [0], range(3, 6)  # the 4th to 6th lines timed run slow
 
@@ -599,7 +601,7 @@ def test_each_curve_point_is_the_median_of_passes_timed_apart():
 
 
 def test_the_cache_is_where_copies_run_clearly_faster_than_memory():
-    from calibrate.measure import cache_knee
+    from calibrate.machine import cache_knee
 
     mib = 2.0**20
     sets = [(1 * mib, 90e9), (4 * mib, 80e9), (16 * mib, 40e9), (64 * mib, 21e9)]
@@ -609,7 +611,7 @@ def test_the_cache_is_where_copies_run_clearly_faster_than_memory():
 
 
 def test_quiet_measures_again_while_the_canary_runs_slow(monkeypatch):
-    from calibrate.measure import Quiet
+    from calibrate.timing import Quiet
 
     quiet = Quiet("cpu", retries=2, pause_s=0.0)
     ratios = iter([1.0, 2.0, 1.0, 1.0])  # the first attempt ends under load, the second is quiet
@@ -633,11 +635,11 @@ def test_quiet_measures_again_while_the_canary_runs_slow(monkeypatch):
 
 
 def test_the_canary_reports_its_time_over_the_fastest_so_far(monkeypatch):
-    import calibrate.measure as measure
+    import calibrate.timing as timing
 
-    quiet = measure.Quiet("cpu")
+    quiet = timing.Quiet("cpu")
     times = iter([0.010, 0.020, 0.015, 0.005, 0.010])
-    monkeypatch.setattr(measure, "_best_time", lambda *args, **kw: next(times))
+    monkeypatch.setattr(timing, "_best_time", lambda *args, **kw: next(times))
     assert [quiet.canary() for _ in range(5)] == pytest.approx([1.0, 2.0, 1.5, 1.0, 2.0])
 
 

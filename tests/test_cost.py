@@ -181,7 +181,7 @@ def test_a_row_count_the_curve_did_not_measure_costs_its_next_whole_block():
 
 
 def test_the_row_block_is_read_from_a_staircase_of_times():
-    from calibrate.measure import ROW_BLOCK_COUNTS, staircase_block
+    from calibrate.curve import ROW_BLOCK_COUNTS, staircase_block
 
     counts = ROW_BLOCK_COUNTS
     rng = np.random.default_rng(0)

@@ -303,7 +303,7 @@ def test_a_gpu_calibration_starts_from_the_replay_microbenchmarks_given_once():
 
 
 def test_the_replay_microbenchmark_times_a_call_and_its_kernels():
-    from calibrate.measure import graph_replay_costs
+    from calibrate.operations import graph_replay_costs
 
     per_call, per_kernel = graph_replay_costs("cpu", kernels=16, replays=20, capture=False)
     assert 0 < per_call < 1e-2 and 0 <= per_kernel < per_call
