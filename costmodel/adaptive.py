@@ -23,7 +23,7 @@ from functools import cache, cached_property
 import numpy as np
 
 from .exits import ExitRule
-from .plans import EarlyExit
+from .plans import EarlyExit, make_plan
 from .schedules import CallGroup
 from .specs import WFD, DtV, HardwareSpec, LoopedModelSpec, Workload
 
@@ -101,24 +101,24 @@ class ExitProfile:
         accept = rng.random(count) < np.asarray(self.accept_given_exit)[depths - 1]
         return [int(e) for e in depths], [bool(a) for a in accept]
 
-    def read_at(self, r: int, draft_depth: int | None = None) -> bool:
-        """Whether a position still going is read out after its step r (before knowing if it
-        exits there): every depth from the minimum when the plan reads every depth; the draft
-        depth and R always."""
-        return r == self.depth or r == draft_depth or (
-            self.exits.every_depth and r >= self.exits.min_depth)
+    def reads(self, schedule: str = "ar", draft_depth: int | None = None):
+        """Whether the schedule's plan reads a position still going out after its step r
+        (before knowing whether it exits there): the plan's own rule (``Plan.read_at``)."""
+        plan = make_plan(schedule, 1, self.depth, coda_attends=False, draft_depth=draft_depth,
+                         exits=self.exits)
+        return plan.read_at
 
 
 def ar_exit_groups(profile: ExitProfile) -> list[CallGroup]:
     """AR with exits, per token: P, a block call at each depth the position reaches, and its
     readouts (every checked depth, or the exit depth only)."""
-    depth = profile.depth
+    depth, read_at = profile.depth, profile.reads()
     groups = [CallGroup("prelude", 1, 1, 1), CallGroup("block", 1, 1, 1)]
     for r in range(2, depth + 1):
         groups.append(CallGroup("block", 1, 1, profile.at_least(r),
-                                after_other_part=profile.read_at(r - 1)))
+                                after_other_part=read_at(r - 1)))
     if profile.exits.every_depth:
-        readouts = sum(profile.at_least(r) for r in range(1, depth + 1) if profile.read_at(r))
+        readouts = sum(profile.at_least(r) for r in range(1, depth + 1) if read_at(r))
     else:
         readouts = 1.0
     groups.append(CallGroup("coda", 1, 1, readouts))
@@ -129,15 +129,16 @@ def dtv_exit_groups(schedule: DtV, profile: ExitProfile) -> list[CallGroup]:
     """DtV(k, d) with exits, per round (basis ("dtv", k)): k + 1 drafts of up to d steps each,
     then continuation calls over the positions still going."""
     k, d, depth = schedule.block_length, schedule.draft_depth, profile.depth
+    read_at = profile.reads("dtv", d)
     drafted = k + 1
     per_round = ("dtv", k)
     groups = [CallGroup("prelude", 1, 1, drafted, per_round),
               CallGroup("block", 1, 1, drafted, per_round)]
     for r in range(2, d + 1):
         groups.append(CallGroup("block", 1, 1, drafted * profile.at_least(r), per_round,
-                                after_other_part=profile.read_at(r - 1, d)))
+                                after_other_part=read_at(r - 1)))
     if profile.exits.every_depth:
-        readouts = sum(profile.at_least(r) for r in range(1, d + 1) if profile.read_at(r, d))
+        readouts = sum(profile.at_least(r) for r in range(1, d + 1) if read_at(r))
     else:
         readouts = 1.0  # one readout per draft: at d, or where it exits before d
     groups.append(CallGroup("coda", 1, 1, drafted * readouts, per_round))
@@ -145,7 +146,7 @@ def dtv_exit_groups(schedule: DtV, profile: ExitProfile) -> list[CallGroup]:
         going = _binomial(drafted, profile.at_least(r))
         # the call after a depth with readouts follows the coda: with every-depth readouts, or
         # (state rules) when a position exited at r - 1; r = d + 1 follows the drafts' readouts
-        if r == d + 1 or profile.read_at(r - 1, d):
+        if r == d + 1 or read_at(r - 1):
             after_coda = np.ones(drafted + 1)
         else:
             stopped = profile.at_least(r - 1) - profile.at_least(r)
@@ -157,7 +158,7 @@ def dtv_exit_groups(schedule: DtV, profile: ExitProfile) -> list[CallGroup]:
                 groups.append(CallGroup("block", n, 1, going[n] * after_coda[n], per_round))
                 groups.append(CallGroup("block", n, 1, going[n] * (1 - after_coda[n]),
                                         per_round, after_other_part=False))
-        if profile.read_at(r, d):
+        if read_at(r):
             reading = going
         else:  # only the positions exiting at r are read out
             reading = _binomial(drafted, profile.probs[r - 1])
