@@ -86,9 +86,7 @@ class ExitRule:
 
     def fires(self, value: float) -> bool:
         """Whether the quantity a check measured exits the position."""
-        if self.name == "argmax-stable":
-            return value >= self.threshold
-        if self.name == "gate":
+        if self.name in ("argmax-stable", "gate"):  # a count or a probability reaching it
             return value >= self.threshold
         return value < self.threshold
 

@@ -43,6 +43,12 @@ def kl(previous: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
     return (previous.exp() * (previous - current)).sum(-1)
 
 
+def uniform_like(current: torch.Tensor) -> torch.Tensor:
+    """The uniform distribution's log-probabilities, a row for each of ``current``'s: the start
+    the kl rule compares its first check with."""
+    return torch.full_like(current, -math.log(current.shape[-1]))
+
+
 def entropy(current: torch.Tensor) -> torch.Tensor:
     return -(current.exp() * current).sum(-1)
 
@@ -50,11 +56,6 @@ def entropy(current: torch.Tensor) -> torch.Tensor:
 def relative_change(state: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
     state, previous = state.float(), previous.float()
     return (state - previous).norm(dim=-1) / state.norm(dim=-1)
-
-
-def kl_from_uniform(current: torch.Tensor) -> torch.Tensor:
-    """KL(uniform || current) per row."""
-    return -math.log(current.shape[-1]) - current.mean(-1)
 
 
 class ExitTracker:
@@ -108,8 +109,8 @@ class ExitTracker:
             current = log_probs(torch.stack([readouts[i] for i in checked]))
             fresh = [depths[i] == first for i in checked]
             if rule.name == "kl":
-                uniform = torch.full_like(current[:1], -math.log(current.shape[-1]))
-                previous = torch.stack([uniform[0] if f else self.memory[p]
+                uniform = uniform_like(current[0])
+                previous = torch.stack([uniform if f else self.memory[p]
                                         for p, f in zip(ps, fresh, strict=True)])
                 values = kl(previous, current).tolist()
                 new_memory = list(current)
@@ -146,10 +147,10 @@ def depth_signals(states: dict[int, torch.Tensor], initial: torch.Tensor,
     its states by depth (and its initial state) and its readouts by depth."""
     depths = sorted(logits)
     lp = log_probs(torch.stack([logits[r] for r in depths]))
-    uniform = torch.full_like(lp[:1], -math.log(lp.shape[-1]))
+    uniform = uniform_like(lp)
     h = torch.stack([initial, *(states[r] for r in depths)])
-    out = {"kl_step": kl(torch.cat([uniform, lp[:-1]]), lp).tolist(),
-           "kl_start": kl_from_uniform(lp).tolist(),
+    out = {"kl_step": kl(torch.cat([uniform[:1], lp[:-1]]), lp).tolist(),
+           "kl_start": kl(uniform, lp).tolist(),
            "entropy": entropy(lp).tolist(),
            "latent_step": relative_change(h[1:], h[:-1]).tolist(),
            "latent_start": relative_change(h[1:], h[:1].expand_as(h[1:])).tolist()}

@@ -100,7 +100,7 @@ class Decoder(Executor):
         # position -> logits of its latest readout (from the last prompt position on)
         self.readouts: dict[int, torch.Tensor] = {}
         self.exits = ExitTracker(exit_rule, runner.model) if exit_rule else None
-        self.draft_rule = ExitTracker(draft_rule, runner.model) if draft_rule else None
+        self.drafts_when = ExitTracker(draft_rule, runner.model) if draft_rule else None
         self.exit_depths: list[int] = []  # the depth of each committed decoded token
         self.drafts: dict[int, Proposal] = {}
         # position -> depth -> logits, from the last prompt position on (depth trace, prefill)
@@ -152,7 +152,7 @@ class Decoder(Executor):
             self.injections[rows] = out
             self.states[rows] = self.runner.model.initial_state(positions, out)
             if positions[0] > last_prompt:
-                for tracker in (self.exits, self.draft_rule):
+                for tracker in (self.exits, self.drafts_when):
                     if tracker is not None:
                         tracker.enter(positions, self.states[rows])
         elif call.kind == "block":
@@ -177,7 +177,7 @@ class Decoder(Executor):
         self.tokens.append(token)
         self.token_at[position + 1] = token
         self.readouts.pop(position, None)
-        for tracker in (self.exits, self.draft_rule):
+        for tracker in (self.exits, self.drafts_when):
             if tracker is not None:
                 tracker.forget(position)
         if self.exits is not None and position >= len(self.prompt):
@@ -189,7 +189,7 @@ class Decoder(Executor):
         """Ask the exit rule (an exiting position's KV stands in for the depths it skips), or
         with ``draft`` the draft rule."""
         readouts = [self.readouts.get(p) for p in positions]
-        tracker = self.draft_rule if draft else self.exits
+        tracker = self.drafts_when if draft else self.exits
         exited = tracker.check(positions, depths, self.states[self._rows(positions)], readouts)
         if draft:
             return exited
@@ -430,7 +430,7 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
                             schedule=schedule, records=runner.records,
                             depth_records=decoder.depth_records, stats=stats, cache=cache,
                             outcomes=verifier.outcomes,
-                            draft_fired=decoder.draft_rule.fired if draft_rule else {})
+                            draft_fired=decoder.drafts_when.fired if draft_rule else {})
 
 
 @torch.inference_mode()
