@@ -8,6 +8,7 @@ block call vs the number of positions in it.
     python bench/decode_speed.py block-calls [--model huginn-mid:random] [--dtype fp32 bf16]
         [--threads 1 2]
     python bench/decode_speed.py operations [--models huginn-3.5b ouro-2.6b] [--dtypes fp32 bf16]
+        [--write costmodel/data/operations.json]
 
 Runs are interleaved (each repeat runs every configuration once, in turn) and the median is
 reported. A trained model decodes for real; a random-weight model (PRESET:random) uses the
@@ -30,7 +31,8 @@ Prints a Markdown table for docs/ and, with --out, writes its rows as JSON.
 `operations` counts what the decoder dispatches per layer and per call of each part, by class, as
 a calibration counts it (calibrate.operations.decoder_operations): matrix products, attention and
 other kernels, and views (no kernel). The counts do not depend on widths, so each preset is
-counted on a narrow copy with its own layers, heads ratio and options.
+counted on a narrow copy with its own layers, heads ratio and options. With --write it writes
+each family's counts by class, the table `costmodel` prices a preset's operations with.
 """
 
 from __future__ import annotations
@@ -255,20 +257,20 @@ def block_calls(args) -> None:
 
 
 def operations(args) -> None:
-    from calibrate.operations import decoder_operations
-    from costmodel.presets import get_model
-    from wfd.checkpoint import build
-    from wfd.config import ModelConfig
+    from calibrate.operations import decoder_operations, family_operations, narrow_model
 
+    if args.write:  # the table presets are priced with (costmodel/data/operations.json)
+        data = {"command": "python bench/decode_speed.py operations --write "
+                           "costmodel/data/operations.json",
+                "dtype": "bf16", "families": family_operations("bf16")}
+        Path(args.write).write_text(json.dumps(data, indent=1) + "\n")
+        print(f"wrote {args.write}")
+        return
     print("| model | dtype | per layer: operations | kernels (matmul, attention, other) | views |"
           " per call outside the layers (prelude, block, coda) |\n|---|---|---|---|---|---|")
     for name in args.models:
-        cfg = ModelConfig.from_spec(get_model(name))
-        heads = max(1, cfg.num_heads // cfg.num_kv_heads)  # keep grouped-query attention
-        narrow = cfg.model_copy(update={"hidden_size": 64, "num_heads": 2 * heads,
-                                        "num_kv_heads": 2, "head_dim": 32, "mlp_size": 128})
         for dtype in args.dtypes:
-            ops = decoder_operations([build(narrow, dtype=DTYPES[dtype])])
+            ops = decoder_operations([narrow_model(name, dtype)])
             by = ops.layer_by_class
             kernels = by["matmul"] + by["attention"] + by["other"]
             print(f"| {name} | {dtype} | {ops.per_layer} | {kernels} ({by['matmul']}, "
@@ -313,6 +315,8 @@ def main() -> None:
     o = sub.add_parser("operations")
     o.add_argument("--models", nargs="+", default=["huginn-3.5b", "ouro-2.6b"])
     o.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
+    o.add_argument("--write", default=None,
+                   help="write each family's bf16 counts by class to this JSON file instead")
     args = parser.parse_args()
     {"schedules": schedules, "block-calls": block_calls, "operations": operations}[args.what](args)
 

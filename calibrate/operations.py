@@ -163,3 +163,31 @@ def graph_replay_costs(device: str, kernels: int = 64, replays: int = 200,
     with torch.inference_mode():
         one, many = per_replay(1), per_replay(kernels + 1)
     return one, max(0.0, (many - one) / kernels)
+
+
+# The preset each family's dispatch is counted on (the counts do not depend on widths).
+FAMILY_PRESETS = {"huginn": "huginn-3.5b", "ouro": "ouro-2.6b"}
+
+
+def narrow_model(preset: str, dtype: str):
+    """A random model of ``preset``'s layers, heads ratio and options at small widths: it
+    dispatches what the preset does (the counts do not depend on widths)."""
+    from costmodel.presets import get_model
+    from wfd.checkpoint import DTYPES, build
+    from wfd.config import ModelConfig
+
+    cfg = ModelConfig.from_spec(get_model(preset))
+    heads = max(1, cfg.num_heads // cfg.num_kv_heads)  # keep grouped-query attention
+    narrow = cfg.model_copy(update={"hidden_size": 64, "num_heads": 2 * heads,
+                                    "num_kv_heads": 2, "head_dim": 32, "mlp_size": 128})
+    return build(narrow, dtype=DTYPES[dtype])
+
+
+def family_operations(dtype: str = "bf16") -> dict[str, dict[str, dict[str, int]]]:
+    """Per family, this decoder's operations by class per layer and per call of each part
+    outside its layers, as ``costmodel/data/operations.json`` stores them for pricing presets."""
+    counted = {}
+    for family, preset in FAMILY_PRESETS.items():
+        ops = decoder_operations([narrow_model(preset, dtype)])
+        counted[family] = {"layer": ops.layer_by_class, **ops.extras_by_class}
+    return counted

@@ -14,7 +14,7 @@ from .memory import does_not_fit
 from .predict import Prediction, predict
 from .presets import UnknownPresetError, get_hardware, get_model
 from .profile import ProfileError, load_profile, save_profile
-from .specs import HardwareSpec, Workload
+from .specs import EAGER_HOST_SOURCE, HardwareSpec, Workload
 from .trace import TraceError
 from .units import (
     UnitError,
@@ -224,8 +224,10 @@ def predict_cmd(
         result = predict(spec, hw, workload, width=width, draft_depth=draft_depth,
                          block_length=block_length)
     loose = _undetermined(prof) if prof is not None else []
+    host = _host_source(result.hardware, launch_overhead, host_speed)
     if as_json:
         payload = result.model_dump(mode="json")
+        payload["host_source"] = host
         payload["hardware"] = result.hardware.name
         payload["hardware_spec"] = result.hardware.model_dump(mode="json")
         payload["mode"] = "graphs" if result.hardware.cuda_graphs else "eager"
@@ -235,6 +237,8 @@ def predict_cmd(
     else:
         _print_table(result)
         _note_undetermined(loose)
+        if host is not None:
+            typer.echo(f"note: host: {host}", err=True)
     if not result.memory.fits:
         typer.echo(f"error: {does_not_fit(result.memory, workload)}", err=True)
         raise typer.Exit(1)
@@ -423,6 +427,19 @@ def _plot(rep, path: Path, title: str) -> Path | None:
         return path
     typer.echo(NO_PLOTS, err=True)
     return None
+
+
+def _host_source(hw: HardwareSpec, launch_overhead: str | None, host_speed: float | None
+                 ) -> str | None:
+    """Where a preset's host terms come from (None: a profile's, calibrated with its counts)."""
+    if hw.kernels_per_layer is not None:
+        return None
+    if launch_overhead is None:
+        source = EAGER_HOST_SOURCE
+    else:
+        source = (f"{launch_overhead} per dispatched operation (--launch-overhead) x this "
+                  "decoder's operations per call (costmodel/data/operations.json)")
+    return source + (f", / {host_speed:g} (--host-speed)" if host_speed is not None else "")
 
 
 def _undetermined(profile) -> list[str]:

@@ -94,24 +94,33 @@ def activation_elements_per_position(model: LoopedModelSpec, part: PartSpec) -> 
 def operations(hw: HardwareSpec, part: PartSpec, n_slots: ArrayLike
                ) -> tuple[ArrayLike, ArrayLike]:
     """(kernels a call of ``part`` runs, its dispatched operations weighted by their class's host
-    time). Without class counts every operation is a kernel of weight 1: per layer
-    ``kernels_per_layer`` plus, split by slot, ``attention_kernels_per_slot`` per slot read,
-    plus the part's own. With them (``HardwareSpec.layer_operations``), views run no kernel and
-    each class weighs its measured host time."""
-    attention_launches = np.where(hw.attention_split_by_slot, n_slots, np.minimum(n_slots, 1))
-    per_slot = hw.attention_kernels_per_slot * attention_launches
-    extra = hw.part_extra_kernels.get(part.name, part.extra_kernels)
-    dispatched = part.layers * (hw.kernels_per_layer + per_slot) + extra
-    if not hw.layer_operations:
-        return dispatched, dispatched
+    time). A preset (no ``kernels_per_layer``) counts this decoder's own operations by class
+    (``PartSpec.layer_operations``; one attention per layer). A calibrated spec counts its own:
+    without classes every operation is a kernel of weight 1, per layer ``kernels_per_layer``
+    plus, split by slot, ``attention_kernels_per_slot`` per slot read, plus the part's own; with
+    them (``HardwareSpec.layer_operations``), as the preset's. By class, views run no kernel and
+    each class weighs its measured host time (1 where none was measured)."""
+    if hw.kernels_per_layer is None:
+        per_slot = 0
+        layer_ops, extra_ops = part.layer_operations, part.extra_operations
+    else:
+        attention_launches = np.where(hw.attention_split_by_slot, n_slots,
+                                      np.minimum(n_slots, 1))
+        per_slot = hw.attention_kernels_per_slot * attention_launches
+        extra = hw.part_extra_kernels.get(part.name, sum(part.extra_operations.values()))
+        if not hw.layer_operations:
+            dispatched = part.layers * (hw.kernels_per_layer + per_slot) + extra
+            return dispatched, dispatched
+        layer_ops = hw.layer_operations
+        extra_ops = hw.part_extra_operations.get(part.name, {"other": extra})
     weights = hw.operation_host_weights
 
     def weighed(ops: dict[str, int]) -> float:
         return sum(count * weights.get(kind, 1.0) for kind, count in ops.items())
 
-    extra_ops = hw.part_extra_operations.get(part.name, {"other": extra})
-    views = part.layers * hw.layer_operations.get("view", 0) + extra_ops.get("view", 0)
-    host = (part.layers * (weighed(hw.layer_operations) + per_slot * weights.get("attention", 1.0))
+    dispatched = part.layers * (sum(layer_ops.values()) + per_slot) + sum(extra_ops.values())
+    views = part.layers * layer_ops.get("view", 0) + extra_ops.get("view", 0)
+    host = (part.layers * (weighed(layer_ops) + per_slot * weights.get("attention", 1.0))
             + weighed(extra_ops))
     return dispatched - views, host
 

@@ -36,7 +36,7 @@ from costmodel.trace import CallRecord
 
 CPU = HardwareSpec(name="synthetic cpu", memory_bandwidth_bytes_per_s=20e9,
                    peak_flops_per_s={"fp32": 100e9}, memory_capacity_bytes=24e9,
-                   matmul=synthetic_curve(cpu_like_product_s))
+                   kernels_per_layer=14, matmul=synthetic_curve(cpu_like_product_s))
 TRUTH = {"host_overhead_s": 40e-6, "launch_overhead_s": 6e-6, "layer_overhead_s": 30e-6,
          "bandwidth_efficiency": 0.55, "attention_flops_efficiency": 0.1,
          "matmul_time_scale": 1.3, "attention_key_set_s": 3e-6}
@@ -527,6 +527,18 @@ def test_decoder_operations_are_counted_per_layer_and_per_part():
                      part_extra_kernels=ops.extras, layer_operations=ops.layer_by_class,
                      part_extra_operations=ops.extras_by_class,
                      operation_host_weights={"view": 0.3, "other": 1.0})
+
+
+def test_the_presets_operation_table_is_what_this_decoder_dispatches():
+    """costmodel/data/operations.json, which prices a preset's operations, counted again: a
+    change to the model code that adds or removes an operation fails here until the table is
+    regenerated (the command it names)."""
+    from calibrate.operations import family_operations
+    from costmodel.specs import decoder_operations
+
+    counted = family_operations("bf16")
+    for family in ("huginn", "ouro"):
+        assert decoder_operations(family) == counted[family], family
 
 
 def test_a_cast_to_another_dtype_is_a_kernel_and_a_cast_to_the_same_is_a_view():

@@ -22,7 +22,8 @@ def _block(model, hw, n, slots, ctx, dtype="bf16"):
 def test_more_distinct_slots_never_make_a_call_cheaper(model, hw, n, slots, ctx):
     fewer = _block(model, hw, n, slots, ctx)
     more = _block(model, hw, n, slots + 1, ctx)
-    assert float(more.time_s) >= float(fewer.time_s)
+    # equal when the host hides both (the sum of a different split, to the last bit)
+    assert float(more.time_s) >= float(fewer.time_s) * (1 - 1e-12)
     assert float(more.kv_read_bytes) > float(fewer.kv_read_bytes)
 
 
@@ -32,7 +33,7 @@ def test_weights_are_read_once_per_call(model, hw, n, ctx):
     one = _block(model, hw, n, 1, ctx)
     two = _block(model, hw, n + 1, 1, ctx)
     assert float(one.weight_bytes) == float(two.weight_bytes)
-    assert float(two.time_s) >= float(one.time_s)
+    assert float(two.time_s) >= float(one.time_s) * (1 - 1e-12)  # equal when host-bound
     # a call over n + 1 positions costs far less than n + 1 single-position calls
     single = _block(model, hw, 1, 1, ctx)
     assert float(two.time_s) < (n + 1) * float(single.time_s)
@@ -79,8 +80,9 @@ def test_overlapped_overhead_is_hidden_behind_long_calls_only():
     m = get_model("ouro-2.6b")
     hw = get_hardware("a6000")
     assert hw.overhead_overlaps
-    big = call_cost(m, hw, m.part("block"), "bf16", 1, 1, 100, 100)
-    assert float(big.overhead_s) == 0.0  # 3.9 ms of launches under 8 ms of weight reads
+    fast_host = hw.model_copy(update={"launch_overhead_s": 3e-6})
+    big = call_cost(m, fast_host, m.part("block"), "bf16", 1, 1, 100, 100)
+    assert float(big.overhead_s) == 0.0  # 3.5 ms of launches under 6.5 ms of weight reads
     slow_host = hw.model_copy(update={"launch_overhead_s": 50e-6})
     exposed = call_cost(m, slow_host, m.part("block"), "bf16", 1, 1, 100, 100)
     serial = call_cost(m, slow_host.model_copy(update={"overhead_overlaps": False}),
@@ -100,8 +102,8 @@ def test_a_gpu_streams_the_weights_once_whatever_the_rows():
 def _cpu(**update):
     from conftest import cpu_like_product_s, synthetic_curve
 
-    return get_hardware("a6000").model_copy(update={
-        "overhead_overlaps": False, "peak_flops_per_s": {"fp32": 100e9},
+    return get_hardware("a6000").model_copy(update={  # counted as a CPU calibration counts
+        "overhead_overlaps": False, "peak_flops_per_s": {"fp32": 100e9}, "kernels_per_layer": 14,
         "matmul": synthetic_curve(cpu_like_product_s), **update})
 
 

@@ -4,6 +4,7 @@ exit code."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -197,3 +198,19 @@ print(presets._preset.cache_info().currsize, presets._presets.cache_info().currs
     assert "costmodel" in loaded and "numpy" in loaded
     assert not loaded & {"rich", "scipy", "matplotlib", "torch", "wfd", "calibrate", "studies"}
     assert cached == "2 0"  # huginn-3.5b and a6000, not every preset
+
+
+def test_a_preset_says_where_its_host_terms_come_from():
+    eager = json.loads(run("predict", "--model", "ouro-2.6b", "--mode", "eager", "--json").stdout)
+    assert "8.93 us per dispatched operation" in eager["host_source"]
+    graphs = json.loads(run("predict", "--model", "ouro-2.6b", "--mode", "graphs",
+                            "--json").stdout)
+    assert (eager["schedules"]["ar"]["latency_per_token_s"]
+            > 1.5 * graphs["schedules"]["ar"]["latency_per_token_s"])
+    given = run("predict", "--model", "ouro-2.6b", "--launch-overhead", "3us",
+                "--host-speed", "2")
+    assert "3us per dispatched operation (--launch-overhead) x" in given.stderr
+    assert "/ 2 (--host-speed)" in given.stderr
+    profile = Path(__file__).resolve().parents[1] / "data" / "profiles" / "gpu-ouro-bf16.json"
+    profiled = json.loads(run("predict", "--profile", str(profile), "--json").stdout)
+    assert profiled["host_source"] is None  # the profile's own counts and costs

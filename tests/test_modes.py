@@ -22,7 +22,7 @@ from costmodel.trace import CallRecord
 GPU = HardwareSpec(name="synthetic gpu", memory_bandwidth_bytes_per_s=3e12,
                    peak_flops_per_s={"fp32": 6e13}, memory_capacity_bytes=80e9,
                    overhead_overlaps=True, attention_split_by_slot=False,
-                   attention_kernels_per_slot=0)
+                   kernels_per_layer=14, attention_kernels_per_slot=0)
 DEVICE = {"bandwidth_efficiency": 0.6, "kv_bandwidth_efficiency": 0.5, "flops_efficiency": 0.5,
           "attention_flops_efficiency": 0.15, "kernel_device_s": 2.5e-6}
 # the attention's host cost by shape, as the H200's eager calls show it (docs/calibration.md)

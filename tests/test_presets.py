@@ -45,3 +45,47 @@ def test_unknown_presets_list_the_known_ones():
     with pytest.raises(UnknownPresetError, match="a6000"):
         get_hardware("tpu")
     assert "ouro-2.6b" in MODELS
+
+
+def test_the_eager_host_default_is_what_the_gpu_eager_calibrations_measured():
+    import json
+    from pathlib import Path
+
+    from costmodel.specs import EAGER_HOST_S_PER_OPERATION, HardwareSpec
+
+    profiles = Path(__file__).resolve().parents[1] / "data" / "profiles"
+    measured = [json.loads((profiles / f"gpu-{family}-bf16.json").read_text())["hardware"][
+        "launch_overhead_s"] for family in ("huginn", "ouro")]
+    assert EAGER_HOST_S_PER_OPERATION == pytest.approx(sum(measured) / 2, rel=1e-3)
+    assert HardwareSpec.model_fields["launch_overhead_s"].default == EAGER_HOST_S_PER_OPERATION
+
+
+@pytest.mark.parametrize("name", sorted(HARDWARE))
+def test_every_gpu_preset_prices_eager_and_graphs_apart(name):
+    """A preset's eager host pays each of this decoder's dispatched operations; a replay does
+    not: Ouro-2.6B, whose layers are small, is host-bound eagerly on every preset."""
+    from costmodel import Workload, predict
+
+    hw = get_hardware(name)
+    ar = {mode: predict("ouro-2.6b", hw.in_mode(mode), Workload()).schedules["ar"]
+          for mode in ("eager", "graphs")}
+    assert ar["eager"].latency_per_token_s > 1.2 * ar["graphs"].latency_per_token_s
+    assert ar["eager"].bound == "overhead"
+    faster = predict("ouro-2.6b", hw.in_mode("eager").with_host_speed(2), Workload())
+    assert faster.schedules["ar"].latency_per_token_s < ar["eager"].latency_per_token_s
+
+
+def test_a_preset_counts_this_decoders_operations():
+    """Per layer and outside the layers, as costmodel/data/operations.json stores them: views
+    are dispatched (the eager host pays them) but launch no kernel."""
+    from costmodel.cost import operations
+    from costmodel.specs import decoder_operations
+
+    hw = get_hardware("h200")
+    for family, model in (("huginn", "huginn-3.5b"), ("ouro", "ouro-2.6b")):
+        counted = decoder_operations(family)
+        part = get_model(model).part("block")
+        kernels, host = operations(hw, part, 3)
+        per_layer, extra = sum(counted["layer"].values()), sum(counted["block"].values())
+        assert host == part.layers * per_layer + extra
+        assert kernels == host - part.layers * counted["layer"]["view"] - counted["block"]["view"]

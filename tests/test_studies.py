@@ -117,10 +117,12 @@ def test_overhead_study_sweeps_host_speed_in_both_modes():
         return next(r for r in sweep if r["hardware"] == hardware and r["model"] == model
                     and r["mode"] == mode and r["host_speed"] == speed)
 
-    # on the paper's Python-heavy host, an H200 runs Huginn host-bound and DtV beats WFD; a
-    # host 16x faster (or graphs) gives WFD its lead back
-    assert row("huginn-3.5b", "eager", 1.0)["wfd_over_dtv"] < 1 < row(
-        "huginn-3.5b", "eager", 16.0)["wfd_over_dtv"]
+    # on the paper's Python-heavy host an H200 runs Huginn host-bound: a WFD wave dispatches
+    # what one block call does, so WFD's lead over DtV is widest there and narrows as a faster
+    # host leaves the device the bottleneck
+    slow, fast = row("huginn-3.5b", "eager", 1.0), row("huginn-3.5b", "eager", 16.0)
+    assert (slow["ar_bound"], fast["ar_bound"]) == ("overhead", "bandwidth")
+    assert slow["wfd_over_dtv"] > fast["wfd_over_dtv"] > 1
     assert row("huginn-3.5b", "graphs", 1.0)["wfd_over_dtv"] > 1
     assert row("ouro-2.6b", "eager", 16.0)["ar_ms"] < row("ouro-2.6b", "eager", 1.0)["ar_ms"]
     # graphs mode leaves little host time to speed up
@@ -150,22 +152,22 @@ def test_hardware_study_sweeps_host_speed_on_every_device():
 
 def test_paper_table_sensitivity_changes_one_assumption_at_a_time(tmp_path):
     from studies.common import write_outputs
-    from studies.paper_table import counted_kernels
+    from studies.paper_table import PRIOR_KERNELS, counted_kernels
 
     result, _ = studies.run("paper-table")
     table = result.summary["tables"]["Sensitivity: one assumption changed at a time"]
-    assert counted_kernels("ouro-2.6b")["kernels_per_layer"] > 14  # from the GPU profile
+    assert counted_kernels("ouro-2.6b")["kernels_per_layer"] == 48  # operations.json
 
     def wfd(model, assumption, d):
         return next(r["wfd_speedup"] for r in table if r["model"] == model
                     and r["assumption"].startswith(assumption) and r["draft_depth"] == d)
 
-    # host-bound Ouro follows the kernels a wave adds; device-bound Huginn does not
-    assert wfd("ouro-2.6b", "preset kernels", 1) < wfd("ouro-2.6b", "counted kernels, attention",
-                                                       1) < wfd("ouro-2.6b", "counted kernels, "
-                                                                "batched", 1)
-    assert wfd("huginn-3.5b", "preset kernels", 4) == pytest.approx(
-        wfd("huginn-3.5b", "counted kernels, batched", 4))
+    # host-bound Ouro follows the kernels a wave adds; device-bound Huginn barely does
+    assert wfd("ouro-2.6b", "prior kernels", 1) < wfd("ouro-2.6b", "counted kernels, attention",
+                                                      1) < wfd("ouro-2.6b", "counted kernels, "
+                                                               "batched", 1)
+    assert wfd("huginn-3.5b", "prior kernels", 4) == pytest.approx(
+        wfd("huginn-3.5b", "counted kernels, batched", 4), rel=0.05)
     assert wfd("huginn-3.5b", "counted kernels, batched", 2) > wfd(
         "huginn-3.5b", "counted kernels, batched", 8)
     low, high = result.summary["wfd_speedup_range"]["ouro-2.6b"]
@@ -175,9 +177,7 @@ def test_paper_table_sensitivity_changes_one_assumption_at_a_time(tmp_path):
     from studies.paper_table import derive_overhead
 
     hw = get_hardware("a6000")
-    preset = {"kernels_per_layer": 14, "attention_kernels_per_slot": 2,
-              "attention_split_by_slot": True, "part_extra_kernels": {}}
-    kernels = {m: preset for m in ("ouro-2.6b", "huginn-3.5b")}
+    kernels = {m: PRIOR_KERNELS for m in ("ouro-2.6b", "huginn-3.5b")}
     derived = derive_overhead(hw, False, kernels)
     for model, roofline in (("ouro-2.6b", 0.18), ("huginn-3.5b", 0.74)):
         ar = predict(model, derived_hardware(model, hw, derived, False, kernels),
