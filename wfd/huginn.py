@@ -25,6 +25,19 @@ from .layers import CallPlan, RMSNorm, attend, rope_interleaved
 STATE_CHUNK = 64  # positions per table of initial states
 
 
+def initial_state_chunk(hidden_size: int, init_scale: float, seed: int, chunk: int
+                        ) -> torch.Tensor:
+    """The initial states of positions chunk * STATE_CHUNK ... + STATE_CHUNK - 1, in fp32:
+    sqrt(h) * truncated normal(0, sqrt(2 / 5h) * init_scale, +-3 std), drawn at once from a
+    generator seeded by (seed, chunk). Every decoder of this project (wfd, its vLLM plugin) reads
+    its states from here, so a position starts from the same state in each."""
+    std = math.sqrt(2 / (5 * hidden_size)) * init_scale
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + chunk)
+    table = torch.empty(STATE_CHUNK, hidden_size, dtype=torch.float32, device="cpu")
+    nn.init.trunc_normal_(table, 0.0, std, -3 * std, 3 * std, generator=gen)
+    return table * math.sqrt(hidden_size)
+
+
 class HuginnAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -100,7 +113,7 @@ class HuginnModel(nn.Module):
         if cfg.tied_head:
             self.lm_head.weight = self.transformer.wte.weight
         self.embed_scale = math.sqrt(cfg.hidden_size)
-        self.state_std = math.sqrt(2 / (5 * cfg.hidden_size))
+        self.state_std = math.sqrt(2 / (5 * cfg.hidden_size))  # before init_scale
         self.init_scale = init_scale
         self.seed = seed
         self._state_tables: dict[tuple[int, float, int], torch.Tensor] = {}
@@ -132,13 +145,10 @@ class HuginnModel(nn.Module):
         few tables are kept: decoding walks forward through positions)."""
         key = (self.seed, self.init_scale, chunk)
         if key not in self._state_tables:
-            std = self.state_std * self.init_scale
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + chunk)
-            table = torch.empty(STATE_CHUNK, self.config.hidden_size)
-            nn.init.trunc_normal_(table, 0.0, std, -3 * std, 3 * std, generator=gen)
             if len(self._state_tables) >= 4:
                 self._state_tables.pop(next(iter(self._state_tables)))
-            self._state_tables[key] = table * self.embed_scale
+            self._state_tables[key] = initial_state_chunk(self.config.hidden_size,
+                                                          self.init_scale, self.seed, chunk)
         return self._state_tables[key]
 
     # -- B -------------------------------------------------------------------------------------

@@ -1,0 +1,30 @@
+"""Looped models on vLLM: a plugin that registers Huginn (``RavenForCausalLM``) and Ouro
+(``OuroForCausalLM``) with vLLM's model registry, built from vLLM's own layers.
+
+Installed with the ``serve`` extra (``serve-cpu`` for vLLM's CPU build), it is found through
+vLLM's ``vllm.general_plugins`` entry point, so ``vllm serve PATH`` and ``LLM(model=PATH)`` load
+a checkpoint folder in either family's public layout. Decoding is autoregressive at a fixed
+depth; each (recurrence step, core layer) has its own KV cache, as in ``wfd``'s decoder.
+Options, as ``hf_overrides`` (or keys in config.json): ``recurrence_depth`` (R; default the
+checkpoint's), ``kv_sharing`` (0: a KV slot per depth; S >= 1: S shared slots), and for Huginn
+``init_scale`` and ``state_seed`` (its initial state, as ``wfd generate --init-scale --seed``).
+"""
+
+from __future__ import annotations
+
+ARCHITECTURES = {"RavenForCausalLM": "wfd.serving.huginn:RavenForCausalLM",
+                 "OuroForCausalLM": "wfd.serving.ouro:OuroForCausalLM"}
+
+
+def register() -> None:
+    """Called by vLLM in each of its processes (idempotent): each family's config class where
+    vLLM looks up a model_type, each model class in its registry (imported when first used)."""
+    from vllm import ModelRegistry
+    from vllm.transformers_utils import config as vllm_config
+
+    from .configs import CONFIGS
+
+    for model_type, config_class in CONFIGS.items():
+        vllm_config._CONFIG_REGISTRY[model_type] = config_class
+    for architecture, path in ARCHITECTURES.items():
+        ModelRegistry.register_model(architecture, path)

@@ -1,0 +1,135 @@
+"""What both families share on vLLM: a KV cache per attention layer a token passes through
+(per prelude layer, per (recurrence slot, core layer), per coda layer), the forward pass at a
+fixed depth, the head, and weight loading by the checkpoint's own names."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.utils import maybe_prefix
+
+from costmodel.plans import core_slot
+from wfd.checkpoint import _OPTIONAL
+
+from .configs import LoopedConfig
+
+
+class CheckpointError(ValueError):
+    """A checkpoint whose tensors are not the family's."""
+
+
+def heads_per_rank(cfg: LoopedConfig) -> tuple[int, int]:
+    """(query heads, key/value heads) on this tensor-parallel rank; KV heads are replicated
+    when there are fewer than ranks."""
+    tp = get_tensor_model_parallel_world_size()
+    if cfg.num_attention_heads % tp or (cfg.num_key_value_heads % tp
+                                        and tp % cfg.num_key_value_heads):
+        raise ValueError(f"{cfg.num_attention_heads} query and {cfg.num_key_value_heads} "
+                         f"key/value heads do not split over {tp} tensor-parallel ranks")
+    return cfg.num_attention_heads // tp, max(1, cfg.num_key_value_heads // tp)
+
+
+def rotary(cfg: LoopedConfig, neox_style: bool):
+    """vLLM's rotary embedding at the model's base: Huginn rotates adjacent pairs (GPT-J style),
+    Ouro the two halves (NeoX style)."""
+    looped = cfg.looped
+    return get_rope(looped.head_dim, looped.max_position_embeddings, is_neox_style=neox_style,
+                    rope_parameters={"rope_theta": looped.rope_base})
+
+
+class LoopedForCausalLM(nn.Module):
+    """P, then R steps of B, then C, for every token of the batch (prompt tokens and decoded ones
+    alike); each step's core layers write and read the KV cache of the step's slot
+    (``costmodel.plans.core_slot``: one per depth, or the shared ones). A family provides
+    ``prelude``, ``initial_state``, ``step`` and ``readout``; ``STACKED`` maps the checkpoint's
+    separate projections onto vLLM's fused ones."""
+
+    STACKED: tuple[tuple[str, str, str | int], ...] = ()
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        cfg: LoopedConfig = vllm_config.model_config.hf_config
+        self.config = cfg
+        looped = cfg.looped
+        self.depth, self.kv_sharing = cfg.recurrence_depth, cfg.kv_sharing
+        self.prelude_layers, self.core_layers = looped.prelude_layers, looped.core_layers
+        self.core_slots = looped.core_slots(self.depth, self.kv_sharing)
+        heads, kv_heads = heads_per_rank(cfg)
+        self.caches = nn.ModuleList(
+            Attention(heads, looped.head_dim, looped.head_dim ** -0.5, num_kv_heads=kv_heads,
+                      cache_config=vllm_config.cache_config,
+                      quant_config=vllm_config.quant_config,
+                      prefix=maybe_prefix(prefix, f"caches.{i}"))
+            for i in range(cfg.kv_layers))
+        self.logits_processor = LogitsProcessor(looped.vocab_size)
+
+    # -- which cache each layer reads ---------------------------------------------------------
+    def prelude_caches(self) -> list[Attention]:
+        return list(self.caches[:self.prelude_layers])
+
+    def core_caches(self, depth: int) -> list[Attention]:
+        """The caches of the core layers at recurrence step ``depth`` (1-based)."""
+        start = self.prelude_layers + core_slot(depth, self.kv_sharing) * self.core_layers
+        return list(self.caches[start:start + self.core_layers])
+
+    def coda_caches(self) -> list[Attention]:
+        return list(self.caches[self.prelude_layers + self.core_slots * self.core_layers:])
+
+    # -- the pass ----------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors=None, inputs_embeds: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        e = self.prelude(input_ids, positions, inputs_embeds)
+        state = self.initial_state(positions, e)
+        for depth in range(1, self.depth + 1):
+            state = self.step(state, e, positions, self.core_caches(depth))
+        return self.readout(state, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    # -- weights -----------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Every tensor by its checkpoint name into the parameter of that name (vLLM's loader
+        shards it for this rank; a fused Wqkv or gate-and-up splits itself), separate
+        projections into their fused parameter (``STACKED``). A tied head's copy and the
+        optional buffers are skipped; any other unknown tensor is an error."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.rsplit(".", 1)[-1] in _OPTIONAL or (
+                    name == "lm_head.weight" and self.config.tie_word_embeddings):
+                continue
+            shard: str | int | None = None
+            for stacked, separate, shard_id in self.STACKED:
+                if separate in name:
+                    name, shard = name.replace(separate, stacked), shard_id
+                    break
+            if name not in params:
+                raise CheckpointError(f"the checkpoint holds {name!r}, which a "
+                                      f"{self.config.model_type} model has no parameter for")
+            param = params[name]
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            if shard is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard)
+            loaded.add(name)
+        return loaded
+
+
+def head_sharded_loader(param: nn.Parameter, dim: int):
+    """A weight loader that keeps this rank's heads of a per-head tensor (dim ``dim``)."""
+    def load(target: nn.Parameter, tensor: torch.Tensor) -> None:
+        size = target.shape[dim]
+        target.data.copy_(tensor.narrow(dim, get_tensor_model_parallel_rank() * size, size))
+    param.weight_loader = load
+    return param

@@ -1,0 +1,61 @@
+"""Each family's config.json as a transformers config vLLM can read: the checkpoint's own keys,
+plus the standard names vLLM asks every decoder for (hidden size, heads, layers), derived by
+``wfd.config.ModelConfig`` exactly as ``wfd`` reads the folder."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+from wfd.config import ConfigError, ModelConfig
+
+
+class LoopedConfig(PretrainedConfig):
+    """A looped model's config (a transformers dataclass config: its fields are the plugin's
+    options, the checkpoint's keys arrive as the rest). ``looped`` is the architecture as ``wfd``
+    reads it."""
+
+    model_type = ""
+    recurrence_depth: int | None = None  # R; None: the checkpoint's
+    kv_sharing: int = 0  # 0: a KV slot per depth; S >= 1: S shared slots
+    init_scale: float = 1.0  # Huginn's initial state, as wfd generate --init-scale
+    state_seed: int = 0  # and --seed
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        try:
+            looped = self.looped
+        except ConfigError:  # a bare instance (transformers makes one to compare defaults with)
+            return
+        self.recurrence_depth = int(self.recurrence_depth or looped.depth)
+        if self.recurrence_depth < 1 or self.kv_sharing < 0:
+            raise ValueError(f"recurrence_depth must be >= 1 and kv_sharing >= 0, got "
+                             f"{self.recurrence_depth} and {self.kv_sharing}")
+        # the names vLLM reads of every decoder
+        self.hidden_size = looped.hidden_size
+        self.num_attention_heads = looped.num_heads
+        self.num_key_value_heads = looped.num_kv_heads
+        self.head_dim = looped.head_dim
+        self.intermediate_size = looped.mlp_size
+        self.vocab_size = looped.vocab_size
+        self.max_position_embeddings = looped.max_position_embeddings
+        self.tie_word_embeddings = looped.tied_head
+        # the transformer layers (Ouro's own key: its loop), and the attention caches a token
+        # passes through, each holding its own KV: what vLLM's cache is sized by
+        self.num_hidden_layers = looped.prelude_layers + looped.core_layers + looped.coda_layers
+        slots = looped.core_slots(self.recurrence_depth, self.kv_sharing)
+        self.kv_layers = looped.prelude_layers + looped.core_layers * slots + looped.coda_layers
+
+    @property
+    def looped(self) -> ModelConfig:
+        return ModelConfig.from_hf({**self.to_dict(), "model_type": self.model_type})
+
+
+class RavenConfig(LoopedConfig):
+    model_type = "huginn_raven"
+
+
+class OuroConfig(LoopedConfig):
+    model_type = "ouro"
+
+
+CONFIGS = {RavenConfig.model_type: RavenConfig, OuroConfig.model_type: OuroConfig}

@@ -1,0 +1,160 @@
+"""Huginn on vLLM, read top to bottom as ``wfd/huginn.py`` (same tensor names), from vLLM's
+layers:
+
+    e   = prelude(wte[tokens] * sqrt(h))                  embedding + prelude sandwich blocks
+    s_0 = wfd.huginn.initial_state_chunk tables           a function of (seed, position)
+    s_r = core(adapter(concat[s_{r-1}, e]))               adapter + core sandwich blocks
+    y   = head(ln_f(coda(ln_f(s_R))))                     final norm, coda, final norm, head
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
+from vllm.model_executor.models.utils import maybe_prefix
+
+from wfd.huginn import STATE_CHUNK, initial_state_chunk
+
+from .common import LoopedForCausalLM, head_sharded_loader, heads_per_rank, rotary
+from .configs import LoopedConfig
+
+
+class HuginnAttention(nn.Module):
+    def __init__(self, cfg: LoopedConfig, quant_config, prefix: str):
+        super().__init__()
+        looped = cfg.looped
+        self.heads, self.kv_heads = heads_per_rank(cfg)
+        self.head_dim = looped.head_dim
+        self.Wqkv = QKVParallelLinear(looped.hidden_size, looped.head_dim, looped.num_heads,
+                                      looped.num_kv_heads, bias=False,
+                                      quant_config=quant_config, prefix=f"{prefix}.Wqkv")
+        # added to q and k before RoPE: [2, 1, heads, head_dim], q's then k's, this rank's heads
+        self.qk_bias = head_sharded_loader(nn.Parameter(
+            torch.zeros(2, 1, self.heads, looped.head_dim)), dim=2) if looped.qk_bias else None
+        self.proj = RowParallelLinear(looped.num_heads * looped.head_dim, looped.hidden_size,
+                                      bias=False, quant_config=quant_config,
+                                      prefix=f"{prefix}.proj")
+        self.rotary = rotary(cfg, neox_style=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: Attention
+                ) -> torch.Tensor:
+        qkv, _ = self.Wqkv(x)
+        q, k, v = qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                             self.kv_heads * self.head_dim], dim=-1)
+        if self.qk_bias is not None:
+            q = q + self.qk_bias[0].flatten()
+            k = k + self.qk_bias[1].flatten()
+        q, k = self.rotary(positions, q, k)
+        out, _ = self.proj(cache(q, k, v))
+        return out
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, cfg: LoopedConfig, quant_config, prefix: str):
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.fc = MergedColumnParallelLinear(h, [i, i], bias=False, quant_config=quant_config,
+                                             prefix=f"{prefix}.fc")  # [gate | up] on disk
+        self.act = SiluAndMul()
+        self.proj = RowParallelLinear(i, h, bias=False, quant_config=quant_config,
+                                      prefix=f"{prefix}.proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up, _ = self.fc(x)
+        out, _ = self.proj(self.act(gate_up))
+        return out
+
+
+class SandwichBlock(nn.Module):
+    def __init__(self, cfg: LoopedConfig, quant_config, prefix: str):
+        super().__init__()
+        eps, h = cfg.looped.norm_eps, cfg.hidden_size
+        self.norm_1 = RMSNorm(h, eps=eps)
+        self.attn = HuginnAttention(cfg, quant_config, f"{prefix}.attn")
+        self.norm_2 = RMSNorm(h, eps=eps)
+        self.mlp = GatedMLP(cfg, quant_config, f"{prefix}.mlp")
+        self.norm_3 = RMSNorm(h, eps=eps)
+        self.norm_4 = RMSNorm(h, eps=eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: Attention
+                ) -> torch.Tensor:
+        x = self.norm_2(x + self.attn(self.norm_1(x), positions, cache))
+        return self.norm_4(x + self.mlp(self.norm_3(x)))
+
+
+class HuginnTransformer(nn.Module):
+    def __init__(self, cfg: LoopedConfig, quant_config, prefix: str):
+        super().__init__()
+        looped = cfg.looped
+
+        def blocks(name: str, n: int) -> nn.ModuleList:
+            return nn.ModuleList(SandwichBlock(cfg, quant_config, f"{prefix}.{name}.{i}")
+                                 for i in range(n))
+
+        self.wte = VocabParallelEmbedding(looped.vocab_size, looped.hidden_size,
+                                          prefix=f"{prefix}.wte")
+        self.prelude = blocks("prelude", looped.prelude_layers)
+        self.adapter = ReplicatedLinear(2 * looped.hidden_size, looped.hidden_size, bias=False,
+                                        quant_config=quant_config, prefix=f"{prefix}.adapter")
+        self.core_block = blocks("core_block", looped.core_layers)
+        self.coda = blocks("coda", looped.coda_layers)
+        self.ln_f = RMSNorm(looped.hidden_size, eps=looped.norm_eps)
+
+
+class RavenForCausalLM(LoopedForCausalLM):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        cfg, quant = self.config, vllm_config.quant_config
+        self.transformer = HuginnTransformer(cfg, quant, maybe_prefix(prefix, "transformer"))
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, quant_config=quant,
+                                      prefix=maybe_prefix(prefix, "lm_head"))
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.transformer.wte)
+        self.embed_scale = math.sqrt(cfg.hidden_size)
+        # every position's initial state, drawn as wfd draws it (not a parameter)
+        positions = cfg.max_position_embeddings
+        chunks = [initial_state_chunk(cfg.hidden_size, cfg.init_scale, cfg.state_seed, c)
+                  for c in range(-(-positions // STATE_CHUNK))] if cfg.init_scale else [
+            torch.zeros(positions, cfg.hidden_size, device="cpu")]
+        self.register_buffer("initial_states", torch.cat(chunks)[:positions].to(
+            vllm_config.device_config.device), persistent=False)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.transformer.wte(input_ids) * self.embed_scale
+
+    def prelude(self, input_ids, positions, inputs_embeds=None) -> torch.Tensor:
+        x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        for block, cache in zip(self.transformer.prelude, self.prelude_caches(), strict=True):
+            x = block(x, positions, cache)
+        return x
+
+    def initial_state(self, positions: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        return self.initial_states[positions].to(e.dtype)
+
+    def step(self, state, e, positions, caches: list[Attention]) -> torch.Tensor:
+        x, _ = self.transformer.adapter(torch.cat([state, e], dim=-1))
+        for block, cache in zip(self.transformer.core_block, caches, strict=True):
+            x = block(x, positions, cache)
+        return x
+
+    def readout(self, state: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.transformer.ln_f(state)
+        for block, cache in zip(self.transformer.coda, self.coda_caches(), strict=True):
+            x = block(x, positions, cache)
+        return self.transformer.ln_f(x)
