@@ -59,7 +59,7 @@ class LoopedForCausalLM(nn.Module):
         cfg: LoopedConfig = vllm_config.model_config.hf_config
         self.config = cfg
         looped = cfg.looped
-        self.depth, self.kv_sharing = cfg.recurrence_depth, cfg.kv_sharing
+        self.depth, self.kv_sharing = cfg.depth, cfg.kv_sharing
         self.prelude_layers, self.core_layers = looped.prelude_layers, looped.core_layers
         self.core_slots = looped.core_slots(self.depth, self.kv_sharing)
         heads, kv_heads = heads_per_rank(cfg)

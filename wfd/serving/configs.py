@@ -26,10 +26,6 @@ class LoopedConfig(PretrainedConfig):
             looped = self.looped
         except ConfigError:  # a bare instance (transformers makes one to compare defaults with)
             return
-        self.recurrence_depth = int(self.recurrence_depth or looped.depth)
-        if self.recurrence_depth < 1 or self.kv_sharing < 0:
-            raise ValueError(f"recurrence_depth must be >= 1 and kv_sharing >= 0, got "
-                             f"{self.recurrence_depth} and {self.kv_sharing}")
         # the names vLLM reads of every decoder
         self.hidden_size = looped.hidden_size
         self.num_attention_heads = looped.num_heads
@@ -39,11 +35,25 @@ class LoopedConfig(PretrainedConfig):
         self.vocab_size = looped.vocab_size
         self.max_position_embeddings = looped.max_position_embeddings
         self.tie_word_embeddings = looped.tied_head
-        # the transformer layers (Ouro's own key: its loop), and the attention caches a token
-        # passes through, each holding its own KV: what vLLM's cache is sized by
+        # the transformer layers (Ouro's own key: its loop)
         self.num_hidden_layers = looped.prelude_layers + looped.core_layers + looped.coda_layers
-        slots = looped.core_slots(self.recurrence_depth, self.kv_sharing)
-        self.kv_layers = looped.prelude_layers + looped.core_layers * slots + looped.coda_layers
+
+    # vLLM sets hf_overrides on the config after making it: what they decide is read on use
+    @property
+    def depth(self) -> int:
+        depth = int(self.recurrence_depth or self.looped.depth)
+        if depth < 1 or self.kv_sharing < 0:
+            raise ValueError(f"recurrence_depth must be >= 1 and kv_sharing >= 0, got {depth} "
+                             f"and {self.kv_sharing}")
+        return depth
+
+    @property
+    def kv_layers(self) -> int:
+        """The attention caches a token passes through, each holding its own KV: what vLLM's
+        cache is sized by."""
+        looped = self.looped
+        slots = looped.core_slots(self.depth, self.kv_sharing)
+        return looped.prelude_layers + looped.core_layers * slots + looped.coda_layers
 
     @property
     def looped(self) -> ModelConfig:

