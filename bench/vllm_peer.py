@@ -1,0 +1,119 @@
+"""vLLM's AR as a peer: the same tiny models, prompts and weights decoded by vLLM (through the
+plugin in wfd/serving) and by this project's AR, DtV and WFD, one request at a time and eight
+together, greedy, fp32, on this machine's CPU.
+
+    python bench/vllm_peer.py [--models huginn-tiny ouro-tiny] [--new-tokens 64] [--repeats 3]
+        [--block-length 4] [--threads 2] [--out FILE.json]
+
+Needs the serve-cpu extra (vLLM's CPU build). vLLM runs in a process of its own
+(wfd.serving.offline: eager, as its CPU build runs by default with --enforce-eager), started
+once per model, its engine start excluded; it decodes the eight code prompts one request at a
+time, then all eight together, --repeats times, and the median run is reported. This decoder runs
+the same prompts with `generate` (batch 1) and `decode_batch` (batch 8) in this process, each
+schedule --repeats times, interleaved. Tokens/s: new tokens over the run's wall time, prefills
+included (vLLM's requests carry their prefill). vLLM's greedy tokens are checked against AR's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from wfd.batch import Request, decode_batch
+from wfd.checkpoint import load_model
+from wfd.generate import generate
+
+ROOT = Path(__file__).resolve().parents[1]
+CODE = ["import os\nimport sys\n\n\ndef main(argv):\n    ", "class Node:\n    def __init__(self",
+        "for i in range(", "    return ", "def parse(text):\n    ", "# sort the list\n",
+        "if __name__ == '__main__':\n    ", "x = [i * i for i in "]
+SCHEDULES = ("ar", "dtv", "wfd")
+
+
+def vllm_runs(folder: Path, prompts: list[list[int]], new_tokens: int, repeats: int,
+              threads: int) -> tuple[list[float], list[float], list[list[int]]]:
+    """(seconds per batch-1 run, seconds per batch-8 run, the batch-1 tokens) from one engine."""
+    runs = [{"prompts": prompts, "max_tokens": new_tokens, "batch": batch}
+            for _ in range(repeats) for batch in (1, 8)]
+    with tempfile.TemporaryDirectory() as tmp:
+        job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        job.write_text(json.dumps({"model": str(folder), "runs": runs}))
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        done = subprocess.run([sys.executable, "-m", "wfd.serving.offline", str(job), str(out)],
+                              capture_output=True, text=True, env=env)
+        if done.returncode:
+            sys.exit(f"error: vLLM's run failed:\n{done.stderr[-2000:]}")
+        results = json.loads(out.read_text())["runs"]
+    return ([r["seconds"] for r in results[0::2]], [r["seconds"] for r in results[1::2]],
+            results[0]["tokens"])
+
+
+def ours(model, prompts: list[list[int]], schedule: str, batch: int, new_tokens: int,
+         block_length: int) -> tuple[float, list[list[int]]]:
+    started = time.perf_counter()
+    if batch == 1:
+        tokens = [generate(model, p, schedule=schedule, max_new_tokens=new_tokens,
+                           block_length=block_length, record=False).tokens for p in prompts]
+    else:
+        run = decode_batch(model, [Request(i, p, new_tokens) for i, p in enumerate(prompts)],
+                           schedule=schedule, batch_size=batch, block_length=block_length)
+        tokens = [r.tokens for r in sorted(run.results, key=lambda r: r.index)]
+    return time.perf_counter() - started, tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["huginn-tiny", "ouro-tiny"])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--block-length", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    prompts = [list(text.encode()) for text in CODE]
+    total = len(prompts) * args.new_tokens
+    rows = []
+    print(f"| model | batch | vLLM AR tokens/s | AR | DtV k={args.block_length} | WFD | "
+          "vLLM AR / AR | WFD / vLLM AR |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in args.models:
+        model = load_model(name)
+        one, eight, vllm_tokens = vllm_runs(ROOT / "wfd" / "models" / name, prompts,
+                                            args.new_tokens, args.repeats, args.threads)
+        times = {(s, b): [] for s in SCHEDULES for b in (1, 8)}
+        for _ in range(args.repeats):  # interleaved: each repeat runs every configuration
+            for schedule in SCHEDULES:
+                for batch in (1, 8):
+                    seconds, tokens = ours(model, prompts, schedule, batch, args.new_tokens,
+                                           args.block_length)
+                    times[schedule, batch].append(seconds)
+                    if schedule == "ar" and batch == 1 and tokens != vllm_tokens:
+                        sys.exit(f"error: vLLM's greedy tokens differ from AR's on {name}")
+        for batch, vllm_s in ((1, one), (8, eight)):
+            speed = {s: total / statistics.median(times[s, batch]) for s in SCHEDULES}
+            peer = total / statistics.median(vllm_s)
+            rows.append({"model": name, "batch": batch, "vllm_ar_tokens_per_s": peer,
+                         **{f"{s}_tokens_per_s": v for s, v in speed.items()},
+                         "vllm_runs_s": vllm_s, "runs_s": {s: times[s, batch]
+                                                           for s in SCHEDULES}})
+            print(f"| {name} | {batch} | {peer:.1f} | {speed['ar']:.1f} | {speed['dtv']:.1f} | "
+                  f"{speed['wfd']:.1f} | {peer / speed['ar']:.2f}x | "
+                  f"{speed['wfd'] / peer:.2f}x |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"new_tokens": args.new_tokens,
+                                              "prompts": len(prompts), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
