@@ -1,6 +1,7 @@
 """The vLLM plugin (wfd.serving) on vLLM's CPU build: greedy tokens equal wfd's AR in fp32, on
 the shipped tiny models and on random checkpoints of both families, one request at a time and
-eight together, at two depths and with shared KV slots; `vllm serve` end to end. Each test starts
+eight together, at two depths and with shared KV slots, and over two tensor-parallel ranks;
+`vllm serve` end to end. Each test starts
 its own engine in a process of its own (about 20-30 s on 2 cores)."""
 
 import importlib.util
@@ -32,11 +33,12 @@ CODE = ["import os\nimport sys\n\n\ndef main(argv):\n    ", "class Node:\n    de
 NEW_TOKENS = 20
 
 
-def vllm_tokens(tmp_path: Path, model: Path, runs: list[dict], overrides: dict | None = None
-                ) -> list[list[list[int]]]:
+def vllm_tokens(tmp_path: Path, model: Path, runs: list[dict], overrides: dict | None = None,
+                tensor_parallel: int = 1) -> list[list[list[int]]]:
     """Each run's new tokens per prompt, from an engine of its own (wfd.serving.offline)."""
     job, out = tmp_path / "job.json", tmp_path / "out.json"
-    job.write_text(json.dumps({"model": str(model), "runs": runs, "overrides": overrides}))
+    job.write_text(json.dumps({"model": str(model), "runs": runs, "overrides": overrides,
+                               "tensor_parallel": tensor_parallel}))
     done = subprocess.run([sys.executable, "-m", "wfd.serving.offline", str(job), str(out)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -76,6 +78,19 @@ def test_random_checkpoints_decode_as_wfd_ar_at_two_depths_and_with_shared_slots
     (other,) = vllm_tokens(tmp_path, folder, runs, {"recurrence_depth": depth, "kv_sharing": 2})
     assert other == ar_tokens(model, prompts, depth=depth, kv_sharing=2)
     assert other != default  # the depth is the engine's, not the checkpoint's
+
+
+@pytest.mark.parametrize("family", ["huginn", "ouro"])
+def test_two_tensor_parallel_ranks_decode_as_wfd_ar(tmp_path, family):
+    """vLLM's CPU build splits the heads, projections and head over two ranks (one core each):
+    the same tokens."""
+    cfg = TINY_CONFIGS[family].model_copy(update={"hidden_size": 128, "head_dim": 32})
+    model = damped(init_random(build(cfg)))
+    folder = save(model, tmp_path / "checkpoint")
+    prompts = [[1, 2, 3], list(range(5, 17))]
+    job = {"prompts": prompts, "max_tokens": 4, "batch": 2}
+    (tokens,) = vllm_tokens(tmp_path, folder, [job], tensor_parallel=2)
+    assert tokens == [t[:4] for t in ar_tokens(model, prompts)]
 
 
 def free_port() -> int:

@@ -22,13 +22,16 @@ from pathlib import Path
 
 def run_job(job: dict) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: the tiny models need little
+    ranks = job.get("tensor_parallel", 1)
+    if ranks > 1:  # vLLM's CPU build binds each rank's threads to a NUMA node, or to these cores
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(ranks))))
     from vllm import LLM, SamplingParams
 
     started = time.perf_counter()
     llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), enforce_eager=True,
               skip_tokenizer_init=True, max_model_len=job.get("max_model_len"),
               max_num_seqs=max(run.get("batch", 1) for run in job["runs"]), seed=0,
-              tensor_parallel_size=job.get("tensor_parallel", 1),
+              tensor_parallel_size=ranks,
               hf_overrides=job.get("overrides") or None)
     engine_s = time.perf_counter() - started
     results = []
