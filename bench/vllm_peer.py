@@ -6,9 +6,11 @@ together, greedy, fp32, on this machine's CPU.
         [--block-length 4] [--threads 2] [--out FILE.json]
 
 Needs the serve-cpu extra (vLLM's CPU build). vLLM runs in a process of its own
-(wfd.serving.offline: eager, as its CPU build runs by default with --enforce-eager), started
-once per model, its engine start excluded; it decodes the eight code prompts one request at a
-time, then all eight together, --repeats times, and the median run is reported. This decoder runs
+(wfd.serving.offline, eager: on this CPU faster than its torch.compile), started once per model
+and configuration, its engine start excluded, twice: as vLLM runs by default (its engine core a
+process of its own, beside the worker) and with the engine core in the client's process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0). Each decodes the eight code prompts one request at a time,
+then all eight together, --repeats times, and the median run is reported. This decoder runs
 the same prompts with `generate` (batch 1) and `decode_batch` (batch 8) in this process, each
 schedule --repeats times, interleaved. Tokens/s: new tokens over the run's wall time, prefills
 included (vLLM's requests carry their prefill). vLLM's greedy tokens are checked against AR's.
@@ -40,13 +42,14 @@ SCHEDULES = ("ar", "dtv", "wfd")
 
 
 def vllm_runs(folder: Path, prompts: list[list[int]], new_tokens: int, repeats: int,
-              threads: int) -> tuple[list[float], list[float], list[list[int]]]:
+              threads: int, in_process: bool) -> tuple[list[float], list[float], list[list[int]]]:
     """(seconds per batch-1 run, seconds per batch-8 run, the batch-1 tokens) from one engine."""
     runs = [{"prompts": prompts, "max_tokens": new_tokens, "batch": batch}
             for _ in range(repeats) for batch in (1, 8)]
     with tempfile.TemporaryDirectory() as tmp:
         job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
-        job.write_text(json.dumps({"model": str(folder), "runs": runs}))
+        job.write_text(json.dumps({"model": str(folder), "runs": runs,
+                                   "in_process": in_process}))
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         done = subprocess.run([sys.executable, "-m", "wfd.serving.offline", str(job), str(out)],
                               capture_output=True, text=True, env=env)
@@ -84,13 +87,16 @@ def main() -> None:
     prompts = [list(text.encode()) for text in CODE]
     total = len(prompts) * args.new_tokens
     rows = []
-    print(f"| model | batch | vLLM AR tokens/s | AR | DtV k={args.block_length} | WFD | "
-          "vLLM AR / AR | WFD / vLLM AR |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"| model | batch | vLLM AR | vLLM AR, engine in-process | AR | DtV k={args.block_length}"
+          " | WFD | vLLM AR / AR | WFD / vLLM AR |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in args.models:
         model = load_model(name)
-        one, eight, vllm_tokens = vllm_runs(ROOT / "wfd" / "models" / name, prompts,
-                                            args.new_tokens, args.repeats, args.threads)
+        folder = ROOT / "wfd" / "models" / name
+        one, eight, vllm_tokens = vllm_runs(folder, prompts, args.new_tokens, args.repeats,
+                                            args.threads, in_process=False)
+        one_in, eight_in, _ = vllm_runs(folder, prompts, args.new_tokens, args.repeats,
+                                        args.threads, in_process=True)
         times = {(s, b): [] for s in SCHEDULES for b in (1, 8)}
         for _ in range(args.repeats):  # interleaved: each repeat runs every configuration
             for schedule in SCHEDULES:
@@ -100,16 +106,17 @@ def main() -> None:
                     times[schedule, batch].append(seconds)
                     if schedule == "ar" and batch == 1 and tokens != vllm_tokens:
                         sys.exit(f"error: vLLM's greedy tokens differ from AR's on {name}")
-        for batch, vllm_s in ((1, one), (8, eight)):
+        for batch, vllm_s, vllm_in_s in ((1, one, one_in), (8, eight, eight_in)):
             speed = {s: total / statistics.median(times[s, batch]) for s in SCHEDULES}
-            peer = total / statistics.median(vllm_s)
+            peer, peer_in = (total / statistics.median(v) for v in (vllm_s, vllm_in_s))
             rows.append({"model": name, "batch": batch, "vllm_ar_tokens_per_s": peer,
+                         "vllm_ar_in_process_tokens_per_s": peer_in,
                          **{f"{s}_tokens_per_s": v for s, v in speed.items()},
-                         "vllm_runs_s": vllm_s, "runs_s": {s: times[s, batch]
-                                                           for s in SCHEDULES}})
-            print(f"| {name} | {batch} | {peer:.1f} | {speed['ar']:.1f} | {speed['dtv']:.1f} | "
-                  f"{speed['wfd']:.1f} | {peer / speed['ar']:.2f}x | "
-                  f"{speed['wfd'] / peer:.2f}x |")
+                         "vllm_runs_s": vllm_s, "vllm_in_process_runs_s": vllm_in_s,
+                         "runs_s": {s: times[s, batch] for s in SCHEDULES}})
+            print(f"| {name} | {batch} | {peer:.1f} | {peer_in:.1f} | {speed['ar']:.1f} | "
+                  f"{speed['dtv']:.1f} | {speed['wfd']:.1f} | {peer / speed['ar']:.2f}x, "
+                  f"{peer_in / speed['ar']:.2f}x | {speed['wfd'] / peer:.2f}x |")
     if args.out:
         Path(args.out).write_text(json.dumps({"new_tokens": args.new_tokens,
                                               "prompts": len(prompts), "rows": rows}, indent=1))

@@ -1,8 +1,8 @@
 """The vLLM plugin (wfd.serving) on vLLM's CPU build: greedy tokens equal wfd's AR in fp32, on
 the shipped tiny models and on random checkpoints of both families, one request at a time and
 eight together, at two depths and with shared KV slots, and over two tensor-parallel ranks;
-`vllm serve` end to end. Each test starts
-its own engine in a process of its own (about 20-30 s on 2 cores)."""
+`vllm serve` end to end. Each test starts its own engine in a process of its own (a few
+seconds; the server and two ranks, 20-30 s)."""
 
 import importlib.util
 import json
@@ -37,8 +37,10 @@ def vllm_tokens(tmp_path: Path, model: Path, runs: list[dict], overrides: dict |
                 tensor_parallel: int = 1) -> list[list[list[int]]]:
     """Each run's new tokens per prompt, from an engine of its own (wfd.serving.offline)."""
     job, out = tmp_path / "job.json", tmp_path / "out.json"
+    # the engine core in the test's process (starts in seconds); two ranks: vLLM's default
     job.write_text(json.dumps({"model": str(model), "runs": runs, "overrides": overrides,
-                               "tensor_parallel": tensor_parallel}))
+                               "tensor_parallel": tensor_parallel,
+                               "in_process": tensor_parallel == 1}))
     done = subprocess.run([sys.executable, "-m", "wfd.serving.offline", str(job), str(out)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]

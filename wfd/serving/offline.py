@@ -5,10 +5,11 @@ processes, so it runs here under ``__main__``:
     python -m wfd.serving.offline JOB.json OUT.json   # writes {"engine_s": ..., "runs": [...]}
 
 JOB: {"model": folder, "overrides": {...} (hf_overrides: recurrence_depth, kv_sharing, ...),
-"dtype": "float32", "tensor_parallel": 1, "max_model_len": None (the model's),
-"runs": [{"prompts": [[ids], ...], "max_tokens": N, "batch": B}, ...]}. Each run sends its
-prompts B at a time (B = 1: one request at a time) and reports each prompt's new tokens and the
-run's seconds.
+"dtype": "float32", "eager": true (false: vLLM's torch.compile), "in_process": false (true: the
+engine core in this process, VLLM_ENABLE_V1_MULTIPROCESSING=0), "tensor_parallel": 1,
+"max_model_len": null (the model's), "runs": [{"prompts": [[ids], ...], "max_tokens": N,
+"batch": B}, ...]}. Each run sends its prompts B at a time (B = 1: one request at a time) and
+reports each prompt's new tokens and the run's seconds.
 """
 
 from __future__ import annotations
@@ -22,13 +23,16 @@ from pathlib import Path
 
 def run_job(job: dict) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: the tiny models need little
+    if job.get("in_process"):  # no engine-core process: starts in seconds, not tens
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     ranks = job.get("tensor_parallel", 1)
     if ranks > 1:  # vLLM's CPU build binds each rank's threads to a NUMA node, or to these cores
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(ranks))))
     from vllm import LLM, SamplingParams
 
     started = time.perf_counter()
-    llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), enforce_eager=True,
+    llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"),
+              enforce_eager=job.get("eager", True),
               skip_tokenizer_init=True, max_model_len=job.get("max_model_len"),
               max_num_seqs=max(run.get("batch", 1) for run in job["runs"]), seed=0,
               tensor_parallel_size=ranks,
