@@ -85,3 +85,16 @@ def test_checkpoint_folder_by_path(tmp_path):
               "--max-new-tokens", "4", "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["text"] is None  # vocabulary of 64: no tokenizer
+
+
+def test_a_byte_tokenizer_file_reads_text_as_its_utf8_bytes(tmp_path):
+    """write_byte_tokenizer's file (for engines that read text through one) gives the tiny
+    models' ids, bytes no printable character stands for included, and `wfd` reads it."""
+    from wfd.tokenizer import ByteTokenizer, FileTokenizer, tokenizer_for, write_byte_tokenizer
+
+    write_byte_tokenizer(tmp_path, max_length=2048)
+    text = "def f(x):\n\treturn x  # é, €\x00\x7f"
+    from_file = tokenizer_for(tmp_path, 256)
+    assert isinstance(from_file, FileTokenizer)
+    assert from_file.encode(text) == ByteTokenizer().encode(text)
+    assert from_file.decode(list(range(256))) == ByteTokenizer().decode(list(range(256)))
