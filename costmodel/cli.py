@@ -9,13 +9,12 @@ from typing import Annotated
 import typer
 
 from .clitools import UserError, print_json, run, spinner, text_table
+from .errors import ProfileError, TraceError
 from .figures import NO_PLOTS
 from .memory import does_not_fit
 from .predict import Prediction, predict
 from .presets import UnknownPresetError, get_hardware, get_model
-from .profile import ProfileError, load_profile, save_profile
 from .specs import EAGER_HOST_SOURCE, HardwareSpec, Workload
-from .trace import TraceError
 from .units import (
     UnitError,
     format_bytes,
@@ -36,6 +35,20 @@ BatchOption = Annotated[int, typer.Option("--batch", help="sequences decoded tog
 DtypeOption = Annotated[str | None, typer.Option(
     "--dtype", help="fp32, bf16, fp16 (default: bf16, or the profile's)")]
 JsonOption = Annotated[bool, typer.Option("--json", help="print one JSON object")]
+
+
+def load_profile(path: Path):
+    """costmodel.profile.load_profile, imported when a command reads a profile (a plain predict
+    starts without the profile and trace models)."""
+    from .profile import load_profile as load
+
+    return load(path)
+
+
+def save_profile(profile, path: Path) -> None:
+    from .profile import save_profile as save
+
+    save(profile, path)
 
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",

@@ -15,7 +15,6 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from .adaptive import ar_exit_groups, dtv_exit_groups, exit_profile, simulate_wfd
 from .cost import call_cost
 from .memory import MemoryReport, kv_cache_bytes, memory_report
 from .plans import lookahead, mean_decode_keys, wave_width
@@ -27,7 +26,6 @@ from .schedules import (
     call_groups,
     merge_groups,
 )
-from .simulate import acceptance_draws, simulate_batch
 from .specs import AR, WFD, DtV, HardwareSpec, LoopedModelSpec, Workload
 
 MAX_BLOCK_LENGTH = 32
@@ -222,7 +220,10 @@ def predict(
                          f"{wl.prompts * wl.new_tokens:,} tokens to simulate, more than "
                          f"{MAX_SIMULATED_TOKENS:,}; a run this long is the steady state (leave "
                          "out the prompts)")
-    exits = exit_profile(spec, wl, depth, d)
+    if wl.adaptive:  # the exits' closed forms and wave simulation, imported when asked for
+        from .adaptive import ar_exit_groups, dtv_exit_groups, exit_profile, simulate_wfd
+
+    exits = exit_profile(spec, wl, depth, d) if wl.adaptive else None
     alpha = np.asarray(acceptance_for(spec, wl, depth, d) if exits is None
                        else exits.acceptance(d))
     hw.achievable_flops_per_s(wl.dtype)  # an unknown dtype fails here with a clear message
@@ -308,6 +309,8 @@ def _finite_run(spec: LoopedModelSpec, hw: HardwareSpec, wl: Workload, depth: in
                 schedule: AR | DtV | WFD, alpha: float, result: ScheduleResult) -> None:
     """Replace a schedule's steady-state figures with those of the workload's finite run of
     prompts, simulated call by call (DtV at the steady state's best k)."""
+    from .simulate import acceptance_draws, simulate_batch
+
     sequences = [(wl.context_length, wl.new_tokens,
                   None if schedule.kind == "ar" else acceptance_draws(alpha, wl.new_tokens + 1, i))
                  for i in range(wl.prompts)]

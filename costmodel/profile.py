@@ -15,6 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .errors import ProfileError  # noqa: F401 (importers name it here)
 from .specs import HardwareSpec, LoopedModelSpec
 from .trace import CallRecord, atomic_write_text
 
@@ -23,10 +24,6 @@ from .trace import CallRecord, atomic_write_text
 # smaller hardware spec (a CPU's products a measured curve), coefficients the calls do not
 # determine taken out, the load the calibration ran under
 PROFILE_SCHEMA_VERSION = 4
-
-
-class ProfileError(ValueError):
-    """A profile that is missing, corrupt, or of another schema version."""
 
 
 class FittedValue(BaseModel):

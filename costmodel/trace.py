@@ -26,11 +26,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .errors import TraceError  # noqa: F401 (importers name it here)
+
 TRACE_SCHEMA_VERSION = 1
-
-
-class TraceError(ValueError):
-    """A trace file that is missing, corrupt, or of another schema version."""
 
 
 class TraceHeader(BaseModel):
