@@ -35,9 +35,9 @@ CODE = ["import os\nimport sys\n\n\ndef main(argv):\n    ", "class Node:\n    de
 NEW_TOKENS = 20
 
 
-def vllm_tokens(tmp_path: Path, model: Path, runs: list[dict], overrides: dict | None = None,
-                tensor_parallel: int = 1) -> list[list[list[int]]]:
-    """Each run's new tokens per prompt, from an engine of its own (wfd.serving.offline)."""
+def vllm_job(tmp_path: Path, model: Path, runs: list[dict], overrides: dict | None = None,
+             tensor_parallel: int = 1) -> dict:
+    """wfd.serving.offline's output for this job, from an engine of its own."""
     job, out = tmp_path / "job.json", tmp_path / "out.json"
     # the engine core in the test's process (starts in seconds); two ranks: vLLM's default
     job.write_text(json.dumps({"model": str(model), "runs": runs, "overrides": overrides,
@@ -46,7 +46,13 @@ def vllm_tokens(tmp_path: Path, model: Path, runs: list[dict], overrides: dict |
     done = subprocess.run([sys.executable, "-m", "wfd.serving.offline", str(job), str(out)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    return [run["tokens"] for run in json.loads(out.read_text())["runs"]]
+    return json.loads(out.read_text())
+
+
+def vllm_tokens(tmp_path: Path, model: Path, runs: list[dict], **options
+                ) -> list[list[list[int]]]:
+    """Each run's new tokens per prompt."""
+    return [run["tokens"] for run in vllm_job(tmp_path, model, runs, **options)["runs"]]
 
 
 def ar_tokens(model, prompts, **options) -> list[list[int]]:
@@ -57,12 +63,18 @@ def ar_tokens(model, prompts, **options) -> list[list[int]]:
 @pytest.mark.parametrize("name", ["huginn-tiny", "ouro-tiny"])
 def test_a_shipped_model_decodes_on_vllm_as_wfd_ar_does(tmp_path, name):
     prompts = [list(text.encode()) for text in CODE]
-    one, eight = vllm_tokens(tmp_path, ROOT / "wfd" / "models" / name,
-                             [{"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 1},
-                              {"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 8}])
-    expected = ar_tokens(load_model(name), prompts)
+    job = vllm_job(tmp_path, ROOT / "wfd" / "models" / name,
+                   [{"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 1},
+                    {"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 8}])
+    one, eight = (run["tokens"] for run in job["runs"])
+    model = load_model(name)
+    expected = ar_tokens(model, prompts)
     assert one == expected
     assert eight == expected
+    # vLLM's cache holds the tokens the cost model's KV bytes per token say (whole blocks)
+    per_token = model.config.kv_bytes_per_token("fp32", model.config.depth)
+    block = job["kv_block_tokens"]
+    assert job["kv_cache_tokens"] == job["kv_cache_bytes"] // per_token // block * block
 
 
 @pytest.mark.parametrize("family", ["huginn", "ouro"])

@@ -9,7 +9,8 @@ JOB: {"model": folder, "overrides": {...} (hf_overrides: recurrence_depth, kv_sh
 engine core in this process, VLLM_ENABLE_V1_MULTIPROCESSING=0), "tensor_parallel": 1,
 "max_model_len": null (the model's), "runs": [{"prompts": [[ids], ...], "max_tokens": N,
 "batch": B}, ...]}. Each run sends its prompts B at a time (B = 1: one request at a time) and
-reports each prompt's new tokens and the run's seconds.
+reports each prompt's new tokens and the run's seconds. With the engine core in-process the
+output also gives the KV cache vLLM made: its bytes, its tokens and its block's tokens.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ def run_job(job: dict) -> dict:
               tensor_parallel_size=ranks,
               hf_overrides=job.get("overrides") or None)
     engine_s = time.perf_counter() - started
+    cache = llm.llm_engine.vllm_config.cache_config  # filled in where the engine core ran
+    kv = {"kv_cache_tokens": cache.num_gpu_blocks * cache.block_size,
+          "kv_cache_bytes": cache.kv_cache_memory_bytes, "kv_block_tokens": cache.block_size} \
+        if cache.num_gpu_blocks else {}
     results = []
     for run in job["runs"]:
         params = SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], detokenize=False,
@@ -49,7 +54,7 @@ def run_job(job: dict) -> dict:
                                    params, use_tqdm=False)
             tokens += [list(out.outputs[0].token_ids) for out in outputs]
         results.append({"tokens": tokens, "seconds": time.perf_counter() - started})
-    return {"engine_s": engine_s, "runs": results}
+    return {"engine_s": engine_s, **kv, "runs": results}
 
 
 if __name__ == "__main__":
