@@ -28,11 +28,10 @@ CURVE_PASSES = 3  # passes over the curve's lines, each point the median of its 
 
 def median_over_passes(lines: list, passes: int) -> list[list[float]]:
     """Each of ``lines`` (callables returning a line of times) timed once per pass, a whole pass
-    apart; each point the median of its passes. A spell of another tenant's load lasts seconds
-    on this project's VM (``bench/machine_noise.py``: 0.5 to 24 s, while a line takes about
-    a second): it slows a run of consecutive lines in one pass, and the median of three passes drops
-    it where a single pass kept it (a 16 MiB line of four times more outputs than inputs timed
-    3.4-3.8x the square's over 8 to 32 rows, against 1.0-1.1x when timed again)."""
+    apart; each point the median of its passes. On a shared machine a spell of another tenant's
+    load lasts seconds (``bench/machine_noise.py`` shows them), longer than a line: it slows a
+    run of consecutive lines in one pass, and the median of three passes drops it where a single
+    pass would keep it."""
     runs: list[list[list[float]]] = [[] for _ in lines]
     for _ in range(passes):
         for times, timed in zip(runs, lines, strict=True):
@@ -57,13 +56,12 @@ def matmul_curve(dt: torch.dtype, dtype: str, cache_bytes: float, quiet: Quiet,
                  passes: int = CURVE_PASSES) -> MatmulCurve:
     """One product's time against its rows, its matrix's size (``CURVE_SIZES_BYTES``) and its
     working set (``CURVE_WORKING_SETS_BYTES``, then one beyond the cache: streamed from memory),
-    in chains of square matrices, and streamed at the aspects ``CURVE_ASPECTS`` (a 5632 x 1024
-    product streams 1.3-1.5x slower than a 2400 x 2400 one on this project's VM:
-    ``bench/matmul_paths.py --cold``). Each line (one chain's times over the rows) is timed in
-    ``passes`` passes over all the lines (``median_over_passes``); each point is the median of
-    its passes, each pass's the median of three chains. A time outside what physics allows
-    (below a single row's, or above one product per row) is taken again, and held within those
-    bounds if it stays outside."""
+    in chains of square matrices, and streamed at the aspects ``CURVE_ASPECTS`` (a library runs
+    wide and tall products at other speeds than square ones: ``bench/matmul_paths.py --cold``).
+    Each line (one chain's times over the rows) is timed in ``passes`` passes over all the lines
+    (``median_over_passes``); each point is the median of its passes, each pass's the median of
+    three chains. A time outside what physics allows (below a single row's, or above one product
+    per row) is taken again, and held within those bounds if it stays outside."""
     import torch
 
     def chain(size: float, working_set: float, aspect: float = 1.0) -> list[torch.Tensor]:
@@ -126,8 +124,7 @@ def staircase_block(counts: list[int], times: list[float]) -> int:
     ``ROW_BLOCK_STEP``, and twice the median change the other counts add), and the counts
     inside every block cost about what its last does (three in four of them within half that
     step): a kernel that computes b rows at once. 1 when none does: time grows with every
-    row, or the changes are noise. On this project's VM a 1024 x 1024 product's steps are
-    7-10% at 33, 41, 49 and 57 rows, and a block's counts sit within 2-4% of its last."""
+    row, or the changes are noise."""
     at = dict(zip(counts, times, strict=True))
     for b in ROW_BLOCKS:
         rises = {n: at[n] / at[n - 1] - 1 for n in counts if n - 1 in at}
@@ -151,8 +148,8 @@ def row_block(dt: torch.dtype, quiet: Quiet, checks: list[str]) -> int:
     """The rows a product's kernels compute together on this CPU: the products of
     ``ROW_BLOCK_SHAPES`` (each in a chain of 8) timed at each of ``ROW_BLOCK_COUNTS`` rows, each
     shape's times over its time at the first count, their geometric mean read as a staircase
-    (``staircase_block``). One shape's staircase is as noisy as the machine; on this
-    project's VM the mean of four is clean where single ones are not."""
+    (``staircase_block``). One shape's staircase is as noisy as the machine; the mean of four
+    is steadier than any one."""
     import torch
 
     def line(out: int, inner: int) -> list[float]:

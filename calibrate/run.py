@@ -51,11 +51,9 @@ DEFAULT_ACCEPTANCE = 0.85
 # A calibration whose measurements ran at speeds this far apart (the canary's 90th percentile
 # over its 10th) measured a machine whose speed kept changing: its figures do not describe one
 # machine, and its profile is refused (--force writes it, flagged). The canary's level against
-# its fastest is reported, not judged: the fastest of hundreds of samples is an extreme, and on
-# this project's VM a calibration's sustained work runs its median canary 1.2-2.0x the fastest
-# in any hour (docs/results/2026-12-02-cpu-sustained-calibration.md), so the level cannot tell a
-# busy machine from a steady one. The committed CPU profiles, usable, ran with their 90th
-# percentile 1.22-1.35x their median.
+# its fastest is reported, not judged: the fastest of hundreds of samples is an extreme, and a
+# shared machine's sustained work sits well above it in any hour, so the level cannot tell a
+# busy machine from a steady one (the sustained-calibration record in docs/results/).
 BUSY_SPREAD = 1.8
 # profiles made before the spread was kept: the level they were judged by
 BUSY_CANARY = 1.5

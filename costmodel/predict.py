@@ -29,9 +29,8 @@ from .schedules import (
 from .specs import AR, WFD, DtV, HardwareSpec, LoopedModelSpec, Workload
 
 MAX_BLOCK_LENGTH = 32
-# the most tokens a finite run may simulate (prompts x new tokens), for the three schedules:
-# about 100 s on the project's 2-core CPU (64 prompts x 512 tokens of Huginn-3.5B at batch 8:
-# 31-32 s); a run longer than this is near enough its steady state
+# the most tokens a finite run may simulate (prompts x new tokens), for the three schedules: a
+# minute or two on a laptop's CPU; a run longer than this is near enough its steady state
 MAX_SIMULATED_TOKENS = 100_000
 _TERMS = ("weights_s", "kv_s", "compute_s", "overhead_s")
 

@@ -61,7 +61,7 @@ class MatmulCurve(Spec):
     partly cached; None (profiles made before it was measured): the last working set.
 
     ``row_block``: the rows a product's kernel computes together. A CPU library's kernels work
-    on blocks of rows (8 on this project's VM), so 41 rows cost what 48 do; a row count
+    on blocks of rows (of 8, say: then 41 rows cost what 48 do); a row count
     the curve did not measure is read at the next multiple of the block. 1 (profiles made
     before it was measured): no blocks, time linear between the measured rows.
     """
