@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from .clitools import UserError, print_json, run, spinner, text_table
+from .engines import ENGINES, VLLM_SOURCE, for_engine
 from .errors import ProfileError, TraceError
 from .figures import NO_PLOTS
 from .memory import does_not_fit
@@ -209,6 +210,9 @@ def predict_cmd(
     host_speed: Annotated[float | None, typer.Option(
         help="a host X times faster: per-call, per-layer and per-kernel host overheads / X")
     ] = None,
+    engine: Annotated[str, typer.Option(
+        help="wfd (this decoder) or vllm (vLLM's AR: CUDA graphs and its kernel counts; DtV "
+             "and WFD as they would run inside it)")] = "wfd",
     as_json: JsonOption = False,
 ) -> None:
     """Per-token latency, speedup and its breakdown for AR, DtV and WFD."""
@@ -220,9 +224,12 @@ def predict_cmd(
                         f"got {kv_sharing}")
     if depth is not None and depth < 2:
         raise UserError(f"depth R must be at least 2, got {depth}")
+    if engine not in ENGINES:
+        raise UserError(f"unknown engine {engine!r}; use {' or '.join(ENGINES)}")
     prof, base, dtype = _hardware(profile, hardware, dtype)
-    hw = _override(base, bandwidth, flops, memory, launch_overhead, dtype, mode, host_speed)
     spec = get_model(model)
+    base = for_engine(engine, base, spec)
+    hw = _override(base, bandwidth, flops, memory, launch_overhead, dtype, mode, host_speed)
     exits = _exit_options(exit_rule, min_depth, exit_depths, depth or spec.default_depth)
     if exit_rule is not None and exit_depths is None and depth_trace is None:
         raise UserError("--exit is priced from the exit depths a --depth-trace gives under it "
@@ -238,9 +245,12 @@ def predict_cmd(
                          block_length=block_length)
     loose = _undetermined(prof) if prof is not None else []
     host = _host_source(result.hardware, launch_overhead, host_speed)
+    if engine == "vllm":
+        host = VLLM_SOURCE
     if as_json:
         payload = result.model_dump(mode="json")
         payload["host_source"] = host
+        payload["engine"] = engine
         payload["hardware"] = result.hardware.name
         payload["hardware_spec"] = result.hardware.model_dump(mode="json")
         payload["mode"] = "graphs" if result.hardware.cuda_graphs else "eager"
@@ -251,7 +261,7 @@ def predict_cmd(
         _print_table(result)
         _note_undetermined(loose)
         if host is not None:
-            typer.echo(f"note: host: {host}", err=True)
+            typer.echo(f"note: {'engine' if engine == 'vllm' else 'host'}: {host}", err=True)
     if not result.memory.fits:
         typer.echo(f"error: {does_not_fit(result.memory, workload)}", err=True)
         raise typer.Exit(1)

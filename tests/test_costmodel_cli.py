@@ -214,3 +214,30 @@ def test_a_preset_says_where_its_host_terms_come_from():
     profile = Path(__file__).resolve().parents[1] / "data" / "profiles" / "gpu-ouro-bf16.json"
     profiled = json.loads(run("predict", "--profile", str(profile), "--json").stdout)
     assert profiled["host_source"] is None  # the profile's own counts and costs
+
+
+def test_predict_prices_ar_as_vllm_runs_it():
+    """--engine vllm: CUDA graphs and vLLM's kernels (costmodel/data/vllm_operations.json);
+    on a preset, whose kernels cost the device nothing beyond their bytes, that is this
+    decoder's graphs mode; where a kernel has a floor (a profile), vLLM's fewer kernels show."""
+    from costmodel.engines import vllm_operations
+
+    def ar(*args):
+        out = run("predict", "--model", "ouro-2.6b", "--json", *args)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    vllm = ar("--engine", "vllm")
+    assert vllm["mode"] == "graphs" and vllm["engine"] == "vllm"
+    counted = vllm_operations("ouro")
+    assert vllm["hardware_spec"]["kernels_per_layer"] == sum(counted["layer"].values())
+    assert "vllm_operations.json" in vllm["host_source"]
+    graphs = ar("--mode", "graphs")
+    assert (vllm["schedules"]["ar"]["latency_per_token_s"]
+            == pytest.approx(graphs["schedules"]["ar"]["latency_per_token_s"], rel=1e-3))
+    profile = str(Path(__file__).resolve().parents[1] / "data" / "profiles" / "gpu-ouro-bf16.json")
+    floor = ar("--profile", profile, "--mode", "graphs")["schedules"]["ar"]["latency_per_token_s"]
+    assert ar("--profile", profile, "--engine", "vllm")["schedules"]["ar"][
+        "latency_per_token_s"] < floor
+    bad = run("predict", "--engine", "sglang")
+    assert bad.returncode == 2 and "unknown engine 'sglang'" in bad.stderr

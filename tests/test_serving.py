@@ -171,3 +171,15 @@ def test_vllm_serve_answers_completions_and_refuses_a_prompt_too_long(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def test_the_kernel_table_is_what_vllm_runs(tmp_path):
+    """costmodel/data/vllm_operations.json (what `costmodel predict --engine vllm` prices),
+    counted again in vLLM's forward: a change to the plugin that adds or removes a kernel fails
+    here until the table is regenerated (the command it names)."""
+    out = tmp_path / "counted.json"
+    done = subprocess.run([sys.executable, "-m", "wfd.serving.kernels", "--write", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    committed = json.loads((ROOT / "costmodel" / "data" / "vllm_operations.json").read_text())
+    assert json.loads(out.read_text())["families"] == committed["families"]

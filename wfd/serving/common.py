@@ -11,6 +11,7 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
@@ -35,6 +36,32 @@ def heads_per_rank(cfg: LoopedConfig) -> tuple[int, int]:
         raise ValueError(f"{cfg.num_attention_heads} query and {cfg.num_key_value_heads} "
                          f"key/value heads do not split over {tp} tensor-parallel ranks")
     return cfg.num_attention_heads // tp, max(1, cfg.num_key_value_heads // tp)
+
+
+def attention_projections(cfg: LoopedConfig, quant_config, prefix: str, qkv_name: str,
+                          out_name: str) -> tuple[QKVParallelLinear, RowParallelLinear]:
+    """A layer's fused q, k, v projection and its output projection, under the checkpoint's
+    names (split over the tensor-parallel ranks by heads)."""
+    looped = cfg.looped
+    qkv = QKVParallelLinear(looped.hidden_size, looped.head_dim, looped.num_heads,
+                            looped.num_kv_heads, bias=False, quant_config=quant_config,
+                            prefix=f"{prefix}.{qkv_name}")
+    out = RowParallelLinear(looped.num_heads * looped.head_dim, looped.hidden_size, bias=False,
+                            quant_config=quant_config, prefix=f"{prefix}.{out_name}")
+    return qkv, out
+
+
+def attend(qkv: torch.Tensor, positions: torch.Tensor, rotary, cache: Attention,
+           heads: int, kv_heads: int, head_dim: int, qk_bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """q, k and v split from their fused projection (``qk_bias``: [2, 1, heads, head_dim] added
+    to q and k first, Huginn's), q and k rotated, then attention over this step's cache."""
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    if qk_bias is not None:
+        q = q + qk_bias[0].flatten()
+        k = k + qk_bias[1].flatten()
+    q, k = rotary(positions, q, k)
+    return cache(q, k, v)
 
 
 def rotary(cfg: LoopedConfig, neox_style: bool):

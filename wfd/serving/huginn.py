@@ -19,7 +19,6 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
-    QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
 )
@@ -31,7 +30,14 @@ from vllm.model_executor.models.utils import maybe_prefix
 
 from wfd.huginn import STATE_CHUNK, initial_state_chunk
 
-from .common import LoopedForCausalLM, head_sharded_loader, heads_per_rank, rotary
+from .common import (
+    LoopedForCausalLM,
+    attend,
+    attention_projections,
+    head_sharded_loader,
+    heads_per_rank,
+    rotary,
+)
 from .configs import LoopedConfig
 
 
@@ -41,27 +47,17 @@ class HuginnAttention(nn.Module):
         looped = cfg.looped
         self.heads, self.kv_heads = heads_per_rank(cfg)
         self.head_dim = looped.head_dim
-        self.Wqkv = QKVParallelLinear(looped.hidden_size, looped.head_dim, looped.num_heads,
-                                      looped.num_kv_heads, bias=False,
-                                      quant_config=quant_config, prefix=f"{prefix}.Wqkv")
+        self.Wqkv, self.proj = attention_projections(cfg, quant_config, prefix, "Wqkv", "proj")
         # added to q and k before RoPE: [2, 1, heads, head_dim], q's then k's, this rank's heads
         self.qk_bias = head_sharded_loader(nn.Parameter(
             torch.zeros(2, 1, self.heads, looped.head_dim)), dim=2) if looped.qk_bias else None
-        self.proj = RowParallelLinear(looped.num_heads * looped.head_dim, looped.hidden_size,
-                                      bias=False, quant_config=quant_config,
-                                      prefix=f"{prefix}.proj")
         self.rotary = rotary(cfg, neox_style=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: Attention
                 ) -> torch.Tensor:
         qkv, _ = self.Wqkv(x)
-        q, k, v = qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
-                             self.kv_heads * self.head_dim], dim=-1)
-        if self.qk_bias is not None:
-            q = q + self.qk_bias[0].flatten()
-            k = k + self.qk_bias[1].flatten()
-        q, k = self.rotary(positions, q, k)
-        out, _ = self.proj(cache(q, k, v))
+        out, _ = self.proj(attend(qkv, positions, self.rotary, cache, self.heads, self.kv_heads,
+                                  self.head_dim, self.qk_bias))
         return out
 
 

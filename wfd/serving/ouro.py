@@ -17,7 +17,6 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
-    QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
 )
@@ -27,32 +26,24 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 )
 from vllm.model_executor.models.utils import maybe_prefix
 
-from .common import LoopedForCausalLM, heads_per_rank, rotary
+from .common import LoopedForCausalLM, attend, attention_projections, heads_per_rank, rotary
 from .configs import LoopedConfig
 
 
 class OuroAttention(nn.Module):
     def __init__(self, cfg: LoopedConfig, quant_config, prefix: str):
         super().__init__()
-        looped = cfg.looped
         self.heads, self.kv_heads = heads_per_rank(cfg)
-        self.head_dim = looped.head_dim
-        self.qkv_proj = QKVParallelLinear(looped.hidden_size, looped.head_dim, looped.num_heads,
-                                          looped.num_kv_heads, bias=False,
-                                          quant_config=quant_config,
-                                          prefix=f"{prefix}.qkv_proj")
-        self.o_proj = RowParallelLinear(looped.num_heads * looped.head_dim, looped.hidden_size,
-                                        bias=False, quant_config=quant_config,
-                                        prefix=f"{prefix}.o_proj")
+        self.head_dim = cfg.looped.head_dim
+        self.qkv_proj, self.o_proj = attention_projections(cfg, quant_config, prefix,
+                                                           "qkv_proj", "o_proj")
         self.rotary = rotary(cfg, neox_style=True)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: Attention
                 ) -> torch.Tensor:
         qkv, _ = self.qkv_proj(x)
-        q, k, v = qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
-                             self.kv_heads * self.head_dim], dim=-1)
-        q, k = self.rotary(positions, q, k)
-        out, _ = self.o_proj(cache(q, k, v))
+        out, _ = self.o_proj(attend(qkv, positions, self.rotary, cache, self.heads,
+                                    self.kv_heads, self.head_dim))
         return out
 
 

@@ -1,0 +1,39 @@
+"""The engine that runs the calls, as hardware terms: ``wfd`` (this decoder: the hardware as
+given) or ``vllm`` (vLLM's AR through the plugin in wfd/serving: CUDA graphs, and the kernels its
+layers launch per layer and per part, counted in its own forward pass,
+costmodel/data/vllm_operations.json). DtV and WFD priced on ``vllm`` are what they would cost
+run inside it with its kernels: what WFD would add to that engine."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+from .specs import HardwareSpec, LoopedModelSpec
+
+ENGINES = ("wfd", "vllm")
+VLLM_SOURCE = ("vLLM's AR: CUDA graphs, the kernels its layers launch per layer and part "
+               "(costmodel/data/vllm_operations.json)")
+
+
+@functools.cache
+def vllm_operations(family: str) -> dict[str, dict[str, int]]:
+    path = Path(__file__).resolve().parent / "data" / "vllm_operations.json"
+    return json.loads(path.read_text())["families"][family]
+
+
+def for_engine(engine: str, hw: HardwareSpec, model: LoopedModelSpec) -> HardwareSpec:
+    """``hw`` as ``engine`` runs ``model``'s calls."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; use {' or '.join(ENGINES)}")
+    if engine == "wfd":
+        return hw
+    ops = vllm_operations(model.family)
+    extras = {part: ops[part] for part in ("prelude", "block", "coda")}
+    return hw.model_copy(update={
+        "name": f"{hw.name} as vLLM", "cuda_graphs": True,
+        "kernels_per_layer": sum(ops["layer"].values()), "attention_kernels_per_slot": 0,
+        "attention_split_by_slot": False, "layer_operations": ops["layer"],
+        "part_extra_kernels": {part: sum(c.values()) for part, c in extras.items()},
+        "part_extra_operations": extras})
