@@ -55,6 +55,24 @@ def vllm_tokens(tmp_path: Path, model: Path, runs: list[dict], **options
     return [run["tokens"] for run in vllm_job(tmp_path, model, runs, **options)["runs"]]
 
 
+def sharded(folder: Path) -> Path:
+    """The checkpoint in ``folder`` split into two safetensors shards with an index, as large
+    releases are."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(folder / "model.safetensors")
+    names = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": names[::2],
+              "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, keys in shards.items():
+        save_file({k: state[k] for k in keys}, folder / shard, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: shard for shard, keys in shards.items()
+                                            for k in keys}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    (folder / "model.safetensors").unlink()
+    return folder
+
+
 def ar_tokens(model, prompts, **options) -> list[list[int]]:
     return [generate(model, p, max_new_tokens=NEW_TOKENS, schedule="ar", **options).tokens
             for p in prompts]
@@ -78,12 +96,12 @@ def test_a_shipped_model_decodes_on_vllm_as_wfd_ar_does(tmp_path, name):
 
 
 @pytest.mark.parametrize("family", ["huginn", "ouro"])
-def test_random_checkpoints_decode_as_wfd_ar_at_two_depths_and_with_shared_slots(tmp_path,
-                                                                                   family):
+def test_random_sharded_checkpoints_decode_as_wfd_ar_at_two_depths_and_with_shared_slots(
+        tmp_path, family):
     # vLLM's CPU attention takes head sizes of 32 and up; damped: fp32 rounding flips no token
     cfg = TINY_CONFIGS[family].model_copy(update={"hidden_size": 128, "head_dim": 32})
     model = damped(init_random(build(cfg)))
-    folder = save(model, tmp_path / "checkpoint")
+    folder = sharded(save(model, tmp_path / "checkpoint"))
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(vocab, (n,), generator=gen).tolist() for n in (3, 9, 17, 30)]
@@ -91,7 +109,8 @@ def test_random_checkpoints_decode_as_wfd_ar_at_two_depths_and_with_shared_slots
     runs = [{"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 4}]
     (default,) = vllm_tokens(tmp_path, folder, runs)
     assert default == ar_tokens(model, prompts)
-    (other,) = vllm_tokens(tmp_path, folder, runs, {"recurrence_depth": depth, "kv_sharing": 2})
+    (other,) = vllm_tokens(tmp_path, folder, runs,
+                           overrides={"recurrence_depth": depth, "kv_sharing": 2})
     assert other == ar_tokens(model, prompts, depth=depth, kv_sharing=2)
     assert other != default  # the depth is the engine's, not the checkpoint's
 
