@@ -144,12 +144,13 @@ def post(url: str, payload: dict) -> tuple[int, dict]:
         return error.code, json.loads(error.read() or b"{}")
 
 
-def test_vllm_serve_answers_completions_and_refuses_a_prompt_too_long(tmp_path):
-    """huginn-tiny with a tokenizer file of its byte vocabulary: token ids and text in."""
-    model = tmp_path / "huginn-tiny"
+@pytest.mark.parametrize("name", ["huginn-tiny", "ouro-tiny"])
+def test_vllm_serve_answers_completions_and_refuses_a_prompt_too_long(tmp_path, name):
+    """A shipped model with a tokenizer file of its byte vocabulary: token ids and text in."""
+    model = tmp_path / name
     model.mkdir()
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy(ROOT / "wfd" / "models" / "huginn-tiny" / name, model)
+    for file in ("config.json", "model.safetensors"):
+        shutil.copy(ROOT / "wfd" / "models" / name / file, model)
     write_byte_tokenizer(model, max_length=256)
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
@@ -174,7 +175,7 @@ def test_vllm_serve_answers_completions_and_refuses_a_prompt_too_long(tmp_path):
                 assert time.monotonic() < deadline, "the server did not come up in 300 s"
                 time.sleep(1)
         prompt = list(CODE[0].encode())
-        expected = ar_tokens(load_model("huginn-tiny"), [prompt])[0]
+        expected = ar_tokens(load_model(name), [prompt])[0]
         request = {"model": str(model), "prompt": prompt, "max_tokens": NEW_TOKENS,
                    "temperature": 0, "return_token_ids": True}
         status, answer = post(f"{base}/v1/completions", request)
