@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from .clitools import UserError, print_json, run, spinner, text_table
+from .clitools import UserError, error_summary, print_json, run, spinner, text_table
 from .engines import ENGINES, VLLM_SOURCE, for_engine
 from .errors import ProfileError, TraceError
 from .figures import NO_PLOTS
@@ -679,11 +679,8 @@ def join_modes_cmd(
     typer.echo(f"{out}: {int(joint.fit_stats['train_points'])} calls of both modes fitted"
                + (f"; held: {', '.join(joint.held)}" if joint.held else ""))
     for check in joint.cross_mode:
-        parts = [f"{label} median {s['median_rel_error']:.1%}, max {s['max_rel_error']:.1%}"
-                 for label, s in (("calls", check.per_call), ("per token", check.per_token))
-                 if s]
         typer.echo(f"fitted on {check.fit_on} only, priced {check.predicted}: "
-                   + "; ".join(parts))
+                   + error_summary((("calls", check.per_call), ("per token", check.per_token))))
 
 
 @app.command("refit")
@@ -721,9 +718,8 @@ def refit_cmd(
     for label, rep in reports.items():
         if rep is None:
             continue
-        parts = [f"{what} median {s['median_rel_error']:.1%}, max {s['max_rel_error']:.1%}"
-                 for what, s in (("calls", rep.per_call), ("per token", rep.per_token)) if s]
-        typer.echo(f"held-out, {label}: " + "; ".join(parts))
+        typer.echo(f"held-out, {label}: "
+                   + error_summary((("calls", rep.per_call), ("per token", rep.per_token))))
 
 
 @app.command("upgrade-profile")

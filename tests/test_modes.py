@@ -156,6 +156,11 @@ def test_joined_profiles_validate_per_mode_and_across_modes(tmp_path):
     cross = {(c["fit_on"], c["predicted"]): c for c in payload["cross_mode"]}
     assert set(cross) == {("eager", "graphs"), ("graphs", "eager")}
     assert "graph_host_overhead_s" in cross["eager", "graphs"]["held"]
+    text = subprocess.run([*cli, "join-modes", str(eager), str(graphs), "--out", str(joint)],
+                          capture_output=True, text=True, timeout=120).stdout
+    c = cross["eager", "graphs"]["per_call"]
+    assert (f"fitted on eager only, priced graphs: calls median {c['median_rel_error']:.1%}, "
+            f"max {c['max_rel_error']:.1%}") in text
 
     rep = subprocess.run([*cli, "validate", "--profile", str(joint), "--plot",
                           str(tmp_path / "v.png"), "--json"], capture_output=True, text=True,
