@@ -19,6 +19,7 @@ from vllm.model_executor.models.utils import maybe_prefix
 
 from costmodel.plans import core_slot
 from wfd.checkpoint import _OPTIONAL
+from wfd.config import ModelConfig
 
 from .configs import LoopedConfig
 
@@ -27,26 +28,24 @@ class CheckpointError(ValueError):
     """A checkpoint whose tensors are not the family's."""
 
 
-def heads_per_rank(cfg: LoopedConfig) -> tuple[int, int]:
+def heads_per_rank(arch: ModelConfig) -> tuple[int, int]:
     """(query heads, key/value heads) on this tensor-parallel rank; KV heads are replicated
     when there are fewer than ranks."""
     tp = get_tensor_model_parallel_world_size()
-    if cfg.num_attention_heads % tp or (cfg.num_key_value_heads % tp
-                                        and tp % cfg.num_key_value_heads):
-        raise ValueError(f"{cfg.num_attention_heads} query and {cfg.num_key_value_heads} "
-                         f"key/value heads do not split over {tp} tensor-parallel ranks")
-    return cfg.num_attention_heads // tp, max(1, cfg.num_key_value_heads // tp)
+    if arch.num_heads % tp or (arch.num_kv_heads % tp and tp % arch.num_kv_heads):
+        raise ValueError(f"{arch.num_heads} query and {arch.num_kv_heads} key/value heads do "
+                         f"not split over {tp} tensor-parallel ranks")
+    return arch.num_heads // tp, max(1, arch.num_kv_heads // tp)
 
 
-def attention_projections(cfg: LoopedConfig, quant_config, prefix: str, qkv_name: str,
+def attention_projections(arch: ModelConfig, quant_config, prefix: str, qkv_name: str,
                           out_name: str) -> tuple[QKVParallelLinear, RowParallelLinear]:
     """A layer's fused q, k, v projection and its output projection, under the checkpoint's
     names (split over the tensor-parallel ranks by heads)."""
-    looped = cfg.looped
-    qkv = QKVParallelLinear(looped.hidden_size, looped.head_dim, looped.num_heads,
-                            looped.num_kv_heads, bias=False, quant_config=quant_config,
+    qkv = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads,
+                            bias=False, quant_config=quant_config,
                             prefix=f"{prefix}.{qkv_name}")
-    out = RowParallelLinear(looped.num_heads * looped.head_dim, looped.hidden_size, bias=False,
+    out = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=False,
                             quant_config=quant_config, prefix=f"{prefix}.{out_name}")
     return qkv, out
 
@@ -64,12 +63,11 @@ def attend(qkv: torch.Tensor, positions: torch.Tensor, rotary, cache: Attention,
     return cache(q, k, v)
 
 
-def rotary(cfg: LoopedConfig, neox_style: bool):
+def rotary(arch: ModelConfig, neox_style: bool):
     """vLLM's rotary embedding at the model's base: Huginn rotates adjacent pairs (GPT-J style),
     Ouro the two halves (NeoX style)."""
-    looped = cfg.looped
-    return get_rope(looped.head_dim, looped.max_position_embeddings, is_neox_style=neox_style,
-                    rope_parameters={"rope_theta": looped.rope_base})
+    return get_rope(arch.head_dim, arch.max_position_embeddings, is_neox_style=neox_style,
+                    rope_parameters={"rope_theta": arch.rope_base})
 
 
 class LoopedForCausalLM(nn.Module):
@@ -85,18 +83,19 @@ class LoopedForCausalLM(nn.Module):
         super().__init__()
         cfg: LoopedConfig = vllm_config.model_config.hf_config
         self.config = cfg
-        looped = cfg.looped
+        # the architecture as wfd reads it, parsed once and handed to every layer
+        self.arch = arch = cfg.looped
         self.depth, self.kv_sharing = cfg.depth, cfg.kv_sharing
-        self.prelude_layers, self.core_layers = looped.prelude_layers, looped.core_layers
-        self.core_slots = looped.core_slots(self.depth, self.kv_sharing)
-        heads, kv_heads = heads_per_rank(cfg)
+        self.prelude_layers, self.core_layers = arch.prelude_layers, arch.core_layers
+        self.core_slots = arch.core_slots(self.depth, self.kv_sharing)
+        heads, kv_heads = heads_per_rank(arch)
         self.caches = nn.ModuleList(
-            Attention(heads, looped.head_dim, looped.head_dim ** -0.5, num_kv_heads=kv_heads,
+            Attention(heads, arch.head_dim, arch.head_dim ** -0.5, num_kv_heads=kv_heads,
                       cache_config=vllm_config.cache_config,
                       quant_config=vllm_config.quant_config,
                       prefix=maybe_prefix(prefix, f"caches.{i}"))
             for i in range(cfg.kv_layers))
-        self.logits_processor = LogitsProcessor(looped.vocab_size)
+        self.logits_processor = LogitsProcessor(arch.vocab_size)
 
     # -- which cache each layer reads ---------------------------------------------------------
     def prelude_caches(self) -> list[Attention]:

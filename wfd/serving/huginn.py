@@ -28,6 +28,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 )
 from vllm.model_executor.models.utils import maybe_prefix
 
+from wfd.config import ModelConfig
 from wfd.huginn import STATE_CHUNK, initial_state_chunk
 
 from .common import (
@@ -38,20 +39,18 @@ from .common import (
     heads_per_rank,
     rotary,
 )
-from .configs import LoopedConfig
 
 
 class HuginnAttention(nn.Module):
-    def __init__(self, cfg: LoopedConfig, quant_config, prefix: str):
+    def __init__(self, arch: ModelConfig, quant_config, prefix: str):
         super().__init__()
-        looped = cfg.looped
-        self.heads, self.kv_heads = heads_per_rank(cfg)
-        self.head_dim = looped.head_dim
-        self.Wqkv, self.proj = attention_projections(cfg, quant_config, prefix, "Wqkv", "proj")
+        self.heads, self.kv_heads = heads_per_rank(arch)
+        self.head_dim = arch.head_dim
+        self.Wqkv, self.proj = attention_projections(arch, quant_config, prefix, "Wqkv", "proj")
         # added to q and k before RoPE: [2, 1, heads, head_dim], q's then k's, this rank's heads
         self.qk_bias = head_sharded_loader(nn.Parameter(
-            torch.zeros(2, 1, self.heads, looped.head_dim)), dim=2) if looped.qk_bias else None
-        self.rotary = rotary(cfg, neox_style=False)
+            torch.zeros(2, 1, self.heads, arch.head_dim)), dim=2) if arch.qk_bias else None
+        self.rotary = rotary(arch, neox_style=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: Attention
                 ) -> torch.Tensor:
@@ -62,9 +61,9 @@ class HuginnAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, cfg: LoopedConfig, quant_config, prefix: str):
+    def __init__(self, arch: ModelConfig, quant_config, prefix: str):
         super().__init__()
-        h, i = cfg.hidden_size, cfg.intermediate_size
+        h, i = arch.hidden_size, arch.mlp_size
         self.fc = MergedColumnParallelLinear(h, [i, i], bias=False, quant_config=quant_config,
                                              prefix=f"{prefix}.fc")  # [gate | up] on disk
         self.act = SiluAndMul()
@@ -78,13 +77,13 @@ class GatedMLP(nn.Module):
 
 
 class SandwichBlock(nn.Module):
-    def __init__(self, cfg: LoopedConfig, quant_config, prefix: str):
+    def __init__(self, arch: ModelConfig, quant_config, prefix: str):
         super().__init__()
-        eps, h = cfg.looped.norm_eps, cfg.hidden_size
+        eps, h = arch.norm_eps, arch.hidden_size
         self.norm_1 = RMSNorm(h, eps=eps)
-        self.attn = HuginnAttention(cfg, quant_config, f"{prefix}.attn")
+        self.attn = HuginnAttention(arch, quant_config, f"{prefix}.attn")
         self.norm_2 = RMSNorm(h, eps=eps)
-        self.mlp = GatedMLP(cfg, quant_config, f"{prefix}.mlp")
+        self.mlp = GatedMLP(arch, quant_config, f"{prefix}.mlp")
         self.norm_3 = RMSNorm(h, eps=eps)
         self.norm_4 = RMSNorm(h, eps=eps)
 
@@ -95,29 +94,28 @@ class SandwichBlock(nn.Module):
 
 
 class HuginnTransformer(nn.Module):
-    def __init__(self, cfg: LoopedConfig, quant_config, prefix: str):
+    def __init__(self, arch: ModelConfig, quant_config, prefix: str):
         super().__init__()
-        looped = cfg.looped
 
         def blocks(name: str, n: int) -> nn.ModuleList:
-            return nn.ModuleList(SandwichBlock(cfg, quant_config, f"{prefix}.{name}.{i}")
+            return nn.ModuleList(SandwichBlock(arch, quant_config, f"{prefix}.{name}.{i}")
                                  for i in range(n))
 
-        self.wte = VocabParallelEmbedding(looped.vocab_size, looped.hidden_size,
+        self.wte = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size,
                                           prefix=f"{prefix}.wte")
-        self.prelude = blocks("prelude", looped.prelude_layers)
-        self.adapter = ReplicatedLinear(2 * looped.hidden_size, looped.hidden_size, bias=False,
+        self.prelude = blocks("prelude", arch.prelude_layers)
+        self.adapter = ReplicatedLinear(2 * arch.hidden_size, arch.hidden_size, bias=False,
                                         quant_config=quant_config, prefix=f"{prefix}.adapter")
-        self.core_block = blocks("core_block", looped.core_layers)
-        self.coda = blocks("coda", looped.coda_layers)
-        self.ln_f = RMSNorm(looped.hidden_size, eps=looped.norm_eps)
+        self.core_block = blocks("core_block", arch.core_layers)
+        self.coda = blocks("coda", arch.coda_layers)
+        self.ln_f = RMSNorm(arch.hidden_size, eps=arch.norm_eps)
 
 
 class RavenForCausalLM(LoopedForCausalLM):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         cfg, quant = self.config, vllm_config.quant_config
-        self.transformer = HuginnTransformer(cfg, quant, maybe_prefix(prefix, "transformer"))
+        self.transformer = HuginnTransformer(self.arch, quant, maybe_prefix(prefix, "transformer"))
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, quant_config=quant,
                                       prefix=maybe_prefix(prefix, "lm_head"))
         if cfg.tie_word_embeddings:

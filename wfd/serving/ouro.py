@@ -26,18 +26,19 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 )
 from vllm.model_executor.models.utils import maybe_prefix
 
+from wfd.config import ModelConfig
+
 from .common import LoopedForCausalLM, attend, attention_projections, heads_per_rank, rotary
-from .configs import LoopedConfig
 
 
 class OuroAttention(nn.Module):
-    def __init__(self, cfg: LoopedConfig, quant_config, prefix: str):
+    def __init__(self, arch: ModelConfig, quant_config, prefix: str):
         super().__init__()
-        self.heads, self.kv_heads = heads_per_rank(cfg)
-        self.head_dim = cfg.looped.head_dim
-        self.qkv_proj, self.o_proj = attention_projections(cfg, quant_config, prefix,
+        self.heads, self.kv_heads = heads_per_rank(arch)
+        self.head_dim = arch.head_dim
+        self.qkv_proj, self.o_proj = attention_projections(arch, quant_config, prefix,
                                                            "qkv_proj", "o_proj")
-        self.rotary = rotary(cfg, neox_style=True)
+        self.rotary = rotary(arch, neox_style=True)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: Attention
                 ) -> torch.Tensor:
@@ -48,9 +49,9 @@ class OuroAttention(nn.Module):
 
 
 class OuroMLP(nn.Module):
-    def __init__(self, cfg: LoopedConfig, quant_config, prefix: str):
+    def __init__(self, arch: ModelConfig, quant_config, prefix: str):
         super().__init__()
-        h, i = cfg.hidden_size, cfg.intermediate_size
+        h, i = arch.hidden_size, arch.mlp_size
         self.gate_up_proj = MergedColumnParallelLinear(h, [i, i], bias=False,
                                                        quant_config=quant_config,
                                                        prefix=f"{prefix}.gate_up_proj")
@@ -67,14 +68,14 @@ class OuroMLP(nn.Module):
 class OuroDecoderLayer(nn.Module):
     """Sandwich norm: the *_2 norms act on each sub-layer's output before the residual add."""
 
-    def __init__(self, cfg: LoopedConfig, quant_config, prefix: str):
+    def __init__(self, arch: ModelConfig, quant_config, prefix: str):
         super().__init__()
-        eps, h = cfg.looped.norm_eps, cfg.hidden_size
+        eps, h = arch.norm_eps, arch.hidden_size
         self.input_layernorm = RMSNorm(h, eps=eps)
-        self.self_attn = OuroAttention(cfg, quant_config, f"{prefix}.self_attn")
+        self.self_attn = OuroAttention(arch, quant_config, f"{prefix}.self_attn")
         self.input_layernorm_2 = RMSNorm(h, eps=eps)
         self.post_attention_layernorm = RMSNorm(h, eps=eps)
-        self.mlp = OuroMLP(cfg, quant_config, f"{prefix}.mlp")
+        self.mlp = OuroMLP(arch, quant_config, f"{prefix}.mlp")
         self.post_attention_layernorm_2 = RMSNorm(h, eps=eps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: Attention
@@ -84,15 +85,14 @@ class OuroDecoderLayer(nn.Module):
 
 
 class OuroInner(nn.Module):
-    def __init__(self, cfg: LoopedConfig, quant_config, prefix: str):
+    def __init__(self, arch: ModelConfig, quant_config, prefix: str):
         super().__init__()
-        looped = cfg.looped
-        self.embed_tokens = VocabParallelEmbedding(looped.vocab_size, looped.hidden_size,
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size,
                                                    prefix=f"{prefix}.embed_tokens")
-        self.layers = nn.ModuleList(OuroDecoderLayer(cfg, quant_config, f"{prefix}.layers.{i}")
-                                    for i in range(looped.core_layers))
-        self.norm = RMSNorm(looped.hidden_size, eps=looped.norm_eps)
-        self.early_exit_gate = ReplicatedLinear(looped.hidden_size, 1, bias=True,
+        self.layers = nn.ModuleList(OuroDecoderLayer(arch, quant_config, f"{prefix}.layers.{i}")
+                                    for i in range(arch.core_layers))
+        self.norm = RMSNorm(arch.hidden_size, eps=arch.norm_eps)
+        self.early_exit_gate = ReplicatedLinear(arch.hidden_size, 1, bias=True,
                                                 prefix=f"{prefix}.early_exit_gate")
 
 
@@ -104,7 +104,7 @@ class OuroForCausalLM(LoopedForCausalLM):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         cfg, quant = self.config, vllm_config.quant_config
-        self.model = OuroInner(cfg, quant, maybe_prefix(prefix, "model"))
+        self.model = OuroInner(self.arch, quant, maybe_prefix(prefix, "model"))
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, quant_config=quant,
                                       prefix=maybe_prefix(prefix, "lm_head"))
         if cfg.tie_word_embeddings:
