@@ -29,11 +29,16 @@ def for_engine(engine: str, hw: HardwareSpec, model: LoopedModelSpec) -> Hardwar
         raise ValueError(f"unknown engine {engine!r}; use {' or '.join(ENGINES)}")
     if engine == "wfd":
         return hw
-    ops = vllm_operations(model.family)
+    return hw.model_copy(update={"name": f"{hw.name} as vLLM", "cuda_graphs": True,
+                                 **counted_fields(vllm_operations(model.family))})
+
+
+def counted_fields(ops: dict[str, dict[str, int]]) -> dict[str, object]:
+    """An operation table by class (per ``layer``, and per call of each part outside its
+    layers) as the hardware fields a calibration fills its counts into: one attention per layer,
+    whatever the slots."""
     extras = {part: ops[part] for part in ("prelude", "block", "coda")}
-    return hw.model_copy(update={
-        "name": f"{hw.name} as vLLM", "cuda_graphs": True,
-        "kernels_per_layer": sum(ops["layer"].values()), "attention_kernels_per_slot": 0,
-        "attention_split_by_slot": False, "layer_operations": ops["layer"],
-        "part_extra_kernels": {part: sum(c.values()) for part, c in extras.items()},
-        "part_extra_operations": extras})
+    return {"kernels_per_layer": sum(ops["layer"].values()), "attention_kernels_per_slot": 0,
+            "attention_split_by_slot": False, "layer_operations": ops["layer"],
+            "part_extra_kernels": {part: sum(c.values()) for part, c in extras.items()},
+            "part_extra_operations": extras}

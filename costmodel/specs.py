@@ -433,9 +433,14 @@ class LoopedModelSpec(Spec):
         """KV bytes one token occupies: prelude slots, core slots (per depth or shared), and one
         coda slot per readout depth (AR reads out at R only; DtV and WFD at d and R)."""
         depth = depth or self.default_depth
-        layer_slots = (self.prelude_layers + self.core_layers * self.core_slots(depth, kv_sharing)
-                       + self.coda_layers * readout_depths)
-        return layer_slots * self.kv_bytes_per_token_per_layer(dtype)
+        return (self.kv_layer_slots(depth, kv_sharing, readout_depths)
+                * self.kv_bytes_per_token_per_layer(dtype))
+
+    def kv_layer_slots(self, depth: int, kv_sharing: int = 0, readout_depths: int = 1) -> int:
+        """The attention layers' KV slots a token fills: per prelude layer, per (core slot, core
+        layer), per (readout depth, coda layer)."""
+        return (self.prelude_layers + self.core_layers * self.core_slots(depth, kv_sharing)
+                + self.coda_layers * readout_depths)
 
     def weight_bytes(self, dtype: str) -> int:
         """Bytes of the weights held in memory (a tied head stored once)."""

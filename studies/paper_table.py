@@ -13,6 +13,7 @@ kernels, and the 74% fixes Huginn's achievable bandwidth. Nothing is fitted to D
 from __future__ import annotations
 
 from costmodel import Workload, predict
+from costmodel.engines import counted_fields
 from costmodel.presets import get_hardware, get_model
 from costmodel.specs import HardwareSpec, decoder_operations
 
@@ -53,12 +54,8 @@ def counted_kernels(model: str) -> dict[str, object]:
     """This decoder's operations for ``model``'s family as the hardware fields a calibration
     fills (costmodel/data/operations.json: what a preset prices by default), one attention per
     layer."""
-    ops = decoder_operations(get_model(model).family)
-    extras = {part: ops[part] for part in ("prelude", "block", "coda")}
-    return {"kernels_per_layer": sum(ops["layer"].values()), "attention_kernels_per_slot": 0,
-            "attention_split_by_slot": False,
-            "part_extra_kernels": {part: sum(c.values()) for part, c in extras.items()},
-            "layer_operations": ops["layer"], "part_extra_operations": extras,
+    # every class at the host weight of one, as the per-operation gap is derived
+    return {**counted_fields(decoder_operations(get_model(model).family)),
             "operation_host_weights": {}}
 
 

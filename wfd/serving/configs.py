@@ -51,9 +51,7 @@ class LoopedConfig(PretrainedConfig):
     def kv_layers(self) -> int:
         """The attention caches a token passes through, each holding its own KV: what vLLM's
         cache is sized by."""
-        looped = self.looped
-        slots = looped.core_slots(self.depth, self.kv_sharing)
-        return looped.prelude_layers + looped.core_layers * slots + looped.coda_layers
+        return self.looped.kv_layer_slots(self.depth, self.kv_sharing)
 
     @property
     def looped(self) -> ModelConfig:

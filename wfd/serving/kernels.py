@@ -9,8 +9,9 @@ process, and one decode step's forward and head are watched: every call of one o
 counts as the kernels it launches on a GPU (a linear layer or the head one matrix product,
 attention two: the cache update and the attention itself, a norm, rotary embedding, activation
 or embedding one), and every tensor operation the model code runs outside those layers as one
-kernel, or none for a view. Each is credited to the part whose method ran it (prelude and
-initial state, step, readout and logits), inside its transformer layers or outside them.
+kernel, or none for a view (told apart as calibrate.operations tells this decoder's). Each is
+credited to the part whose method ran it (prelude and initial state, step, readout and logits),
+inside its transformer layers or outside them.
 """
 
 from __future__ import annotations
@@ -23,9 +24,6 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-VIEWS = {"view", "reshape", "_reshape_alias", "slice", "select", "split", "split_with_sizes",
-         "flatten", "unsqueeze", "squeeze", "alias", "detach", "expand", "t", "transpose",
-         "unflatten", "lift_fresh", "_unsafe_view", "as_strided"}
 # the model's methods, by the part whose work they do (compute_logits: the head, after forward)
 PARTS = {"prelude": "prelude", "initial_state": "prelude", "step": "block",
          "readout": "coda", "compute_logits": "coda"}
@@ -35,11 +33,12 @@ LAYER = re.compile(r"(transformer\.(prelude|core_block|coda)|model\.layers)\.\d+
 def count_forward(model, run_step) -> dict[str, Counter]:
     """Kernels by part ("PART:layer" inside its transformer layers, "PART:own" outside them) and
     class, during the last decode step ``run_step`` makes."""
-    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from vllm.model_executor.layers.attention import Attention
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    from calibrate.operations import operation_class
 
     counts: dict[str, Counter] = {}
     part: list[str] = []  # the part whose method runs
@@ -90,12 +89,10 @@ def count_forward(model, run_step) -> dict[str, Counter]:
 
     class Ops(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if in_vllm_layer[0] == 0:
-                op = func.overloadpacket.__name__
-                same_dtype_cast = op == "to" and isinstance(args[0], torch.Tensor) and all(
-                    not isinstance(a, torch.dtype) or a == args[0].dtype for a in args[1:])
-                credit("view" if op in VIEWS or same_dtype_cast else "other")
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            if in_vllm_layer[0] == 0:  # as this decoder's own operations are told apart
+                credit(operation_class(func, args, out))
+            return out
 
     hooks.append(model.register_forward_pre_hook(lambda mod, args: counts.clear()))
     for method in PARTS:
