@@ -54,7 +54,8 @@ def close(a, b, where: str = "") -> list[str]:
     if isinstance(a, list) and isinstance(b, list):
         if len(a) != len(b):
             return [f"{where}: {len(a)} items against {len(b)}"]
-        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in close(x, y, f"{where}[{i}]")]
+        pairs = enumerate(zip(a, b, strict=True))
+        return [d for i, (x, y) in pairs for d in close(x, y, f"{where}[{i}]")]
     if isinstance(a, float) and isinstance(b, float):
         same = math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-300)
         return [] if same else [f"{where}: {a} != {b}"]
