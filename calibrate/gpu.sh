@@ -137,7 +137,7 @@ for family in $FAMILIES; do
     # --force: an unattended run keeps its profile, flagged if the machine was busy (a GPU's
     # never is; a CPU rehearsal beside other work can be), rather than lose the run
     if ! step "$family $mode calibration" "$RESULTS/$name.validation.json" \
-        "$PY" -m costmodel calibrate --model "$family" --device "$DEVICE" --dtype "$DTYPE" \
+        "$PY" -m calibrate.cli calibrate --model "$family" --device "$DEVICE" --dtype "$DTYPE" \
         --mode "$mode" $QUICK_FLAG --fit-models "$fit" --holdout-model "$holdout" --force \
         ${MACHINE_FROM:+--machine-from "$MACHINE_FROM"} \
         --acceptances "${ACCEPTANCES:-0.6,0.75,0.9}" --out "$RESULTS/$name.json" --json; then
@@ -152,11 +152,11 @@ for family in $FAMILIES; do
   if [[ "$calibrated" == *" eager "* && "$calibrated" == *" graphs "* ]]; then
     # both modes in one fit (the device's coefficients shared), validated across the modes
     joint="gpu-$family-$DTYPE-modes"
-    step "$family join-modes" - "$PY" -m costmodel join-modes \
+    step "$family join-modes" - "$PY" -m calibrate.cli join-modes \
       "$RESULTS/gpu-$family-$DTYPE.json" "$RESULTS/gpu-$family-$DTYPE-graphs.json" \
       --out "$RESULTS/$joint.json" \
       && step "$family joint validation" "$RESULTS/$joint.validation.json" \
-        "$PY" -m costmodel validate --profile "$RESULTS/$joint.json" --json
+        "$PY" -m calibrate.cli validate --profile "$RESULTS/$joint.json" --json
   fi
 done
 # adaptive depth after the calibrations: the campaign's first figures come first

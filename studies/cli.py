@@ -1,0 +1,73 @@
+"""`costmodel study`: a design-space study's table and figure. Registered on the `costmodel`
+app through the ``costmodel.commands`` entry point (pyproject.toml)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from costmodel.cli import JsonOption, load_profile, note_machine, note_undetermined, undetermined
+from costmodel.clitools import UserError, print_json, spinner
+from costmodel.figures import NO_PLOTS
+
+from . import STUDIES, run
+
+
+def register(app: typer.Typer) -> None:
+    """Add `study` to ``app``."""
+    app.command("study")(study_cmd)
+
+
+def study_cmd(
+    name: Annotated[str, typer.Argument(help="study name, or 'list'")],
+    profile: Annotated[Path | None, typer.Option(
+        help="calibration profile whose hardware the study uses")] = None,
+    out: Annotated[Path, typer.Option(help="folder for the table and figure")] = Path(
+        "out/studies"),
+    as_json: JsonOption = False,
+) -> None:
+    """Run a design-space study: writes NAME.csv, NAME.md and NAME.png into --out."""
+    if name == "list":
+        typer.echo("\n".join(STUDIES))
+        return
+    if name not in STUDIES:
+        raise UserError(f"unknown study {name!r}; known: {', '.join(STUDIES)}")
+    prof = load_profile(profile) if profile is not None else None
+    if prof is not None:
+        note_machine(prof, profile)
+    hw = prof.hardware if prof is not None else None
+    loose = undetermined(prof) if prof is not None else []
+    with spinner(f"study {name}", disable=as_json):
+        result, paths = run(name, profile=hw, out=out)
+    if as_json:
+        print_json({"name": name, "outputs": paths, "rows": result.rows, **result.summary,
+                    "profile_undetermined": loose})
+        return
+    print_study(result, paths)
+    if "figure" not in paths:
+        typer.echo(NO_PLOTS, err=True)
+    note_undetermined(loose)
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
+def print_study(result, paths: dict[str, str], max_rows: int = 40) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 132))
+    table = Table(title=result.title, header_style="bold")
+    for col in result.rows[0]:
+        table.add_column(col)
+    for row in result.rows[:max_rows]:
+        table.add_row(*(_cell(v) for v in row.values()))
+    console.print(table)
+    if len(result.rows) > max_rows:
+        console.print(f"... {len(result.rows) - max_rows} more rows in {paths['csv']}")
+    console.print("wrote " + ", ".join(paths.values()))
