@@ -186,7 +186,8 @@ with contextlib.redirect_stdout(io.StringIO()) as out:
         assert exc.code == 0, exc.code
 assert "WFD d=4 W=8" in out.getvalue()
 from costmodel import presets
-loaded = sorted({m.split(".")[0] for m in sys.modules})
+loaded = sorted({m.split(".")[0] for m in sys.modules} | {m for m in sys.modules
+                                                          if m.startswith("costmodel.")})
 print(" ".join(loaded))
 print(presets._preset.cache_info().currsize, presets._presets.cache_info().currsize)
 """
@@ -196,7 +197,9 @@ print(presets._preset.cache_info().currsize, presets._presets.cache_info().currs
     modules, cached = out.stdout.splitlines()
     loaded = set(modules.split())
     assert "costmodel" in loaded and "numpy" in loaded
-    assert not loaded & {"rich", "scipy", "matplotlib", "torch", "wfd", "calibrate", "studies"}
+    assert not loaded & {"rich", "scipy", "matplotlib", "torch", "wfd", "calibrate", "studies",
+                         "costmodel.simulate", "costmodel.trace", "costmodel.recommend",
+                         "costmodel.profile"}
     assert cached == "2 0"  # huginn-3.5b and a6000, not every preset
 
 
