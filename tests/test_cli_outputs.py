@@ -1,5 +1,6 @@
-"""The `--json` of `costmodel predict` and `recommend` on a fixed set of arguments, against the
-outputs committed in tests/data/cli_outputs.json: a restructuring must not move a figure.
+"""The `--json` of `costmodel predict` and `recommend` on a fixed set of arguments, and of
+`costmodel validate` on every committed profile, against the outputs committed in
+tests/data/cli_outputs.json: a restructuring must not move a figure.
 
 After a change that is meant to move them: `python tests/test_cli_outputs.py --write`."""
 
@@ -7,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -34,14 +36,20 @@ COMMANDS = [
     f"recommend --profile {P}cpu-huginn-fp32.json --model huginn-small"
     " --acceptance-by-depth 2:0.6,4:0.8,8:0.95",
     f"recommend --profile {P}gpu-ouro-bf16.json --context 2048 --acceptance-by-depth 1:0.75",
+    *(f"validate --profile {P}{path.name}" for path in sorted((ROOT / P).glob("*.json"))
+      if not path.name.endswith(".validation.json")),
 ]
 
 
 def run(command: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "costmodel", *command.split(), "--json"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    with tempfile.TemporaryDirectory() as tmp:
+        plot = ["--plot", f"{tmp}/plot.png"] if command.startswith("validate") else []
+        out = subprocess.run([sys.executable, "-m", "costmodel", *command.split(), *plot,
+                              "--json"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, f"{command}: {out.stderr}"
-    return json.loads(out.stdout)
+    result = json.loads(out.stdout)
+    result.pop("plot", None)  # the temporary folder's name
+    return result
 
 
 def close(a, b, where: str = "") -> list[str]:
