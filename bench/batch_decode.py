@@ -45,14 +45,13 @@ import torch
 
 from calibrate.timing import Quiet
 from costmodel.figures import batch_speedup_axes, save_figure
+from costmodel.predict import predict
 from costmodel.profile import load_profile
 from costmodel.simulate import price_records
 from costmodel.specs import Workload
 from wfd.batch import Request, decode_batch
 from wfd.checkpoint import load_model
 from wfd.runtime import PROFILES_DIR
-
-predict = sys.modules["costmodel.predict"].predict  # the module, not the package's re-export
 
 
 def requests_for(vocab: int, batch: int, context: int, new_tokens: int) -> list[Request]:

@@ -59,8 +59,9 @@ def main() -> None:
         raise SystemExit(f"{args.profile} keeps no training calls (made before they were kept); "
                          "calibrate again")
     calls = [p for p in profile.training + profile.validation if p.kind == "call"]
-    start = profile.hardware.model_copy(update={
-        name: HardwareSpec.model_fields[name].default for name in args.fix})
+    part = HardwareSpec.PARTS
+    start = profile.hardware.with_terms(**{
+        name: part[HardwareSpec.PART_OF[name]].model_fields[name].default for name in args.fix})
     # every coefficient this version fits on this kind of device
     free = [p for p in parameters_for(profile.hardware) if p.name not in args.fix]
     runs = [p for p in profile.validation if p.kind == "run"]

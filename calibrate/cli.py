@@ -372,8 +372,9 @@ def upgrade_profile_cmd(
                     "schema_version": prof.schema_version,
                     "held": {k: v.model_dump() for k, v in prof.held.items()}})
         return
+    loose = undetermined(prof)
     typer.echo(f"{target}: schema {before} -> {prof.schema_version}"
-               + (f"; held at priors: {', '.join(undetermined(prof))}" if prof.held else ""))
+               + (f"; held at priors: {', '.join(loose)}" if loose else ""))
 
 
 if __name__ == "__main__":  # `python -m calibrate.cli`: a checkout not installed (calibrate/gpu.sh)

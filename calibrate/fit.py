@@ -94,7 +94,7 @@ def parameters_for(hw: HardwareSpec, modes: Sequence[str] | None = None) -> list
     calls are not in the fit keeps its host terms as they are. The device's time per kernel
     needs graphs calls: in eager calls alone it is the host's launch cost under another name
     (the larger of the two hides the other), so an eager fit keeps it as it is (EAGER_HELD)."""
-    if hw.matmul is not None:
+    if hw.cpu is not None:
         return CPU_PARAMETERS
     modes = set(modes or [hw.mode])
     other = {t for m, terms in MODE_TERMS.items() if m not in modes for t in terms}
@@ -107,7 +107,7 @@ EAGER_HELD = {"kernel_device_s": "eager calls cannot tell it from the host's lau
 
 def eager_held(hw: HardwareSpec, modes: Sequence[str]) -> dict[str, str]:
     """What a GPU fit on these modes' calls holds, and why: EAGER_HELD without graphs calls."""
-    return EAGER_HELD if hw.matmul is None and "graphs" not in modes else {}
+    return EAGER_HELD if hw.cpu is None and "graphs" not in modes else {}
 
 
 # Microbenchmarks a GPU calibration records (calibrate.operations.graph_replay_costs), by profile
@@ -145,7 +145,7 @@ class FitResult:
                 for name, value in self.values.items()}
 
     def held(self) -> dict[str, HeldValue]:
-        return {name: HeldValue(value=float(getattr(self.hardware, name)),
+        return {name: HeldValue(value=float(self.hardware.term(name)),
                                 prior="prior" in why, reason=why)
                 for name, why in self.dropped.items()}
 
@@ -191,32 +191,33 @@ def predict_calls(hw: HardwareSpec, obs: Sequence[Observation], dtype: str) -> n
 
 def _with(base: HardwareSpec, parameters: Sequence[Parameter], theta: np.ndarray
           ) -> HardwareSpec:
-    return base.model_copy(update={p.name: float(v) for p, v in
+    return base.with_terms(**{p.name: float(v) for p, v in
                                    zip(parameters, theta, strict=True)})
 
 
 def undetermined(hw: HardwareSpec, obs: Sequence[Observation], dtype: str,
-                 parameters: Sequence[Parameter] = PARAMETERS, step: float = 0.1,
+                 parameters: Sequence[Parameter] | None = None, step: float = 0.1,
                  tolerance: float = 0.01) -> set[str]:
-    """The coefficients the training calls do not determine. The Jacobian of the calls' log times
+    """The coefficients (of ``parameters``; default: those a fit of ``hw`` frees) the training
+    calls do not determine. The Jacobian of the calls' log times
     in the coefficients' relative changes (central differences of ``step``, within the bounds)
     is singular along some directions (singular values under ``tolerance``: a change of 100%
     that way moves no time by 1%); a coefficient that lies mostly in them is not determined. On a
     GPU where the host's launches hide the device's work (an eager decoder), flops are: no call
     depends on them. The standard errors from the Jacobian's pseudo-inverse read near zero
     there."""
+    parameters = parameters_for(hw) if parameters is None else parameters
     # a coefficient the spec leaves unset (attention's efficiency: the projections') at its start
-    hw = hw.model_copy(update={p.name: p.start for p in parameters
-                               if getattr(hw, p.name) is None})
+    hw = hw.with_terms(**{p.name: p.start for p in parameters if hw.term(p.name) is None})
     columns = []
     for name, lower, upper, start, *_ in parameters:  # a Parameter's fields, in order
-        value = getattr(hw, name)
+        value = hw.term(name)
         scale = max(abs(value), abs(start))
         low, high = max(lower, value - step * scale), min(upper, value + step * scale)
         if high <= low:
             columns.append(np.zeros(len(obs)))
             continue
-        times = [np.log(predict_calls(hw.model_copy(update={name: float(v)}), obs, dtype))
+        times = [np.log(predict_calls(hw.with_terms(**{name: float(v)}), obs, dtype))
                  for v in (low, high)]
         columns.append((times[1] - times[0]) / ((high - low) / scale))
     _, singular, vt = np.linalg.svd(np.column_stack(columns), full_matrices=True)
@@ -240,7 +241,7 @@ def _solve(base: HardwareSpec, obs: Sequence[Observation], dtype: str,
             measured)
 
     starts = [start]
-    if base.overhead_overlaps:
+    if base.host.overhead_overlaps:
         # where the host's time overlaps the device's, a host term hidden behind the device at
         # the start moves no call and would stay there: start also from host terms large enough
         # to show in every call, and keep the better fit
@@ -299,7 +300,7 @@ def fit(base: HardwareSpec, obs: Sequence[Observation], dtype: str,
         trials = []
         for row in (p for p in free if p.name in weak):
             rest = [p for p in free if p is not row]
-            trial_hw = hw.model_copy(update={row.name: row.held})
+            trial_hw = hw.with_terms(**{row.name: row.held})
             trial = _solve(trial_hw, obs, dtype, rest) if rest else (
                 np.array([]), np.array([]), float("nan"))
             trials.append((row, trial_hw, rest, trial))

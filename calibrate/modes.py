@@ -32,7 +32,7 @@ def check_pair(profiles: dict[str, CalibrationProfile]) -> None:
     if set(profiles) != set(MODES):
         raise ProfileError("join-modes needs one eager and one graphs profile of the same GPU")
     eager, graphs = profiles["eager"], profiles["graphs"]
-    if eager.hardware.matmul is not None:
+    if eager.hardware.cpu is not None:
         raise ProfileError("join-modes joins GPU profiles; a CPU runs eagerly only")
     for field in ("machine", "device", "dtype"):
         if getattr(eager, field) != getattr(graphs, field):

@@ -14,7 +14,7 @@ from .measure import _timed_runner
 from .timing import _best_time
 
 # Operations that only make a new view of a tensor (or hand it back): the host dispatches them,
-# no kernel runs. A GPU calibration prices them apart (HardwareSpec.layer_operations).
+# no kernel runs. A GPU calibration prices them apart (HardwareSpec.operations.layer_operations).
 METADATA_OPS = {"lift_fresh", "detach", "detach_", "alias", "to"}
 MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"}
 

@@ -37,17 +37,17 @@ def with_priors(hw: HardwareSpec, coefficients: dict[str, FittedValue] | None = 
     start = {p.name: p.start for p in parameters_for(hw, list(MODE_TERMS))}
     start.update({name: coefficients[key].value for key, name in MICROBENCHMARKS.items()
                   if coefficients and key in coefficients})
-    return hw.model_copy(update=start)
+    return hw.with_terms(**start)
 
 
 def with_streamed_start(hw: HardwareSpec, coefficients: dict[str, FittedValue]) -> HardwareSpec:
     """``hw`` with its curve's ``streamed_from_bytes`` where a profile made before it was kept
     has none, from its measured cache knee."""
     knee = coefficients.get("cache_knee")
-    if hw.matmul is None or hw.matmul.streamed_from_bytes is not None or not knee:
+    if hw.cpu is None or hw.cpu.matmul.streamed_from_bytes is not None or not knee:
         return hw
-    curve = hw.matmul.model_copy(update={"streamed_from_bytes": streamed_start(knee.value)})
-    return hw.model_copy(update={"matmul": curve})
+    curve = hw.cpu.matmul.model_copy(update={"streamed_from_bytes": streamed_start(knee.value)})
+    return hw.with_terms(matmul=curve)
 
 
 def marked(points: list[ValidationPoint], mode: str) -> list[ValidationPoint]:

@@ -142,7 +142,7 @@ def reused_peaks(path: Path, device: str, dtype: str, force: bool = False) -> Pe
         f", taken with {', '.join(differ)}" if differ else "")
     return Peaks(bandwidth_bytes_per_s=value("peak_bandwidth"), flops_per_s=value("peak_flops"),
                  reported_cache_bytes=value("reported_cache"), cache_bytes=value("cache_knee"),
-                 matmul=with_streamed_start(prof.hardware, measured).matmul,
+                 matmul=with_streamed_start(prof.hardware, measured).cpu.matmul,
                  checks=[reused, *checks])
 
 

@@ -69,7 +69,7 @@ def _override(hw: HardwareSpec, bandwidth: str | None, flops: str | None, memory
     if bandwidth is not None:
         changes["memory_bandwidth_bytes_per_s"] = parse_bandwidth(bandwidth)
     if flops is not None:
-        changes["peak_flops_per_s"] = {**hw.peak_flops_per_s, dtype: parse_flops(flops)}
+        changes["peak_flops_per_s"] = {**hw.roofline.peak_flops_per_s, dtype: parse_flops(flops)}
     if memory is not None:
         changes["memory_capacity_bytes"] = parse_bytes(memory)
     if launch_overhead is not None:
@@ -82,7 +82,7 @@ def _override(hw: HardwareSpec, bandwidth: str | None, flops: str | None, memory
         raise UserError(f"host speed must be a positive factor, got {host_speed}")
     if changes or host_speed is not None:
         changes["name"] = f"{hw.name}*"  # the star marks a preset with overridden figures
-    hw = hw.model_copy(update=changes)
+    hw = hw.with_terms(**changes)
     # the host's share of a call runs host_speed times faster; the device's terms are untouched
     return hw.with_host_speed(host_speed) if host_speed is not None else hw
 
@@ -114,16 +114,17 @@ def _print_table(p: Prediction) -> None:
     wl, hw, mem = p.workload, p.hardware, p.memory
     alpha = next((r.acceptance for r in p.schedules.values() if r.acceptance is not None), None)
     typer.echo(
-        f"{p.model} on {hw.name} ({hw.memory_bandwidth_bytes_per_s / 1e9:.0f} "
-        f"GB/s, {_flops_text(hw.peak_flops_per_s.get(wl.dtype, 0))} {wl.dtype}, "
-        f"{format_bytes(hw.memory_capacity_bytes)}), R = {p.depth}, context {wl.context_length}"
+        f"{p.model} on {hw.name} ({hw.roofline.memory_bandwidth_bytes_per_s / 1e9:.0f} "
+        f"GB/s, {_flops_text(hw.roofline.peak_flops_per_s.get(wl.dtype, 0))} {wl.dtype}, "
+        f"{format_bytes(hw.roofline.memory_capacity_bytes)}), R = {p.depth}, context "
+        f"{wl.context_length}"
         f" + {wl.new_tokens} new, batch {wl.batch_size}"
         + (f" (a run of {wl.prompts} prompts to its end), " if wl.prompts
            else " (steady state), " if wl.batch_size > 1 else ", ")
         + ("recurrence-specific KV" if wl.kv_sharing == 0 else f"KV shared over "
            f"{wl.kv_sharing} slot(s)")
         + (f", acceptance {alpha:.2f}" if alpha is not None else "")
-        + (", CUDA graphs" if hw.cuda_graphs else "")
+        + (", CUDA graphs" if hw.graphs.cuda_graphs else "")
         + (f", exits at mean depth {p.schedules['ar'].mean_exit_depth:.2f} (WFD simulated)"
            if "ar" in p.schedules and p.schedules["ar"].mean_exit_depth is not None else ""))
     fit = "fits" if mem.fits else "DOES NOT FIT"
@@ -252,8 +253,8 @@ def predict_cmd(
         payload["host_source"] = host
         payload["engine"] = engine
         payload["hardware"] = result.hardware.name
-        payload["hardware_spec"] = result.hardware.model_dump(mode="json")
-        payload["mode"] = "graphs" if result.hardware.cuda_graphs else "eager"
+        payload["hardware_spec"] = result.hardware.flat()
+        payload["mode"] = "graphs" if result.hardware.graphs.cuda_graphs else "eager"
         payload["host_speed"] = host_speed or 1.0
         payload["profile_undetermined"] = loose
         print_json(payload)
@@ -321,7 +322,7 @@ def recommend_cmd(
 def _host_source(hw: HardwareSpec, launch_overhead: str | None, host_speed: float | None
                  ) -> str | None:
     """Where a preset's host terms come from (None: a profile's, calibrated with its counts)."""
-    if hw.kernels_per_layer is not None:
+    if hw.operations.kernels_per_layer is not None:
         return None
     if launch_overhead is None:
         source = EAGER_HOST_SOURCE

@@ -19,7 +19,7 @@ bytes = the part's weights (once per call) + the KV read (for each distinct slot
 KV bytes per token) + the KV written + activations. flops = 2 * matmul params * n + attention
 (4 * context * heads * head_dim per position per layer).
 
-A CPU with a measured matrix-product curve (``HardwareSpec.matmul``) runs its kernels one after
+A CPU with a measured matrix-product curve (``HardwareSpec.cpu``) runs its kernels one after
 another: the matrix products cost what the curve says for their sizes and rows in a working set
 of the part's weights (from a cache, or streamed from memory), times ``matmul_time_scale``; the
 per-kernel overhead leaves them out (the curve includes their dispatch); the rest of the call
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .matmul import part_matmul_s, streams
-from .specs import DTYPE_BYTES, HardwareSpec, LoopedModelSpec, PartSpec
+from .specs import DTYPE_BYTES, CpuTerms, HardwareSpec, LoopedModelSpec, PartSpec
 
 ArrayLike = float | np.ndarray
 
@@ -98,25 +98,26 @@ def operations(hw: HardwareSpec, part: PartSpec, n_slots: ArrayLike
     (``PartSpec.layer_operations``; one attention per layer). A calibrated spec counts its own:
     without classes every operation is a kernel of weight 1, per layer ``kernels_per_layer``
     plus, split by slot, ``attention_kernels_per_slot`` per slot read, plus the part's own; with
-    them (``HardwareSpec.layer_operations``), as the preset's. By class, views run no kernel and
+    them (``Operations.layer_operations``), as the preset's. By class, views run no kernel and
     each class weighs its measured host time (1 where none was measured)."""
-    if hw.kernels_per_layer is None:
+    ops = hw.operations
+    if ops.kernels_per_layer is None:
         per_slot = 0
         layer_ops, extra_ops = part.layer_operations, part.extra_operations
     else:
-        attention_launches = np.where(hw.attention_split_by_slot, n_slots,
+        attention_launches = np.where(ops.attention_split_by_slot, n_slots,
                                       np.minimum(n_slots, 1))
-        per_slot = hw.attention_kernels_per_slot * attention_launches
-        extra = hw.part_extra_kernels.get(part.name, sum(part.extra_operations.values()))
-        if not hw.layer_operations:
-            dispatched = part.layers * (hw.kernels_per_layer + per_slot) + extra
+        per_slot = ops.attention_kernels_per_slot * attention_launches
+        extra = ops.part_extra_kernels.get(part.name, sum(part.extra_operations.values()))
+        if not ops.layer_operations:
+            dispatched = part.layers * (ops.kernels_per_layer + per_slot) + extra
             return dispatched, dispatched
-        layer_ops = hw.layer_operations
-        extra_ops = hw.part_extra_operations.get(part.name, {"other": extra})
-    weights = hw.operation_host_weights
+        layer_ops = ops.layer_operations
+        extra_ops = ops.part_extra_operations.get(part.name, {"other": extra})
+    weights = ops.operation_host_weights
 
-    def weighed(ops: dict[str, int]) -> float:
-        return sum(count * weights.get(kind, 1.0) for kind, count in ops.items())
+    def weighed(counts: dict[str, int]) -> float:
+        return sum(count * weights.get(kind, 1.0) for kind, count in counts.items())
 
     dispatched = part.layers * (sum(layer_ops.values()) + per_slot) + sum(extra_ops.values())
     views = part.layers * layer_ops.get("view", 0) + extra_ops.get("view", 0)
@@ -128,13 +129,65 @@ def operations(hw: HardwareSpec, part: PartSpec, n_slots: ArrayLike
 def attention_host_s(hw: HardwareSpec, key_sets: ArrayLike, n_positions: ArrayLike
                      ) -> ArrayLike:
     """The eager host's extra time per layer for the shape of a call's attention: over a single
-    key set, and with several queries per key set (``HardwareSpec.attention_one_set_host_s``,
+    key set, and with several queries per key set (``Host.attention_one_set_host_s``,
     ``attention_grouped_host_s``); none in a replayed graph."""
-    if hw.cuda_graphs:
+    if hw.graphs.cuda_graphs:
         return 0.0
     key_sets = np.asarray(key_sets)
-    return (hw.attention_one_set_host_s * (key_sets == 1)
-            + hw.attention_grouped_host_s * (np.asarray(n_positions) > key_sets))
+    return (hw.host.attention_one_set_host_s * (key_sets == 1)
+            + hw.host.attention_grouped_host_s * (np.asarray(n_positions) > key_sets))
+
+
+def at_roofline(weights_mem_s: ArrayLike, kv_mem_s: ArrayLike, compute_s: ArrayLike
+                ) -> tuple[ArrayLike, ArrayLike, ArrayLike]:
+    """(weights, KV, compute) time of a call whose products stream their weights once and run
+    their flops at the achievable peak (a GPU): the larger of its memory time and its compute
+    time, reported as the memory's two shares or as compute."""
+    memory_bound = weights_mem_s + kv_mem_s >= compute_s
+    return (np.where(memory_bound, weights_mem_s, 0.0), np.where(memory_bound, kv_mem_s, 0.0),
+            np.where(memory_bound, 0.0, compute_s))
+
+
+def measured_products(model: LoopedModelSpec, cpu: CpuTerms, part: PartSpec, dtype: str,
+                      n_positions: ArrayLike, weight_bytes: ArrayLike,
+                      activation_bytes: ArrayLike, weight_bandwidth: ArrayLike,
+                      kv_mem_s: ArrayLike, attention_s: ArrayLike, bandwidth_ratio: ArrayLike,
+                      after_other_part: ArrayLike) -> tuple[ArrayLike, ArrayLike, ArrayLike]:
+    """(weights, KV, compute) time of a call on a CPU, whose kernels run one after another: the
+    matrix products as the measured curve times them in the working set they run in, then the
+    rest (norms, attention, activations, KV) at its roofline. The products' one-row time is
+    reported as weights (times ``bandwidth_ratio``, the measured bandwidth over the one priced,
+    where they stream from memory), what more rows add as compute."""
+    width = DTYPE_BYTES[dtype]
+    matrices = [(shape, part.layers) for shape in part.layer_matrices] + [
+        (shape, 1) for shape in part.extra_matrices]
+    matrix_bytes = sum(out * inner * count for (out, inner), count in matrices) * width
+
+    def products(working_set: float) -> tuple[ArrayLike, ArrayLike, ArrayLike]:
+        """(the products' time, their one-row time, that time as the weights') in a working
+        set"""
+        ratio = bandwidth_ratio if streams(cpu.matmul, working_set) else 1.0
+        total = cpu.matmul_time_scale * part_matmul_s(cpu.matmul, matrices, width, n_positions,
+                                                      working_set)
+        one_row = np.minimum(cpu.matmul_time_scale * part_matmul_s(
+            cpu.matmul, matrices, width, 1, working_set), total)
+        return total, one_row, one_row * ratio
+
+    products_s, one_row_s, row_weights_s = products(part.weight_params * width)
+    cold = np.asarray(after_other_part, dtype=bool)
+    if cold.any():
+        # between two calls of this part the others read their weights: the cache holds what is
+        # left of the whole model's
+        whole = sum(p.weight_params for p in model.parts.values()) * width
+        products_s, one_row_s, row_weights_s = (
+            np.where(cold, after, before)
+            for after, before in zip(products(whole), (products_s, one_row_s, row_weights_s),
+                                     strict=True))
+    other_mem_s = (weight_bytes - matrix_bytes + activation_bytes) / weight_bandwidth
+    rest_memory_bound = other_mem_s + kv_mem_s >= attention_s
+    return (row_weights_s + np.where(rest_memory_bound, other_mem_s, 0.0),
+            np.where(rest_memory_bound, kv_mem_s, 0.0),
+            products_s - one_row_s + np.where(rest_memory_bound, 0.0, attention_s))
 
 
 def call_cost(
@@ -166,10 +219,10 @@ def call_cost(
     """
     width = DTYPE_BYTES[dtype]
     key_sets = n_slots if key_sets is None else key_sets
-    bw_peak = hw.memory_bandwidth_bytes_per_s if bandwidth_bytes_per_s is None else (
+    bw_peak = hw.roofline.memory_bandwidth_bytes_per_s if bandwidth_bytes_per_s is None else (
         bandwidth_bytes_per_s)
-    kv_eff = hw.kv_bandwidth_efficiency or hw.bandwidth_efficiency
-    flops_peak = hw.peak_flops_per_s.get(dtype)
+    kv_eff = hw.roofline.kv_bandwidth_efficiency or hw.roofline.bandwidth_efficiency
+    flops_peak = hw.roofline.peak_flops_per_s.get(dtype)
     if flops_peak is None:
         hw.achievable_flops_per_s(dtype)  # raises the explanatory error
 
@@ -186,70 +239,39 @@ def call_cost(
 
     kernels, host_operations = operations(hw, part, n_slots)
     # eager: every dispatched operation costs the host its class's time; a replay, each kernel
-    host_launches = kernels if hw.cuda_graphs else host_operations
+    host_launches = kernels if hw.graphs.cuda_graphs else host_operations
     overhead = hw.call_overhead_s + part.layers * (
         hw.layer_host_s + attention_host_s(hw, key_sets, n_positions)
     ) + host_launches * hw.kernel_overhead_s
 
-    attention_eff = hw.attention_flops_efficiency or hw.flops_efficiency
-    attention_s = attention_flops / (flops_peak * attention_eff)
+    roof = hw.roofline
+    weight_bandwidth = bw_peak * roof.bandwidth_efficiency
+    attention_s = attention_flops / (flops_peak * (roof.attention_flops_efficiency
+                                                   or roof.flops_efficiency))
     kv_mem_s = (kv_read + kv_write) / (bw_peak * kv_eff)
-    curve = hw.matmul if hw.matmul is not None and hw.matmul.dtype == dtype else None
-    if curve is None:
-        weights_mem_s = (weight_bytes + activation_bytes) / (bw_peak * hw.bandwidth_efficiency)
-        compute_s = (2 * part.matmul_params * n_positions / (flops_peak * hw.flops_efficiency)
-                     + attention_s)
-        memory_s = weights_mem_s + kv_mem_s
-        memory_bound = memory_s >= compute_s
-        roofline_s = np.maximum(memory_s, compute_s)
-        weights_s = np.where(memory_bound, weights_mem_s, 0.0)
-        kv_s = np.where(memory_bound, kv_mem_s, 0.0)
-        compute_s = np.where(memory_bound, 0.0, compute_s)
-    else:
-        matrices = [(shape, part.layers) for shape in part.layer_matrices] + [
-            (shape, 1) for shape in part.extra_matrices]
-        matrix_bytes = sum(out * inner * count for (out, inner), count in matrices) * width
-
-        def products(working_set: float) -> tuple[ArrayLike, ArrayLike, ArrayLike]:
-            """(the products' time, their one-row time, that time as the weights' time: a
-            bandwidth other than the measured one moves it where the products stream from
-            memory) in a working set"""
-            streamed = streams(curve, working_set)
-            ratio = hw.memory_bandwidth_bytes_per_s / bw_peak if streamed else 1.0
-            total = hw.matmul_time_scale * part_matmul_s(curve, matrices, width, n_positions,
-                                                         working_set)
-            one_row = np.minimum(hw.matmul_time_scale * part_matmul_s(
-                curve, matrices, width, 1, working_set), total)
-            return total, one_row, one_row * ratio
-
-        products_s, one_row_s, row_weights_s = products(part.weight_params * width)
-        cold = np.asarray(after_other_part, dtype=bool)
-        if cold.any():
-            # between two calls of this part the others read their weights: the cache holds
-            # what is left of the whole model's
-            whole = sum(p.weight_params for p in model.parts.values()) * width
-            products_s, one_row_s, row_weights_s = (
-                np.where(cold, after, before)
-                for after, before in zip(products(whole), (products_s, one_row_s, row_weights_s),
-                                         strict=True))
+    if hw.cpu is not None and hw.cpu.matmul.dtype == dtype:
+        weights_s, kv_s, compute_s = measured_products(
+            model, hw.cpu, part, dtype, n_positions, weight_bytes, activation_bytes,
+            weight_bandwidth, kv_mem_s, attention_s,
+            roof.memory_bandwidth_bytes_per_s / bw_peak, after_other_part)
         # the curve's products include their own dispatch
         overhead = np.maximum(overhead - part.matrix_products * hw.kernel_overhead_s,
                               hw.call_overhead_s)
-        other_mem_s = (weight_bytes - matrix_bytes + activation_bytes) / (
-            bw_peak * hw.bandwidth_efficiency)
-        rest_memory_bound = other_mem_s + kv_mem_s >= attention_s
-        weights_s = row_weights_s + np.where(rest_memory_bound, other_mem_s, 0.0)
-        kv_s = np.where(rest_memory_bound, kv_mem_s, 0.0)
-        compute_s = products_s - one_row_s + np.where(rest_memory_bound, 0.0, attention_s)
-        roofline_s = weights_s + kv_s + compute_s
+    else:
+        weights_s, kv_s, compute_s = at_roofline(
+            (weight_bytes + activation_bytes) / weight_bandwidth, kv_mem_s,
+            2 * part.matmul_params * n_positions / (flops_peak * roof.flops_efficiency)
+            + attention_s)
+    roofline_s = weights_s + kv_s + compute_s
     # a CPU's attention works through its (key set, head) pairs one by one, each at a fixed
     # cost beside its keys' bytes: part of reading the cache, and what many short key sets
     # (a batch of WFD waves) add
-    key_sets_s = part.layers * model.num_heads * hw.attention_key_set_s * key_sets
+    key_set_s = hw.cpu.attention_key_set_s if hw.cpu is not None else 0.0
+    key_sets_s = part.layers * model.num_heads * key_set_s * key_sets
     kv_s = kv_s + key_sets_s
     roofline_s = roofline_s + key_sets_s
-    device_kernels_s = kernels * hw.kernel_device_s
-    if hw.overhead_overlaps:  # the call costs the larger of the host's time and the device's
+    device_kernels_s = kernels * roof.kernel_device_s
+    if hw.host.overhead_overlaps:  # the call costs the larger of the host's time and the device's
         overhead = np.maximum(overhead, roofline_s + device_kernels_s) - roofline_s
     else:
         overhead = overhead + device_kernels_s

@@ -29,7 +29,7 @@ def for_engine(engine: str, hw: HardwareSpec, model: LoopedModelSpec) -> Hardwar
         raise ValueError(f"unknown engine {engine!r}; use {' or '.join(ENGINES)}")
     if engine == "wfd":
         return hw
-    return hw.model_copy(update={"name": f"{hw.name} as vLLM", "cuda_graphs": True,
+    return hw.with_terms(**{"name": f"{hw.name} as vLLM", "cuda_graphs": True,
                                  **counted_fields(vllm_operations(model.family))})
 
 

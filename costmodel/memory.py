@@ -56,12 +56,12 @@ def memory_report(model: LoopedModelSpec, hw: HardwareSpec, workload: Workload, 
     weights = model.weight_bytes(dtype)
     per_token = model.kv_bytes_per_token(dtype, depth, workload.kv_sharing, readout_depths)
     kv = kv_cache_bytes(model, workload, depth=depth, readout_depths=readout_depths,
-                        lookahead=lookahead, static=hw.cuda_graphs)
+                        lookahead=lookahead, static=hw.graphs.cuda_graphs)
     per_position = (activation_elements_per_position(model, model.part("block"))
                     * DTYPE_BYTES[dtype] + 4 * model.vocab_size)
     activations = workload.batch_size * positions_per_call * per_position
     total = weights + kv + activations
-    capacity = int(hw.memory_capacity_bytes)
+    capacity = int(hw.roofline.memory_capacity_bytes)
     room = capacity - weights - activations
     max_context = max(0, room // (workload.batch_size * per_token) - lookahead)
     per_sequence = kv // workload.batch_size + positions_per_call * per_position

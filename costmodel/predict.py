@@ -152,7 +152,7 @@ def prefill_time_s(model: LoopedModelSpec, hw: HardwareSpec, workload: Workload,
 
 def decode_keys(workload: Workload, hw: HardwareSpec) -> float:
     """The keys a decode step attends over on average, as the hardware's mode reads them."""
-    return mean_decode_keys(workload.context_length, workload.new_tokens, hw.cuda_graphs)
+    return mean_decode_keys(workload.context_length, workload.new_tokens, hw.graphs.cuda_graphs)
 
 
 def resolve_draft_depth(model: LoopedModelSpec, depth: int, width: int | None,
@@ -262,7 +262,7 @@ def predict(
             bound=_bound({k: float(totals[k]) for k in _TERMS}),
             prefill_s=prefill_time_s(spec, hw, wl, depth, readouts),
             kv_bytes=kv_cache_bytes(spec, wl, depth=depth, readout_depths=readouts,
-                                    lookahead=ahead, static=hw.cuda_graphs),
+                                    lookahead=ahead, static=hw.graphs.cuda_graphs),
             mean_exit_depth=exits.mean_depth if exits else None, **fields)
 
     ar_groups = call_groups(AR(), depth) if exits is None else ar_exit_groups(exits)
@@ -357,7 +357,7 @@ def sweep(
     depth = depth or spec.default_depth
     alpha = spec.default_acceptance if acceptance is None else acceptance
     width = -(-depth // spec.default_draft_depth) if width is None else width
-    bw = hw.memory_bandwidth_bytes_per_s if bandwidth_bytes_per_s is None else (
+    bw = hw.roofline.memory_bandwidth_bytes_per_s if bandwidth_bytes_per_s is None else (
         bandwidth_bytes_per_s)
     w, a, ctx, bwa, b = (np.asarray(width), np.asarray(alpha, dtype=float),
                          np.asarray(context, dtype=float), np.asarray(bw, dtype=float),
@@ -368,7 +368,7 @@ def sweep(
     if np.any((a < 0) | (a > 1)):
         raise ValueError("acceptance must be in [0, 1]")
     d = -(-depth // w)
-    keys = mean_decode_keys(ctx, new_tokens, hw.cuda_graphs)
+    keys = mean_decode_keys(ctx, new_tokens, hw.graphs.cuda_graphs)
     # calls priced once over the cost axes, unless those vary point by point (a scatter of
     # points): then per draft depth over its own points
     cost_shape = np.broadcast_shapes(ctx.shape, b.shape, bwa.shape)

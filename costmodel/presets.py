@@ -35,7 +35,7 @@ def _presets(kind: str) -> dict:
     studies list them in)."""
     specs = [_preset(kind, path.stem) for path in (DATA_DIR / kind).glob("*.json")]
     key = ((lambda m: (m.family, m.num_params)) if kind == "models"
-           else (lambda h: h.memory_bandwidth_bytes_per_s))
+           else (lambda h: h.roofline.memory_bandwidth_bytes_per_s))
     return {spec.name: spec for spec in sorted(specs, key=key)}
 
 

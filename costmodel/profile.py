@@ -22,8 +22,9 @@ from .trace import CallRecord, atomic_write_text
 # 2: measured kernel counts, cache, blocked products, p-norm; 3: CPU threads' regime, measured
 # thin-product flops, per-product latencies, cached vector products read once per row; 4: a
 # smaller hardware spec (a CPU's products a measured curve), coefficients the calls do not
-# determine taken out, the load the calibration ran under
-PROFILE_SCHEMA_VERSION = 4
+# determine taken out, the load the calibration ran under; 5: the hardware spec in parts
+# (roofline, host, graphs, operations, cpu)
+PROFILE_SCHEMA_VERSION = 5
 
 
 class FittedValue(BaseModel):
@@ -157,13 +158,19 @@ _SCHEMA3_MEASURED_ONLY = ("cache_bandwidth", "cache_size", "blocked_gemm_rows",
 
 def upgrade(raw: dict, path: str | Path) -> dict:
     """A profile of an older schema as the current one reads it, or a ProfileError that says
-    why it cannot be. Schema 3 GPU profiles convert and price every point as they did (their
-    GPU calls never depended on the CPU-only terms); a schema 3 CPU profile's matrix products
-    were a fitted formula that a measured curve replaces: it must be calibrated again."""
+    why it cannot be. Schema 4's hardware, field by field, is grouped into its parts when it is
+    read (HardwareSpec takes either form). Schema 3 GPU profiles convert and price every point
+    as they did (their GPU calls never depended on the CPU-only terms); a schema 3 CPU profile's
+    matrix products were a fitted formula that a measured curve replaces: it must be calibrated
+    again."""
     version = raw.get("schema_version")
+    if version == 4:
+        if not isinstance(raw.get("hardware"), dict):
+            raise ProfileError(f"profile {path} is corrupt (schema 4, without its hardware)")
+        return {**raw, "schema_version": PROFILE_SCHEMA_VERSION}
     if version != 3:
         raise ProfileError(f"profile {path} has schema version {version!r}; this version reads "
-                           f"{PROFILE_SCHEMA_VERSION} and converts 3 (recalibrate with "
+                           f"{PROFILE_SCHEMA_VERSION} and converts 4 and 3 (recalibrate with "
                            "`costmodel calibrate`)")
     hardware = raw.get("hardware")
     if not isinstance(hardware, dict) or not isinstance(raw.get("coefficients", {}), dict):

@@ -188,7 +188,7 @@ def simulate(
     oracle = exit_depths if callable(exit_depths) or exits is None else exit_sequence_oracle(
         exit_depths, context_length, depth)
     sim = _Simulator(plan, kv_sharing, padded, new_tokens if prefill else decode_tokens,
-                     records or prefill, static=hw.cuda_graphs, exit_at=oracle,
+                     records or prefill, static=hw.graphs.cuda_graphs, exit_at=oracle,
                      draft_at=draft_depths)
     sim.run(plan.steps())
     res = sim.result
@@ -360,13 +360,13 @@ def simulate_batch(
                          width_cap=getattr(schedule, "width_cap", None))
         padded = list(accept or []) + [False] * 64  # drafts past the end are never committed
         return _Simulator(plan, kv_sharing, padded, new, records=False,
-                          static=hw.cuda_graphs), plan
+                          static=hw.graphs.cuda_graphs), plan
 
     def run_call(lanes) -> None:
         kind, positions, depths, regions = merged_call(lanes)
         calls.append(CallRecord.model_construct(
             kind=kind, positions=positions, depths=depths,
-            contexts=keys_read(positions, hw.cuda_graphs and lanes[0].round != PREFILL),
+            contexts=keys_read(positions, hw.graphs.cuda_graphs and lanes[0].round != PREFILL),
             slots=call_slots(kind, depths, kv_sharing), sequences=regions, wall_s=0.0))
         prefill.append(lanes[0].round == PREFILL)
 

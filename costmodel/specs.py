@@ -99,13 +99,10 @@ class MatmulCurve(Spec):
         return self
 
 
-class HardwareSpec(Spec):
-    """A device plus the software stack that drives it: a roofline (bandwidth, flops, capacity),
-    the host's overheads, and optional sub-models a calibration fills (the decoder's kernel
-    counts, a CPU's measured matrix-product curve)."""
+class Roofline(Spec):
+    """The device: what its datasheet gives (bandwidth, peak flops, capacity), the fractions of
+    them a decoder achieves, and the floor each kernel costs it beyond its bytes and flops."""
 
-    name: str
-    source: str | None = None  # where the figures come from
     memory_bandwidth_bytes_per_s: Annotated[float, Field(gt=0)]
     peak_flops_per_s: dict[str, Annotated[float, Field(gt=0)]]
     memory_capacity_bytes: Annotated[float, Field(gt=0)]
@@ -115,71 +112,92 @@ class HardwareSpec(Spec):
     flops_efficiency: Annotated[float, Field(gt=0, le=1)] = 0.7
     # Attention's fraction of peak flops (small per-head products). None: flops_efficiency.
     attention_flops_efficiency: Annotated[float, Field(gt=0, le=1)] | None = None
+    # Device time per kernel, in both modes (its launch latency and tail on the device). It adds
+    # to the roofline; the host's overheads overlap the sum where ``Host.overhead_overlaps``.
+    kernel_device_s: Annotated[float, Field(ge=0)] = 0.0
+
+    def faster(self, speed: float) -> Roofline:
+        return self.model_copy(update={
+            "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s * speed,
+            "peak_flops_per_s": {k: v * speed for k, v in self.peak_flops_per_s.items()},
+            "kernel_device_s": self.kernel_device_s / speed})
+
+
+class Host(Spec):
+    """The host driving the device eagerly: its time per call of a part, per layer and per
+    dispatched operation, and whether that time overlaps the device's."""
+
     # Per call of a part (P, B or C): Python and framework dispatch outside the kernels.
     host_overhead_s: Annotated[float, Field(ge=0)] = 20e-6
     # Per transformer layer in a call, beyond its kernels' launch overhead. 0: every operation
     # costs the same.
     layer_overhead_s: Annotated[float, Field(ge=0)] = 0.0
-    # Per layer of an eager call, the host's extra time for the shape of the layer's one
-    # attention call (scaled dot product over [key sets, heads, queries per set, keys]): when it
-    # reads a single key set (batch 1: one sequence's AR step, a DtV verification, a prefill),
-    # and when several queries share each key set (DtV's verification, a prefill). A WFD wave
-    # (one query per slot) pays neither. Framework work inside the attention call that the
-    # dispatch count does not see; 0 on a CPU, where it is not seen.
+    # Per operation dispatched (the gap a Python-driven framework leaves between kernels).
+    # Default: what the GPU eager calibrations measured (EAGER_HOST_S_PER_OPERATION).
+    launch_overhead_s: Annotated[float, Field(ge=0)] = EAGER_HOST_S_PER_OPERATION
+    # Per layer, the extra time for the shape of the layer's one attention call (scaled dot
+    # product over [key sets, heads, queries per set, keys]): when it reads a single key set
+    # (batch 1: an AR step, a DtV verification, a prefill), and when several queries share each
+    # key set (DtV's verification, a prefill). A WFD wave (one query per slot) pays neither.
+    # Framework work inside the attention call that the dispatch count does not see.
     attention_one_set_host_s: Annotated[float, Field(ge=0)] = 0.0
     attention_grouped_host_s: Annotated[float, Field(ge=0)] = 0.0
-    # Per key set and query head of each layer's attention, in the attention itself: a CPU's
-    # kernel works through (key set, head) pairs one after another, and each costs a fixed time
-    # beside its keys' bytes (many short key sets: a batch of WFD waves). 0 on a GPU, whose
-    # kernel runs the pairs in parallel.
-    attention_key_set_s: Annotated[float, Field(ge=0)] = 0.0
-    # Per operation dispatched eagerly (the gap a Python-driven framework leaves between
-    # kernels). Default: what the GPU eager calibrations measured (EAGER_HOST_S_PER_OPERATION).
-    launch_overhead_s: Annotated[float, Field(ge=0)] = EAGER_HOST_S_PER_OPERATION
-    # Per kernel replayed from a CUDA graph, when ``cuda_graphs``.
-    graph_launch_overhead_s: Annotated[float, Field(ge=0)] = 1e-6
-    # Per call replayed from CUDA graphs (the decoder's own work around the replay: copying the
-    # call's inputs, the replay itself); None: host_overhead_s. A replayed call has no per-layer
-    # host work (layer_overhead_s is eager's).
-    graph_host_overhead_s: Annotated[float, Field(ge=0)] | None = None
-    cuda_graphs: bool = False
-    # Device time per kernel, in both modes: the floor a kernel costs the device beyond its
-    # bytes and flops (its launch latency and tail on the device). It adds to the roofline;
-    # the host's overheads overlap the sum where ``overhead_overlaps``.
-    kernel_device_s: Annotated[float, Field(ge=0)] = 0.0
-    # Whether host overheads overlap the device's work (a GPU runs kernels while the host
-    # enqueues more: a call costs the larger) or add to it (a CPU runs the kernels itself).
+    # Whether the host's time overlaps the device's work (a GPU runs kernels while the host
+    # enqueues more: a call costs the larger) or adds to it (a CPU runs the kernels itself).
     overhead_overlaps: bool = False
+
+    def faster(self, speed: float) -> Host:
+        return self.model_copy(update={name: getattr(self, name) / speed for name in (
+            "host_overhead_s", "layer_overhead_s", "launch_overhead_s",
+            "attention_one_set_host_s", "attention_grouped_host_s")})
+
+
+class Graphs(Spec):
+    """CUDA graphs: whether the decoder replays its calls from them, and what a replay costs the
+    host (no per-layer work: the per-layer terms are eager's)."""
+
+    cuda_graphs: bool = False
+    # Per kernel replayed.
+    graph_launch_overhead_s: Annotated[float, Field(ge=0)] = 1e-6
+    # Per call replayed (the decoder's own work around the replay: copying the call's inputs,
+    # the replay itself); None: Host.host_overhead_s.
+    graph_host_overhead_s: Annotated[float, Field(ge=0)] | None = None
+
+    def faster(self, speed: float) -> Graphs:
+        per_call = self.graph_host_overhead_s
+        return self.model_copy(update={
+            "graph_launch_overhead_s": self.graph_launch_overhead_s / speed,
+            "graph_host_overhead_s": None if per_call is None else per_call / speed})
+
+
+OPERATION_CLASSES = ("matmul", "attention", "other", "view")
+
+
+class Operations(Spec):
+    """What a call dispatches, as a calibration counts it. Without counts (a preset) the cost
+    model counts this decoder's own operations for the model's family
+    (costmodel/data/operations.json), one attention per layer whatever the slots."""
+
     # Kernels per transformer layer, and for attention per distinct KV slot read when split.
-    # None (a preset): the operations this decoder dispatches for the model's family, as
-    # counted (costmodel/data/operations.json), one attention per layer whatever the slots.
     kernels_per_layer: Annotated[int, Field(ge=0)] | None = None
     attention_kernels_per_slot: Annotated[int, Field(ge=0)] = 2
     attention_split_by_slot: bool = True
-    # Kernels a call of each part launches outside its layers, by part name (calibration counts
-    # the decoder's); missing parts use the model spec's estimate.
+    # Kernels a call of each part launches outside its layers, by part name; missing parts use
+    # the model spec's count.
     part_extra_kernels: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
-    # The dispatched operations by class (OPERATION_CLASSES), per layer and per part outside its
-    # layers, as a GPU calibration counts them (summing to the counts above), and each class's
-    # host time relative to an elementwise operation's (measured). With them an eager host pays
-    # each operation its class's time (launch_overhead_s x the weight) and a view launches no
-    # kernel: no replayed kernel, no device time. Empty: every operation a kernel at one cost.
+    # The operations by class (OPERATION_CLASSES), per layer and per part outside its layers
+    # (summing to the counts above), and each class's host time relative to an elementwise
+    # operation's (measured). With them an eager host pays each operation its class's time
+    # (launch_overhead_s x the weight) and a view launches no kernel: no replayed kernel, no
+    # device time. Empty: every operation a kernel at one cost.
     layer_operations: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
     part_extra_operations: dict[str, dict[str, Annotated[int, Field(ge=0)]]] = Field(
         default_factory=dict)
     operation_host_weights: dict[str, Annotated[float, Field(gt=0)]] = Field(
         default_factory=dict)
-    # A CPU's matrix products, measured (None: each streams its weights once at the achievable
-    # bandwidth and runs its flops at the achievable peak, as on a GPU).
-    matmul: MatmulCurve | None = None
-    # The measured curve's times over the decoder's own (fitted: what the products cost in a
-    # call, among the other kernels, against the same products timed alone).
-    matmul_time_scale: Annotated[float, Field(gt=0)] = 1.0
-
-    OPERATION_CLASSES: ClassVar[tuple[str, ...]] = ("matmul", "attention", "other", "view")
 
     @model_validator(mode="after")
-    def _check_operations(self) -> HardwareSpec:
+    def _check(self) -> Operations:
         if self.kernels_per_layer is None and (self.layer_operations
                                                or self.part_extra_operations):
             raise ValueError("operations by class need the kernels_per_layer they sum to")
@@ -187,31 +205,125 @@ class HardwareSpec(Spec):
             (f"the {part} outside its layers", ops, self.part_extra_kernels.get(part))
             for part, ops in self.part_extra_operations.items()]
         for what, ops, total in counts:
-            unknown = set(ops) - set(self.OPERATION_CLASSES)
+            unknown = set(ops) - set(OPERATION_CLASSES)
             if unknown:
                 raise ValueError(f"unknown operation class {sorted(unknown)[0]!r}; the classes "
-                                 f"are {', '.join(self.OPERATION_CLASSES)}")
+                                 f"are {', '.join(OPERATION_CLASSES)}")
             if ops and sum(ops.values()) != total:
                 raise ValueError(f"the operations of {what} by class sum to "
                                  f"{sum(ops.values())}, not its {total} operations")
-        if set(self.operation_host_weights) - set(self.OPERATION_CLASSES):
+        if set(self.operation_host_weights) - set(OPERATION_CLASSES):
             raise ValueError("operation_host_weights names an unknown operation class")
         return self
 
-    HOST_TERMS: ClassVar[tuple[str, ...]] = ("host_overhead_s", "layer_overhead_s",
-                                             "attention_one_set_host_s",
-                                             "attention_grouped_host_s",
-                                             "launch_overhead_s", "graph_launch_overhead_s",
-                                             "graph_host_overhead_s")
+
+class CpuTerms(Spec):
+    """A CPU's matrix products as measured instead of a roofline's, and its attention's cost per
+    key set: what a processor that runs its kernels one after another adds."""
+
+    matmul: MatmulCurve
+    # The measured curve's times over the decoder's own (fitted: what the products cost in a
+    # call, among the other kernels, against the same products timed alone).
+    matmul_time_scale: Annotated[float, Field(gt=0)] = 1.0
+    # Per key set and query head of each layer's attention: a CPU's kernel works through
+    # (key set, head) pairs one after another, each at a fixed time beside its keys' bytes
+    # (many short key sets: a batch of WFD waves).
+    attention_key_set_s: Annotated[float, Field(ge=0)] = 0.0
+
+    def faster(self, speed: float) -> CpuTerms:
+        return self.model_copy(update={"matmul_time_scale": self.matmul_time_scale / speed,
+                                       "attention_key_set_s": self.attention_key_set_s / speed})
+
+
+class HardwareSpec(Spec):
+    """A device plus the software stack that drives it, in parts: the roofline (a datasheet's
+    figures), the eager host, CUDA graphs' replay, the operations a call dispatches, and for a
+    CPU its measured products (None: products at the roofline, as on a GPU)."""
+
+    name: str
+    source: str | None = None  # where the figures come from
+    roofline: Roofline
+    host: Host = Host()
+    graphs: Graphs = Graphs()
+    operations: Operations = Operations()
+    cpu: CpuTerms | None = None
+
+    PARTS: ClassVar[dict[str, type[Spec]]] = {
+        "roofline": Roofline, "host": Host, "graphs": Graphs, "operations": Operations,
+        "cpu": CpuTerms}
+    # each field's part: the fields' names are unique across the parts, so a coefficient is
+    # named by its field alone
+    PART_OF: ClassVar[dict[str, str]] = {
+        field: part for part, cls in PARTS.items() for field in cls.model_fields}
+    OPERATION_CLASSES: ClassVar[tuple[str, ...]] = OPERATION_CLASSES
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_fields(cls, data: object) -> object:
+        """A spec given field by field (as profiles of schema 4 and earlier hold it, and as
+        ``flat()`` gives it) is grouped into its parts."""
+        if not isinstance(data, dict) or not set(data) & set(cls.PART_OF):
+            return data
+        grouped: dict[str, dict] = {}
+        out = {}
+        for name, value in data.items():
+            if name in cls.PART_OF:
+                grouped.setdefault(cls.PART_OF[name], {})[name] = value
+            else:
+                out[name] = value
+        cpu = grouped.pop("cpu", {})
+        if cpu.get("matmul") is not None:
+            out["cpu"] = cpu
+        elif any(cpu.get(name, 0.0) != 0.0 for name in ("attention_key_set_s",)):
+            raise ValueError("attention_key_set_s is a CPU term: it needs the measured matmul")
+        return {**out, **grouped}
+
+    def flat(self) -> dict:
+        """Every field by name, the parts' together (JSON types): the inverse of the grouping."""
+        dumped = self.model_dump(mode="json")
+        out = {k: v for k, v in dumped.items() if k not in self.PARTS}
+        for part, cls in self.PARTS.items():  # a missing part: its fields' defaults (None)
+            out.update(dumped[part] or {name: None if field.is_required() else field.default
+                                        for name, field in cls.model_fields.items()})
+        return out
+
+    def term(self, name: str) -> object:
+        """The field ``name``, whichever part holds it (None where that part is absent)."""
+        part = getattr(self, self.PART_OF[name])
+        return None if part is None else getattr(part, name)
+
+    def with_terms(self, **terms: object) -> HardwareSpec:
+        """This hardware with the named fields replaced, whichever part holds them: how a fit,
+        an override or a study sets a coefficient by its name."""
+        parts: dict[str, dict[str, object]] = {}
+        own = {}
+        for name, value in terms.items():
+            if name in type(self).model_fields and name not in self.PARTS:
+                own[name] = value
+            elif name in self.PART_OF:
+                parts.setdefault(self.PART_OF[name], {})[name] = value
+            else:
+                raise ValueError(f"hardware has no term {name!r}")
+        for part, fields in parts.items():
+            current = getattr(self, part)
+            if part == "cpu" and "matmul" in fields and fields["matmul"] is None:
+                own[part] = None  # no measured products: no CPU part
+            elif current is not None:
+                own[part] = current.model_copy(update=fields)
+            elif "matmul" in fields:
+                own[part] = CpuTerms(**fields)
+            else:
+                raise ValueError(f"{', '.join(fields)}: a CPU term, and {self.name} has no "
+                                 "measured products")
+        return self.model_copy(update=own)
 
     def with_host_speed(self, speed: float) -> HardwareSpec:
         """This hardware with a host ``speed`` times faster: every host term (dispatch per call,
         per layer, per kernel launched or replayed) divided by it, the device's untouched."""
         if not speed > 0:
             raise ValueError(f"host speed must be a positive factor, got {speed}")
-        return self.model_copy(update={term: getattr(self, term) / speed
-                                       for term in self.HOST_TERMS
-                                       if getattr(self, term) is not None})
+        return self.model_copy(update={"host": self.host.faster(speed),
+                                       "graphs": self.graphs.faster(speed)})
 
     def with_device_speed(self, speed: float) -> HardwareSpec:
         """This hardware with a device ``speed`` times faster: its bandwidth and flops times it,
@@ -220,15 +332,12 @@ class HardwareSpec(Spec):
         if not speed > 0:
             raise ValueError(f"device speed must be a positive factor, got {speed}")
         return self.model_copy(update={
-            "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s * speed,
-            "peak_flops_per_s": {k: v * speed for k, v in self.peak_flops_per_s.items()},
-            "matmul_time_scale": self.matmul_time_scale / speed,
-            "attention_key_set_s": self.attention_key_set_s / speed,
-            "kernel_device_s": self.kernel_device_s / speed})
+            "roofline": self.roofline.faster(speed),
+            "cpu": None if self.cpu is None else self.cpu.faster(speed)})
 
     @property
     def mode(self) -> str:
-        return "graphs" if self.cuda_graphs else "eager"
+        return "graphs" if self.graphs.cuda_graphs else "eager"
 
     def in_mode(self, mode: str | None) -> HardwareSpec:
         """This hardware running in ``mode`` ("eager" or "graphs"; None: as it is)."""
@@ -236,38 +345,42 @@ class HardwareSpec(Spec):
             return self
         if mode not in ("eager", "graphs"):
             raise ValueError(f"unknown mode {mode!r}; use eager or graphs")
-        return self.model_copy(update={"cuda_graphs": mode == "graphs"})
+        return self.with_terms(cuda_graphs=mode == "graphs")
 
     @property
     def kernel_overhead_s(self) -> float:
-        return self.graph_launch_overhead_s if self.cuda_graphs else self.launch_overhead_s
+        """The host's time per kernel in this mode: launched eagerly, or replayed."""
+        return (self.graphs.graph_launch_overhead_s if self.graphs.cuda_graphs
+                else self.host.launch_overhead_s)
 
     @property
     def call_overhead_s(self) -> float:
         """The host's time per call of a part in this mode, outside its layers and kernels."""
-        if self.cuda_graphs and self.graph_host_overhead_s is not None:
-            return self.graph_host_overhead_s
-        return self.host_overhead_s
+        if self.graphs.cuda_graphs and self.graphs.graph_host_overhead_s is not None:
+            return self.graphs.graph_host_overhead_s
+        return self.host.host_overhead_s
 
     @property
     def layer_host_s(self) -> float:
         """The host's time per layer of a call: eager's dispatch; none in a replayed graph."""
-        return 0.0 if self.cuda_graphs else self.layer_overhead_s
+        return 0.0 if self.graphs.cuda_graphs else self.host.layer_overhead_s
 
     def achievable_flops_per_s(self, dtype: str) -> float:
-        if dtype not in self.peak_flops_per_s:
-            known = ", ".join(sorted(self.peak_flops_per_s))
-            raise ValueError(f"hardware {self.name} has no peak flops for {dtype} (has {known})")
-        return self.peak_flops_per_s[dtype] * self.flops_efficiency
+        peaks = self.roofline.peak_flops_per_s
+        if dtype not in peaks:
+            raise ValueError(f"hardware {self.name} has no peak flops for {dtype} (has "
+                             f"{', '.join(sorted(peaks))})")
+        return peaks[dtype] * self.roofline.flops_efficiency
 
     @property
     def weight_bandwidth_bytes_per_s(self) -> float:
-        return self.memory_bandwidth_bytes_per_s * self.bandwidth_efficiency
+        return self.roofline.memory_bandwidth_bytes_per_s * self.roofline.bandwidth_efficiency
 
     @property
     def kv_bandwidth_bytes_per_s(self) -> float:
-        eff = self.kv_bandwidth_efficiency or self.bandwidth_efficiency
-        return self.memory_bandwidth_bytes_per_s * eff
+        r = self.roofline
+        return r.memory_bandwidth_bytes_per_s * (r.kv_bandwidth_efficiency
+                                                 or r.bandwidth_efficiency)
 
 
 class PartSpec(Spec):

@@ -96,8 +96,8 @@ def host_speed_sweep(hardware: list[HardwareSpec | str], models: list[str],
         hw = get_hardware(hw) if isinstance(hw, str) else hw
         for model in models:
             for mode in ("eager", "graphs"):
-                base = hw.in_mode(mode) if launch_gap_s is None else hw.model_copy(
-                    update={"cuda_graphs": mode == "graphs", "launch_overhead_s": launch_gap_s})
+                base = hw.in_mode(mode) if launch_gap_s is None else hw.with_terms(
+                    cuda_graphs=mode == "graphs", launch_overhead_s=launch_gap_s)
                 for speed in HOST_SPEEDS:
                     s = predict(model, base.with_host_speed(speed), Workload()).schedules
                     rows.append({"hardware": hw.name, "model": model, "mode": mode,

@@ -28,12 +28,12 @@ def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult
     python_gap = derive_overhead(get_hardware("a6000"), kernels={})["launch_overhead_s"]
     rows = []
     for hw in hardware:
-        variants = {"python-heavy": hw.model_copy(update={"cuda_graphs": False,
-                                                          "launch_overhead_s": python_gap}),
-                    "eager": hw.model_copy(update={"cuda_graphs": False}),
-                    "cuda graphs": hw.model_copy(update={"cuda_graphs": True}),
-                    "no overhead": hw.model_copy(update={
-                        **{term: 0.0 for term in hw.HOST_TERMS}, "kernel_device_s": 0.0})}
+        variants = {"python-heavy": hw.with_terms(cuda_graphs=False,
+                                                  launch_overhead_s=python_gap),
+                    "eager": hw.in_mode("eager"),
+                    "cuda graphs": hw.in_mode("graphs"),
+                    # an infinitely fast host, and kernels that cost the device nothing
+                    "no overhead": hw.with_host_speed(math.inf).with_terms(kernel_device_s=0.0)}
         for model in MODELS:
             speed = {}
             for label, v in variants.items():

@@ -42,7 +42,7 @@ def _workload(model: str) -> Workload:
 
 def _ar_terms(model: str, hw: HardwareSpec) -> tuple[float, float]:
     """(per-token memory time at peak bandwidth, kernel launches per token) of AR."""
-    ideal = hw.model_copy(update={"launch_overhead_s": 1.0, "host_overhead_s": 0.0,
+    ideal = hw.with_terms(**{"launch_overhead_s": 1.0, "host_overhead_s": 0.0,
                                   "bandwidth_efficiency": 1.0, "kv_bandwidth_efficiency": None,
                                   "flops_efficiency": 1.0, "cuda_graphs": False,
                                   "overhead_overlaps": False})
@@ -74,7 +74,7 @@ def derive_overhead(hw: HardwareSpec, additive: bool = False,
     kernels = counted_by_model() if kernels is None else kernels
 
     def terms(model: str) -> tuple[float, float]:
-        return _ar_terms(model, hw.model_copy(update=kernels.get(model, {})))
+        return _ar_terms(model, hw.with_terms(**kernels.get(model, {})))
 
     ouro_mem, ouro_kernels = terms("ouro-2.6b")
     ouro_time = ouro_mem / AR_ROOFLINE["ouro-2.6b"]
@@ -103,7 +103,7 @@ def derived_hardware(model: str, hw: HardwareSpec, derived: dict[str, float],
     """``hw`` with the derived overhead and bandwidth, priced with ``kernels`` (as in
     ``derive_overhead``)."""
     kernels = counted_by_model() if kernels is None else kernels
-    return hw.model_copy(update={
+    return hw.with_terms(**{
         "launch_overhead_s": derived["launch_overhead_s"], "host_overhead_s": 0.0,
         "bandwidth_efficiency": min(1.0, derived[f"{model}_bandwidth_efficiency"]),
         "kv_bandwidth_efficiency": None, "cuda_graphs": False,

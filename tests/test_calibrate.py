@@ -20,7 +20,7 @@ from calibrate.fit import (
     undetermined,
 )
 from calibrate.validate import predict_point
-from costmodel import get_model
+from costmodel import get_hardware, get_model
 from costmodel.profile import (
     CalibrationProfile,
     FittedValue,
@@ -31,7 +31,7 @@ from costmodel.profile import (
     load_profile,
     save_profile,
 )
-from costmodel.specs import HardwareSpec
+from costmodel.specs import CpuTerms, HardwareSpec
 from costmodel.trace import CallRecord
 
 CPU = HardwareSpec(name="synthetic cpu", memory_bandwidth_bytes_per_s=20e9,
@@ -66,7 +66,7 @@ def synthetic(hw: HardwareSpec, noise: float, seed: int = 0) -> list[Observation
 
 
 def test_fit_recovers_known_coefficients():
-    truth = CPU.model_copy(update=TRUTH)
+    truth = CPU.with_terms(**TRUTH)
     result = fit(CPU, synthetic(truth, noise=0.01), "fp32")
     assert set(result.values) == set(TRUTH) and not result.dropped  # the CPU's set, all kept
     for name, value in TRUTH.items():
@@ -78,12 +78,12 @@ def test_fit_recovers_known_coefficients():
 
 
 def test_fit_frees_only_the_coefficients_it_is_given():
-    truth = CPU.model_copy(update=TRUTH)
+    truth = CPU.with_terms(**TRUTH)
     free = [p for p in CPU_PARAMETERS if p.name != "attention_flops_efficiency"]
-    start = CPU.model_copy(update={"attention_flops_efficiency": 0.1})
+    start = CPU.with_terms(**{"attention_flops_efficiency": 0.1})
     result = fit(start, synthetic(truth, noise=0.01), "fp32", free)
     assert "attention_flops_efficiency" not in result.values
-    assert result.hardware.attention_flops_efficiency == 0.1
+    assert result.hardware.roofline.attention_flops_efficiency == 0.1
     assert result.values["matmul_time_scale"] == pytest.approx(1.3, rel=0.05)
 
 
@@ -92,7 +92,7 @@ def test_a_fit_with_nothing_left_free_reports_its_loss():
     the one the fit minimizes (a NaN would be written as null and the profile not load)."""
     from scipy.optimize import least_squares
 
-    obs = synthetic(CPU.model_copy(update=TRUTH), noise=0.05)
+    obs = synthetic(CPU.with_terms(**TRUTH), noise=0.05)
     result = fit(CPU, obs, "fp32", [])
     assert not result.values and np.isfinite(result.stats()["cost"])
     logs = np.log(predict_calls(CPU, obs, "fp32")) - np.log([o.seconds for o in obs])
@@ -104,11 +104,11 @@ def test_a_fit_with_nothing_left_free_reports_its_loss():
 def test_a_term_the_calls_cannot_tell_apart_is_taken_out():
     # no host overhead per call in the truth: the fit drops the term and says why, and the
     # rest still fit
-    truth = CPU.model_copy(update={**TRUTH, "host_overhead_s": 0.0})
+    truth = CPU.with_terms(**{**TRUTH, "host_overhead_s": 0.0})
     result = fit(CPU, synthetic(truth, noise=0.01), "fp32")
     assert "host_overhead_s" in result.dropped and "dropped (0)" in result.dropped[
         "host_overhead_s"]
-    assert result.hardware.host_overhead_s == 0.0
+    assert result.hardware.host.host_overhead_s == 0.0
     assert result.values["launch_overhead_s"] == pytest.approx(6e-6, rel=0.1)
     assert all(result.stderr[name] < result.values[name] for name in result.values)
 
@@ -116,9 +116,11 @@ def test_a_term_the_calls_cannot_tell_apart_is_taken_out():
 def test_coefficients_the_calls_do_not_depend_on_are_not_determined():
     # an eager decoder on a GPU: the host's launches hide the device's work in every call, so
     # only the overheads move the times
-    gpu = CPU.model_copy(update={"overhead_overlaps": True, "memory_bandwidth_bytes_per_s": 1e14,
+    gpu = CPU.with_terms(**{"overhead_overlaps": True, "memory_bandwidth_bytes_per_s": 1e14,
                                  "peak_flops_per_s": {"fp32": 1e15}, "matmul": None})
-    truth = gpu.model_copy(update={**TRUTH, "launch_overhead_s": 3e-4})
+    # a GPU has no CPU terms
+    truth = gpu.with_terms(**{k: v for k, v in TRUTH.items() if k not in CpuTerms.model_fields
+                              and k != "launch_overhead_s"}, launch_overhead_s=3e-4)
     obs = synthetic(truth, noise=0.01)
     assert undetermined(truth, obs, "fp32") >= {"bandwidth_efficiency", "flops_efficiency",
                                                   "kv_bandwidth_efficiency"}
@@ -128,17 +130,17 @@ def test_coefficients_the_calls_do_not_depend_on_are_not_determined():
         assert name not in result.values
     assert result.values["launch_overhead_s"] == pytest.approx(3e-4, rel=0.05)
     # two coefficients that only one call depends on: neither is determined, though each moves it
-    one = [o for o in synthetic(CPU.model_copy(update=TRUTH), noise=0.0)
+    one = [o for o in synthetic(CPU.with_terms(**TRUTH), noise=0.0)
            if o.record.kind == "coda"][:1]
-    loose = undetermined(CPU.model_copy(update=TRUTH), one, "fp32", CPU_PARAMETERS)
+    loose = undetermined(CPU.with_terms(**TRUTH), one, "fp32", CPU_PARAMETERS)
     assert "matmul_time_scale" in loose and len(loose) >= 2
     # the synthetic CPU calls determine the coefficients the recovery test checks
-    assert not undetermined(CPU.model_copy(update=TRUTH), synthetic(CPU, noise=0.0),
+    assert not undetermined(CPU.with_terms(**TRUTH), synthetic(CPU, noise=0.0),
                             "fp32", CPU_PARAMETERS) & set(TRUTH)
 
 
 def test_fit_is_robust_to_outliers():
-    truth = CPU.model_copy(update=TRUTH)
+    truth = CPU.with_terms(**TRUTH)
     obs = synthetic(truth, noise=0.005, seed=1)
     for o in obs[::15]:  # a few calls disturbed by another process
         o.seconds *= 5
@@ -307,12 +309,44 @@ def test_a_schema_3_gpu_profile_converts_and_prices_its_points_as_before():
     raw = json.loads(SCHEMA3.read_text())
     expected = json.loads(SCHEMA3.with_suffix(".expected.json").read_text())
     profile = load_profile(SCHEMA3)
-    assert profile.schema_version == 4 and raw["schema_version"] == 3
+    assert profile.schema_version == 5 and raw["schema_version"] == 3
     assert {"flops_efficiency", "attention_flops_efficiency"} <= set(profile.held)
     assert "launch_overhead_s" in profile.coefficients
     for point in profile.validation:
         assert predict_point(point, profile.hardware, profile.dtype) == pytest.approx(
             expected[point.label + " " + point.model], rel=1e-9)
+
+
+SCHEMA4 = Path(__file__).parent / "data" / "cpu-ouro-fp32-schema4.json"
+
+
+def test_a_schema_4_profile_loads_with_its_hardware_in_parts():
+    """The fixture is the committed quick Ouro CPU profile as schema 4 held it (its hardware
+    field by field), cut to a few points: it loads as the same spec as the committed schema 5
+    profile, so it prices every point to the last digit alike."""
+    assert json.loads(SCHEMA4.read_text())["schema_version"] == 4
+    old = load_profile(SCHEMA4)
+    assert old.schema_version == 5
+    assert old.hardware == load_profile(PROFILE_DIR / "cpu-ouro-fp32-quick.json").hardware
+    assert old.hardware.cpu is not None and old.hardware.graphs.cuda_graphs is False
+
+
+@pytest.mark.parametrize("path", [p for p in PROFILES if not p.name.endswith(".validation.json")],
+                         ids=lambda p: p.stem)
+def test_a_hardware_spec_field_by_field_is_the_same_spec(path):
+    hardware = load_profile(path).hardware
+    assert HardwareSpec.model_validate(hardware.flat()) == hardware
+    assert hardware.flat()["launch_overhead_s"] == hardware.host.launch_overhead_s
+
+
+def test_a_cpu_term_without_measured_products_is_refused():
+    gpu = get_hardware("a6000")
+    with pytest.raises(ValueError, match="a CPU term"):
+        gpu.with_terms(matmul_time_scale=2.0)
+    with pytest.raises(ValueError, match="CPU term"):
+        HardwareSpec.model_validate({**gpu.flat(), "attention_key_set_s": 1e-6})
+    with pytest.raises(ValueError, match="no term 'bandwidth'"):
+        gpu.with_terms(bandwidth=1.0)
 
 
 def test_a_busy_calibration_is_refused():
@@ -456,7 +490,7 @@ def test_the_gpu_script_rehearsed_as_the_gpu_image_runs_it(tmp_path):
     assert report["repeat_spread"]["per_call"]["points"] == report["per_call"]["points"]
     assert profile.threads >= 1  # the CPU threads the decoder ran on
     assert profile.checks[0].startswith("machine: the measurements of cpu-ouro-fp32-quick")
-    assert profile.hardware.matmul.seconds == load_profile(machine).hardware.matmul.seconds
+    assert profile.hardware.cpu.matmul.seconds == load_profile(machine).hardware.cpu.matmul.seconds
 
 
 def test_gpu_script_goes_on_past_a_failed_step_and_names_it(tmp_path):
@@ -492,7 +526,7 @@ def test_machine_measurements_are_reused_only_from_the_same_setting():
     peaks = reused_peaks(path, "cpu", "bf16", force=True)
     source = load_profile(path)
     assert "taken with" in peaks.checks[0]
-    assert peaks.matmul.seconds == source.hardware.matmul.seconds
+    assert peaks.matmul.seconds == source.hardware.cpu.matmul.seconds
     # products stream from the copy after the cache knee (kept in the profile, or in one made
     # before it was kept, taken from the knee)
     assert peaks.matmul.streamed_from_bytes == 2 * source.coefficients["cache_knee"].value
@@ -703,13 +737,13 @@ def test_calibrate_refuses_a_busy_machines_profile_unless_forced(monkeypatch, tm
     assert load_profile(out).load.forced  # written, flagged
 
 
-PROFILES = Path(__file__).parent.parent / "data" / "profiles"
+PROFILE_DIR = Path(__file__).parent.parent / "data" / "profiles"
 
 
 def _tiny_calls_profile(scale: float) -> CalibrationProfile:
     """The committed quick Huginn profile cut to the tiny model's calls, its stored times
     multiplied by ``scale``."""
-    prof = load_profile(PROFILES / "cpu-huginn-fp32-quick.json")
+    prof = load_profile(PROFILE_DIR / "cpu-huginn-fp32-quick.json")
 
     def scaled(points):
         return [p.model_copy(update={"measured_s": p.measured_s * scale,
@@ -723,7 +757,7 @@ def _tiny_calls_profile(scale: float) -> CalibrationProfile:
 def test_a_profile_check_times_each_models_fastest_and_slowest_call():
     from calibrate.check import call_points, sample_calls
 
-    prof = load_profile(PROFILES / "cpu-huginn-fp32-quick.json")
+    prof = load_profile(PROFILE_DIR / "cpu-huginn-fp32-quick.json")
     chosen = sample_calls(prof, 8)
     assert [p.model for p in chosen] == [m for m in prof.models for _ in range(2)]
     for model in prof.models:
@@ -772,9 +806,9 @@ def test_checking_a_profile_rejects_what_it_cannot_time(tmp_path):
     prof = _tiny_calls_profile(1.0)
     gone = prof.model_copy(update={"training": [p.model_copy(update={"model": "/no/such/model"})
                                                 for p in prof.training], "validation": []})
-    cases = [(["--profile", str(PROFILES / "cpu-huginn-fp32-quick.json"), "--calls", "0"],
+    cases = [(["--profile", str(PROFILE_DIR / "cpu-huginn-fp32-quick.json"), "--calls", "0"],
               "at least 1"),
-             (["--profile", str(PROFILES / "gpu-huginn-bf16.json")], "no CUDA device"),
+             (["--profile", str(PROFILE_DIR / "gpu-huginn-bf16.json")], "no CUDA device"),
              (["--profile", str(path)], "/no/such/model")]
     save_profile(gone, path)
     for args, message in cases:

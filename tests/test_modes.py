@@ -29,7 +29,7 @@ DEVICE = {"bandwidth_efficiency": 0.6, "kv_bandwidth_efficiency": 0.5, "flops_ef
 EAGER = {"host_overhead_s": 150e-6, "launch_overhead_s": 8e-6,
          "attention_one_set_host_s": 40e-6, "attention_grouped_host_s": 60e-6}
 GRAPHS = {"graph_host_overhead_s": 120e-6, "graph_launch_overhead_s": 0.0}
-TRUTH = GPU.model_copy(update={**DEVICE, **EAGER, **GRAPHS})
+TRUTH = GPU.with_terms(**{**DEVICE, **EAGER, **GRAPHS})
 
 
 def calls(mode: str, noise: float, seed: int, truth: HardwareSpec = TRUTH) -> list[Observation]:
@@ -80,7 +80,7 @@ def test_the_modes_price_host_and_device_apart():
     assert eager_s(4, 1, key_sets=4) == pytest.approx(base)
     # the host speed scales the graphs host term too, and never the device's
     fast = TRUTH.with_host_speed(4.0)
-    assert fast.graph_host_overhead_s == 30e-6 and fast.kernel_device_s == 2.5e-6
+    assert fast.graphs.graph_host_overhead_s == 30e-6 and fast.roofline.kernel_device_s == 2.5e-6
 
 
 def test_one_fit_over_both_modes_recovers_every_coefficient_it_can_see():
@@ -91,7 +91,7 @@ def test_one_fit_over_both_modes_recovers_every_coefficient_it_can_see():
     for name, value in {**DEVICE, **EAGER, **GRAPHS}.items():
         # not in the truth: dropped, or worth less than the calls' noise (1%, 3 sigma) on any call
         if value == 0.0:
-            without = predict_calls(result.hardware.model_copy(update={name: 0.0}), obs, "fp32")
+            without = predict_calls(result.hardware.with_terms(**{name: 0.0}), obs, "fp32")
             worth = np.abs(predict_calls(result.hardware, obs, "fp32") / without - 1)
             assert name in result.dropped or worth.max() < 0.03, name
         else:
@@ -221,7 +221,8 @@ def test_refit_brings_an_older_profile_to_this_cost_model(tmp_path):
     assert payload["before"]["per_call"]["median_rel_error"] > 0.1
     refitted = CalibrationProfile.model_validate_json(new.read_text())
     assert refitted.training == _profile("eager", 0).training
-    assert refitted.hardware.memory_bandwidth_bytes_per_s == GPU.memory_bandwidth_bytes_per_s
+    bandwidth = refitted.hardware.roofline.memory_bandwidth_bytes_per_s
+    assert bandwidth == GPU.roofline.memory_bandwidth_bytes_per_s
     assert any(check.startswith("refitted ") for check in refitted.checks)
 
     empty = tmp_path / "empty.json"
@@ -244,7 +245,7 @@ CLASSES = {"kernels_per_layer": 83, "part_extra_kernels": {"prelude": 22, "block
 
 
 def test_operation_classes_weigh_the_host_and_views_launch_nothing():
-    truth = TRUTH.model_copy(update=CLASSES)
+    truth = TRUTH.with_terms(**CLASSES)
     spec = get_model("ouro-mid")
     coda = call_cost(spec, truth, spec.part("coda"), "fp32", n_positions=1, n_slots=1,
                      context_sum_positions=64, context_sum_slots=64)
@@ -255,8 +256,7 @@ def test_operation_classes_weigh_the_host_and_views_launch_nothing():
                        context_sum_positions=64, context_sum_slots=64)
     assert float(graphs.kernels) == block.layers * (83 - 35) + 27 - 11  # what a graph replays
     with pytest.raises(ValueError, match="sum to 82, not its 83"):
-        truth.model_copy(update={"layer_operations": {"other": 47, "view": 35}}).model_validate(
-            {**truth.model_dump(), "layer_operations": {"other": 47, "view": 35}})
+        HardwareSpec.model_validate({**truth.flat(), "layer_operations": {"other": 47, "view": 35}})
 
 
 def test_a_fit_that_weighs_operations_alike_misprices_the_small_calls():
@@ -264,12 +264,12 @@ def test_a_fit_that_weighs_operations_alike_misprices_the_small_calls():
     every call; weighing every operation alike, the prelude and coda (few operations, another
     mix than the layers') are mispriced beyond the calls' noise (1%: 3 sigma). A small host
     time per call, as Ouro's on the H200: the operations dominate those calls."""
-    truth = TRUTH.model_copy(update={**CLASSES, "host_overhead_s": 20e-6})
+    truth = TRUTH.with_terms(**{**CLASSES, "host_overhead_s": 20e-6})
     # the host-bound calls (the 256-position ones show the device, which this is not about)
     obs = [o for o in calls("eager", 0.01, 0, truth) if len(o.record.positions) <= 16]
     counted = {k: CLASSES[k] for k in ("kernels_per_layer", "part_extra_kernels")}
-    weighed = fit(GPU.model_copy(update=CLASSES), obs, "fp32")
-    alike = fit(GPU.model_copy(update=counted), obs, "fp32")
+    weighed = fit(GPU.with_terms(**CLASSES), obs, "fp32")
+    alike = fit(GPU.with_terms(**counted), obs, "fp32")
     assert weighed.values["launch_overhead_s"] == pytest.approx(8e-6, rel=0.1)
     small = [i for i, o in enumerate(obs) if o.record.kind in ("prelude", "coda")]
     assert np.max(np.abs(weighed.residuals[small])) < 0.03
@@ -287,8 +287,8 @@ def test_an_eager_refit_keeps_the_replay_microbenchmarks_for_graphs_mode():
                                                       unit="s (measured)")}
     profile = _profile("eager", 0).model_copy(update={"coefficients": measured})
     hw = refit(profile).hardware
-    assert hw.graph_host_overhead_s == 33e-6 and hw.kernel_device_s == 1.7e-6
-    assert refit(_profile("eager", 0)).hardware.kernel_device_s == 2e-6  # none: the prior
+    assert hw.graphs.graph_host_overhead_s == 33e-6 and hw.roofline.kernel_device_s == 1.7e-6
+    assert refit(_profile("eager", 0)).hardware.roofline.kernel_device_s == 2e-6  # none: the prior
 
 
 def test_a_gpu_calibration_starts_from_the_replay_microbenchmarks_given_once():
@@ -302,7 +302,7 @@ def test_a_gpu_calibration_starts_from_the_replay_microbenchmarks_given_once():
     assert measured == {"kernel_device_s": 1.7e-6, "graph_host_overhead_s": 33e-6}
     hw = HardwareSpec(name="gpu", memory_bandwidth_bytes_per_s=1e12,
                       peak_flops_per_s={"bf16": 1e14}, memory_capacity_bytes=1e10, **measured)
-    assert hw.kernel_device_s == 1.7e-6 and hw.graph_host_overhead_s == 33e-6
+    assert hw.roofline.kernel_device_s == 1.7e-6 and hw.graphs.graph_host_overhead_s == 33e-6
     assert starting_terms(True, {}) == {"kernel_device_s": prior("kernel_device_s")}
     assert starting_terms(False, {}) == {"kernel_device_s": 0.0}
 

@@ -35,8 +35,8 @@ def test_kv_sharing_and_readout_slots():
 def test_hardware_presets_from_the_datasheet_table():
     assert set(HARDWARE) == {"a6000", "a100-40g", "a100-80g", "h100-sxm", "h100-pcie", "h200",
                              "l40s", "rtx4090", "mi300x", "b200"}
-    assert get_hardware("h200").memory_bandwidth_bytes_per_s == 4.8e12
-    assert get_hardware("a6000").peak_flops_per_s["bf16"] == pytest.approx(154.8e12)
+    assert get_hardware("h200").roofline.memory_bandwidth_bytes_per_s == 4.8e12
+    assert get_hardware("a6000").roofline.peak_flops_per_s["bf16"] == pytest.approx(154.8e12)
 
 
 def test_unknown_presets_list_the_known_ones():
@@ -48,16 +48,16 @@ def test_unknown_presets_list_the_known_ones():
 
 
 def test_the_eager_host_default_is_what_the_gpu_eager_calibrations_measured():
-    import json
     from pathlib import Path
 
-    from costmodel.specs import EAGER_HOST_S_PER_OPERATION, HardwareSpec
+    from costmodel.profile import load_profile
+    from costmodel.specs import EAGER_HOST_S_PER_OPERATION, Host
 
     profiles = Path(__file__).resolve().parents[1] / "data" / "profiles"
-    measured = [json.loads((profiles / f"gpu-{family}-bf16.json").read_text())["hardware"][
-        "launch_overhead_s"] for family in ("huginn", "ouro")]
+    measured = [load_profile(profiles / f"gpu-{family}-bf16.json").hardware.host.launch_overhead_s
+                for family in ("huginn", "ouro")]
     assert EAGER_HOST_S_PER_OPERATION == pytest.approx(sum(measured) / 2, rel=1e-3)
-    assert HardwareSpec.model_fields["launch_overhead_s"].default == EAGER_HOST_S_PER_OPERATION
+    assert Host.model_fields["launch_overhead_s"].default == EAGER_HOST_S_PER_OPERATION
 
 
 @pytest.mark.parametrize("name", sorted(HARDWARE))

@@ -161,7 +161,7 @@ def _cpu_and_model():
     weights, a block call after a block call reads them from the cache."""
     from conftest import cpu_like_product_s, synthetic_curve
 
-    hw = A6000.model_copy(update={"overhead_overlaps": False, "kernels_per_layer": 14,
+    hw = A6000.with_terms(**{"overhead_overlaps": False, "kernels_per_layer": 14,
                                   "launch_overhead_s": 5e-6,
                                   "peak_flops_per_s": {"bf16": 100e9},
                                   "matmul": synthetic_curve(cpu_like_product_s, "bf16")})

@@ -102,7 +102,7 @@ def test_paper_table_derives_overhead_from_ar_only_and_compares():
             idle = ar.breakdown.overhead_s / ar.latency_per_token_s
             assert idle == pytest.approx(0.65, rel=0.02)
     assert derived["launch_overhead_s"] == pytest.approx(
-        derive_overhead(hw.model_copy(update={"launch_overhead_s": 1.0}))["launch_overhead_s"])
+        derive_overhead(hw.with_terms(**{"launch_overhead_s": 1.0}))["launch_overhead_s"])
     wfd = [r for r in result.rows if r["schedule"] == "wfd"]
     assert {r["model"] for r in wfd} == {"ouro-2.6b", "huginn-3.5b"}
     assert all(r["reported_speedup"] in (2.42, 3.54) for r in wfd)

@@ -76,7 +76,7 @@ def test_the_two_factors_are_read_back_from_calls_that_weigh_them_differently():
 
 
 def test_a_faster_device_moves_the_devices_time_and_leaves_the_hosts():
-    hw = get_hardware("a6000").model_copy(update={"overhead_overlaps": False})
+    hw = get_hardware("a6000").with_terms(**{"overhead_overlaps": False})
     model = tiny_model("ouro").config.to_spec("t")
     part = model.part("block")
 
