@@ -116,12 +116,6 @@ class Roofline(Spec):
     # to the roofline; the host's overheads overlap the sum where ``Host.overhead_overlaps``.
     kernel_device_s: Annotated[float, Field(ge=0)] = 0.0
 
-    def faster(self, speed: float) -> Roofline:
-        return self.model_copy(update={
-            "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s * speed,
-            "peak_flops_per_s": {k: v * speed for k, v in self.peak_flops_per_s.items()},
-            "kernel_device_s": self.kernel_device_s / speed})
-
 
 class Host(Spec):
     """The host driving the device eagerly: its time per call of a part, per layer and per
@@ -146,11 +140,6 @@ class Host(Spec):
     # enqueues more: a call costs the larger) or adds to it (a CPU runs the kernels itself).
     overhead_overlaps: bool = False
 
-    def faster(self, speed: float) -> Host:
-        return self.model_copy(update={name: getattr(self, name) / speed for name in (
-            "host_overhead_s", "layer_overhead_s", "launch_overhead_s",
-            "attention_one_set_host_s", "attention_grouped_host_s")})
-
 
 class Graphs(Spec):
     """CUDA graphs: whether the decoder replays its calls from them, and what a replay costs the
@@ -162,12 +151,6 @@ class Graphs(Spec):
     # Per call replayed (the decoder's own work around the replay: copying the call's inputs,
     # the replay itself); None: Host.host_overhead_s.
     graph_host_overhead_s: Annotated[float, Field(ge=0)] | None = None
-
-    def faster(self, speed: float) -> Graphs:
-        per_call = self.graph_host_overhead_s
-        return self.model_copy(update={
-            "graph_launch_overhead_s": self.graph_launch_overhead_s / speed,
-            "graph_host_overhead_s": None if per_call is None else per_call / speed})
 
 
 OPERATION_CLASSES = ("matmul", "attention", "other", "view")
@@ -229,10 +212,6 @@ class CpuTerms(Spec):
     # (key set, head) pairs one after another, each at a fixed time beside its keys' bytes
     # (many short key sets: a batch of WFD waves).
     attention_key_set_s: Annotated[float, Field(ge=0)] = 0.0
-
-    def faster(self, speed: float) -> CpuTerms:
-        return self.model_copy(update={"matmul_time_scale": self.matmul_time_scale / speed,
-                                       "attention_key_set_s": self.attention_key_set_s / speed})
 
 
 class HardwareSpec(Spec):
@@ -318,12 +297,13 @@ class HardwareSpec(Spec):
         return self.model_copy(update=own)
 
     def with_host_speed(self, speed: float) -> HardwareSpec:
-        """This hardware with a host ``speed`` times faster: every host term (dispatch per call,
-        per layer, per kernel launched or replayed) divided by it, the device's untouched."""
+        """This hardware with a host ``speed`` times faster: every host time (per call, per
+        layer, per operation launched or replayed) divided by it, the device's untouched."""
         if not speed > 0:
             raise ValueError(f"host speed must be a positive factor, got {speed}")
-        return self.model_copy(update={"host": self.host.faster(speed),
-                                       "graphs": self.graphs.faster(speed)})
+        return self.with_terms(**{name: value / speed for part in (self.host, self.graphs)
+                                  for name, value in part if name.endswith("_s")
+                                  and value is not None})
 
     def with_device_speed(self, speed: float) -> HardwareSpec:
         """This hardware with a device ``speed`` times faster: its bandwidth and flops times it,
@@ -331,9 +311,13 @@ class HardwareSpec(Spec):
         host's untouched."""
         if not speed > 0:
             raise ValueError(f"device speed must be a positive factor, got {speed}")
-        return self.model_copy(update={
-            "roofline": self.roofline.faster(speed),
-            "cpu": None if self.cpu is None else self.cpu.faster(speed)})
+        r, cpu = self.roofline, self.cpu
+        return self.with_terms(
+            memory_bandwidth_bytes_per_s=r.memory_bandwidth_bytes_per_s * speed,
+            peak_flops_per_s={k: v * speed for k, v in r.peak_flops_per_s.items()},
+            kernel_device_s=r.kernel_device_s / speed,
+            **({} if cpu is None else {"matmul_time_scale": cpu.matmul_time_scale / speed,
+                                       "attention_key_set_s": cpu.attention_key_set_s / speed}))
 
     @property
     def mode(self) -> str:
