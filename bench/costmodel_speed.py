@@ -49,15 +49,20 @@ def scattered(points: int) -> dict[str, np.ndarray]:
                 batch=rng.integers(1, 9, points))
 
 
-def cli_start(runs: int) -> float:
-    cmd = [sys.executable, "-m", "costmodel", "predict", "--bandwidth", "768GB/s", "--width", "8"]
-    subprocess.run(cmd, capture_output=True, check=True)  # warm the file cache
-    times = []
+def cli_start(runs: int) -> tuple[float, float]:
+    """(median wall time of a whole `costmodel predict` process, of a process that only imports
+    numpy, pydantic and typer: the floor the command's own code adds to), runs alternated."""
+    commands = ([sys.executable, "-m", "costmodel", "predict", "--bandwidth", "768GB/s",
+                 "--width", "8"], [sys.executable, "-c", "import numpy, pydantic, typer"])
+    for cmd in commands:
+        subprocess.run(cmd, capture_output=True, check=True)  # warm the file cache
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(runs):
-        start = time.perf_counter()
-        subprocess.run(cmd, capture_output=True, check=True)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for cmd, each in zip(commands, times, strict=True):
+            start = time.perf_counter()
+            subprocess.run(cmd, capture_output=True, check=True)
+            each.append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def main() -> None:
@@ -72,9 +77,11 @@ def main() -> None:
         points, rate = sweep_rate(**axes)
         print(f"| sweep (AR + DtV best k in 1..32 + WFD, huginn-3.5b), {label}: {points:,} "
               f"points, median of 5 | {rate:,.0f} points/s |")
-    start = cli_start(args.cli_runs)
+    start, libraries = cli_start(args.cli_runs)
     print(f"| `costmodel predict --bandwidth 768GB/s --width 8`, wall time (median of "
           f"{args.cli_runs}) | {start * 1e3:.0f} ms |")
+    print(f"| `python -c 'import numpy, pydantic, typer'`, wall time (median of "
+          f"{args.cli_runs}, alternated with the above) | {libraries * 1e3:.0f} ms |")
 
 
 if __name__ == "__main__":
