@@ -11,8 +11,17 @@ from typing import Annotated
 import typer
 
 from costmodel.cli import JsonOption, app, load_profile, run_app, save_profile, undetermined
-from costmodel.clitools import UserError, error_summary, print_json
+from costmodel.clitools import DTYPES, UserError, error_summary, one_of, print_json
 from costmodel.figures import NO_PLOTS
+
+
+def fit_json(profile) -> dict:
+    """What the profile commands' --json says of a fit: its coefficients, what it held, its
+    statistics and its cross-mode checks."""
+    return {"coefficients": {k: v.model_dump() for k, v in profile.coefficients.items()},
+            "held": {k: v.model_dump() for k, v in profile.held.items()},
+            "fit_stats": profile.fit_stats,
+            "cross_mode": [c.model_dump() for c in profile.cross_mode]}
 
 
 def register(app: typer.Typer) -> None:
@@ -54,16 +63,11 @@ def calibrate_cmd(
 ) -> None:
     """Measure the decoder on this machine, fit the cost model, validate on held-out points and
     save a versioned profile."""
-    if mode not in ("eager", "graphs"):
-        raise UserError(f"unknown mode {mode!r}; use eager or graphs")
-    if mode == "graphs" and not device.startswith("cuda"):
+    if one_of("mode", mode, ("eager", "graphs")) == "graphs" and not device.startswith("cuda"):
         raise UserError("--mode graphs captures CUDA graphs: it needs --device cuda")
-    if model not in ("huginn", "ouro"):
-        raise UserError(f"unknown model family {model!r}; use huginn or ouro")
-    if dtype not in ("fp32", "bf16", "fp16"):
-        raise UserError(f"unknown dtype {dtype!r}; use fp32, bf16 or fp16")
-    if device != "cpu" and not device.startswith("cuda"):
-        raise UserError(f"unknown device {device!r}; use cpu or cuda")
+    one_of("model family", model, ("huginn", "ouro"))
+    one_of("dtype", dtype, DTYPES)
+    one_of("device", device.split(":")[0], ("cpu", "cuda"))
     if checkpoint is not None and not checkpoint.is_dir():
         raise UserError(f"checkpoint {checkpoint} is not a folder")
     alphas = parse_acceptances(acceptances) if acceptances is not None else None
@@ -127,12 +131,9 @@ def _print_validation(profile, rep, path: Path, plot_path: Path | None, as_json:
     if as_json:
         print_json({"profile": str(path), "plot": str(plot_path) if plot_path else None,
                     "machine": profile.machine,
-                    "coefficients": {k: v.model_dump() for k, v in coefficients.items()},
-                    "held": {k: v.model_dump() for k, v in profile.held.items()},
-                    "checks": profile.checks,
+                    **fit_json(profile), "checks": profile.checks,
                     "load": profile.load.model_dump() if profile.load else None,
-                    "fit_stats": profile.fit_stats, **rep.model_dump(),
-                    "cross_mode": [c.model_dump() for c in profile.cross_mode]})
+                    **rep.model_dump()})
         return
     from rich.console import Console
     from rich.table import Table
@@ -300,11 +301,7 @@ def join_modes_cmd(
     joint = join_modes(load_profile(eager), load_profile(graphs))
     save_profile(joint, out)
     if as_json:
-        print_json({"profile": str(out),
-                    "coefficients": {k: v.model_dump() for k, v in joint.coefficients.items()},
-                    "held": {k: v.model_dump() for k, v in joint.held.items()},
-                    "fit_stats": joint.fit_stats,
-                    "cross_mode": [c.model_dump() for c in joint.cross_mode]})
+        print_json({"profile": str(out), **fit_json(joint)})
         return
     typer.echo(f"{out}: {int(joint.fit_stats['train_points'])} calls of both modes fitted"
                + (f"; held: {', '.join(joint.held)}" if joint.held else ""))
@@ -333,14 +330,10 @@ def refit_cmd(
     reports = {label: report(p.validation, p.hardware, p.dtype) if p.validation else None
                for label, p in (("before", before), ("after", after))}
     if as_json:
-        print_json({"profile": str(out),
-                    "coefficients": {k: v.model_dump() for k, v in after.coefficients.items()},
-                    "held": {k: v.model_dump() for k, v in after.held.items()},
-                    "fit_stats": after.fit_stats,
+        print_json({"profile": str(out), **fit_json(after),
                     **{label: None if rep is None else {"per_call": rep.per_call,
                                                         "per_token": rep.per_token}
-                       for label, rep in reports.items()},
-                    "cross_mode": [c.model_dump() for c in after.cross_mode]})
+                       for label, rep in reports.items()}})
         return
     typer.echo(f"{out}: {int(after.fit_stats['train_points'])} training calls refitted"
                + (f"; held: {', '.join(after.held)}" if after.held else ""))

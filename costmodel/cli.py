@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from .clitools import UserError, print_json, run, spinner, text_table
+from .clitools import DTYPES, UserError, one_of, print_json, run, spinner, text_table
 from .engines import ENGINES, VLLM_SOURCE, for_engine
 from .errors import ProfileError, TraceError
 from .memory import does_not_fit
@@ -75,9 +75,7 @@ def _override(hw: HardwareSpec, bandwidth: str | None, flops: str | None, memory
     if launch_overhead is not None:
         changes["launch_overhead_s"] = parse_duration(launch_overhead)
     if mode is not None:
-        if mode not in ("eager", "graphs"):
-            raise UserError(f"unknown mode {mode!r}; use eager or graphs")
-        changes["cuda_graphs"] = mode == "graphs"
+        changes["cuda_graphs"] = one_of("mode", mode, ("eager", "graphs")) == "graphs"
     if host_speed is not None and not host_speed > 0:
         raise UserError(f"host speed must be a positive factor, got {host_speed}")
     if changes or host_speed is not None:
@@ -100,9 +98,7 @@ def _hardware(profile: Path | None, hardware: str, dtype: str | None):
     prof = load_profile(profile) if profile is not None else None
     if prof is not None:
         note_machine(prof, profile)
-    dtype = dtype or (prof.dtype if prof is not None else "bf16")
-    if dtype not in ("fp32", "bf16", "fp16"):
-        raise UserError(f"unknown dtype {dtype!r}; use fp32, bf16 or fp16")
+    dtype = one_of("dtype", dtype or (prof.dtype if prof is not None else "bf16"), DTYPES)
     return prof, prof.hardware if prof is not None else get_hardware(hardware), dtype
 
 

@@ -22,6 +22,18 @@ class UserError(Exception):
     """Bad input: printed as one line on stderr, exit code 2."""
 
 
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+def one_of(what: str, value: str, choices: tuple[str, ...]) -> str:
+    """``value``, or a UserError naming the choices: "unknown dtype 'x'; use fp32, bf16 or
+    fp16"."""
+    if value not in choices:
+        raise UserError(f"unknown {what} {value!r}; use {', '.join(choices[:-1])} or "
+                        f"{choices[-1]}")
+    return value
+
+
 # The install extra that brings each optional package (pyproject.toml).
 EXTRAS = {"torch": "decoder", "safetensors": "decoder", "tokenizers": "decoder",
           "scipy": "calibrate", "matplotlib": "plots"}

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from costmodel.clitools import UserError, print_json, run
+from costmodel.clitools import DTYPES, UserError, one_of, print_json, run
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
                   help="Decode looped language models (Huginn, Ouro) with AR, DtV or WFD.")
@@ -111,20 +111,18 @@ def generate(
         raise UserError("give exactly one of --prompt and --prompt-ids (or --prompts-file)")
     elif out is not None or batch_size != 8:
         raise UserError("--out and --batch-size go with --prompts-file")
-    if schedule not in ("ar", "dtv", "wfd", "auto"):
-        raise UserError(f"unknown schedule {schedule!r}; use ar, dtv, wfd or auto")
+    one_of("schedule", schedule, ("ar", "dtv", "wfd", "auto"))
     if width is not None and draft_depth is not None:
         raise UserError("give either --width or --draft-depth, not both")
     if force_acceptance is not None and not 0 <= force_acceptance <= 1:
         raise UserError(f"forced acceptance must be in [0, 1], got {force_acceptance}")
-    if dtype not in ("fp32", "bf16", "fp16"):
-        raise UserError(f"unknown dtype {dtype!r}; use fp32, bf16 or fp16")
+    one_of("dtype", dtype, DTYPES)
     if depth is not None and depth < 1:
         raise UserError(f"depth must be at least 1, got {depth}")
     if init_scale < 0:
         raise UserError(f"init scale must be >= 0, got {init_scale}")
-    if mode is not None and mode not in ("eager", "static", "graphs"):
-        raise UserError(f"unknown mode {mode!r}; use eager, static or graphs")
+    if mode is not None:
+        one_of("mode", mode, ("eager", "static", "graphs"))
     rule = None
     if exit_rule is not None:
         from costmodel.exits import ExitRule
@@ -166,8 +164,7 @@ def generate(
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"device {device!r} is not available (torch sees no CUDA device)")
-    if device != "cpu" and not device.startswith("cuda"):
-        raise UserError(f"unknown device {device!r}; use cpu or cuda")
+    one_of("device", device.split(":")[0], ("cpu", "cuda"))
     if mode == "graphs" and not device.startswith("cuda"):
         raise UserError("--mode graphs captures CUDA graphs: it needs --device cuda (on a CPU, "
                         "--mode static runs the same fixed-shape calls without capture)")
