@@ -243,6 +243,8 @@ class HardwareSpec(Spec):
         ``flat()`` gives it) is grouped into its parts."""
         if not isinstance(data, dict) or not set(data) & set(cls.PART_OF):
             return data
+        if set(data) & set(cls.PARTS):
+            raise ValueError("give the hardware in its parts or field by field, not both")
         grouped: dict[str, dict] = {}
         out = {}
         for name, value in data.items():
@@ -389,10 +391,6 @@ class PartSpec(Spec):
     # layers (the adapter, the head, the exit gate).
     layer_matrices: tuple[tuple[int, int], ...] = ()
     extra_matrices: tuple[tuple[int, int], ...] = ()
-
-    @property
-    def products_per_layer(self) -> int:
-        return len(self.layer_matrices)
 
     @property
     def matrix_products(self) -> int:

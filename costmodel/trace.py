@@ -56,10 +56,6 @@ class CallRecord(BaseModel):
     sequences: list[int] | None = None  # a batched call: each position's sequence
     wall_s: float = 0.0
 
-    @property
-    def slots_read(self) -> list[int]:
-        return sorted(set(self.slots))
-
     def slot_contexts(self) -> dict[int | tuple[int, int], int]:
         return slot_lengths(self.slots, self.contexts, self.sequences)
 

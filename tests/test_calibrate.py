@@ -347,6 +347,8 @@ def test_a_cpu_term_without_measured_products_is_refused():
         HardwareSpec.model_validate({**gpu.flat(), "attention_key_set_s": 1e-6})
     with pytest.raises(ValueError, match="no term 'bandwidth'"):
         gpu.with_terms(bandwidth=1.0)
+    with pytest.raises(ValueError, match="not both"):
+        HardwareSpec.model_validate({**gpu.model_dump(), "launch_overhead_s": 1e-6})
 
 
 def test_a_busy_calibration_is_refused():
