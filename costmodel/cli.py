@@ -355,14 +355,17 @@ def note_machine(profile, path: Path) -> None:
 
 
 @functools.cache  # once per process: main() may run more than once (tests)
-def _add_registered_commands() -> None:
+def _add_registered_commands() -> int:
     """Add the commands other packages register under the entry-point group
     ``costmodel.commands`` (calibration's profile commands, the studies): the cost model knows
-    none of them, and a query such as `predict` starts without loading them."""
+    none of them, and a query such as `predict` starts without loading them. Returns how many
+    packages registered."""
     from importlib.metadata import entry_points
 
-    for entry in entry_points(group="costmodel.commands"):
+    entries = entry_points(group="costmodel.commands")
+    for entry in entries:
         entry.load()(app)
+    return len(entries)
 
 
 run_app = run(app, (UnitError, UnknownPresetError, ProfileError, TraceError))
@@ -372,6 +375,11 @@ OWN_COMMANDS = ("predict", "recommend")
 def main() -> None:
     import sys
 
-    if sys.argv[1:2] not in ([c] for c in OWN_COMMANDS):  # help, or another package's command
-        _add_registered_commands()
+    command = sys.argv[1:2]
+    if command not in ([c] for c in OWN_COMMANDS):  # help, or another package's command
+        if not _add_registered_commands() and command and not command[0].startswith("-"):
+            # an install from before the entry points existed: its metadata lacks them
+            typer.echo(f"error: no command {command[0]!r}: the profile commands and `study` "
+                       "register at install time; reinstall (pip install -e .)", err=True)
+            raise SystemExit(2)
     run_app()

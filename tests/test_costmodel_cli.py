@@ -244,3 +244,18 @@ def test_predict_prices_ar_as_vllm_runs_it():
         "latency_per_token_s"] < floor
     bad = run("predict", "--engine", "sglang")
     assert bad.returncode == 2 and "unknown engine 'sglang'" in bad.stderr
+
+
+def test_an_install_without_the_registered_commands_says_to_reinstall(monkeypatch, capsys):
+    import importlib.metadata
+
+    from costmodel import cli
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
+    monkeypatch.setattr(cli, "_add_registered_commands",
+                        cli._add_registered_commands.__wrapped__)
+    monkeypatch.setattr(sys, "argv", ["costmodel", "calibrate", "--model", "ouro"])
+    with pytest.raises(SystemExit) as exit_:
+        cli.main()
+    assert exit_.value.code == 2
+    assert "reinstall (pip install -e .)" in capsys.readouterr().err
