@@ -102,7 +102,7 @@ def check_profile(profile: CalibrationProfile, count: int = 16, progress=None) -
         torch.set_num_threads(profile.threads)
     points = sample_calls(profile, count)
     grid = Grid(positions=[1], contexts=[1], repeats=int(profile.grid.get("repeats", [7])[0]))
-    mode = "graphs" if profile.hardware.graphs.cuda_graphs else "eager"
+    mode = profile.hardware.mode
     cuda = device.startswith("cuda")
     quiet = Quiet(device, retries=0 if cuda else 4, budget_s=30.0)
     shapes = [(p.record.kind, len(p.record.positions), min(p.record.positions),

@@ -191,19 +191,19 @@ def predict_calls(hw: HardwareSpec, obs: Sequence[Observation], dtype: str) -> n
 
 def _with(base: HardwareSpec, parameters: Sequence[Parameter], theta: np.ndarray
           ) -> HardwareSpec:
-    return base.with_terms(**{p.name: float(v) for p, v in
-                                   zip(parameters, theta, strict=True)})
+    return base.with_terms(**{p.name: float(v)
+                              for p, v in zip(parameters, theta, strict=True)})
 
 
 def undetermined(hw: HardwareSpec, obs: Sequence[Observation], dtype: str,
                  parameters: Sequence[Parameter] | None = None, step: float = 0.1,
                  tolerance: float = 0.01) -> set[str]:
     """The coefficients (of ``parameters``; default: those a fit of ``hw`` frees) the training
-    calls do not determine. The Jacobian of the calls' log times
-    in the coefficients' relative changes (central differences of ``step``, within the bounds)
-    is singular along some directions (singular values under ``tolerance``: a change of 100%
-    that way moves no time by 1%); a coefficient that lies mostly in them is not determined. On a
-    GPU where the host's launches hide the device's work (an eager decoder), flops are: no call
+    calls do not determine. The Jacobian of the calls' log times in the coefficients' relative
+    changes (central differences of ``step``, within the bounds) is singular along some
+    directions (singular values under ``tolerance``: a change of 100% that way moves no time by
+    1%); a coefficient that lies mostly in them is not determined. On a GPU where the host's
+    launches hide the device's work (an eager decoder), flops are: no call
     depends on them. The standard errors from the Jacobian's pseudo-inverse read near zero
     there."""
     parameters = parameters_for(hw) if parameters is None else parameters

@@ -250,7 +250,7 @@ def predict_cmd(
         payload["engine"] = engine
         payload["hardware"] = result.hardware.name
         payload["hardware_spec"] = result.hardware.flat()
-        payload["mode"] = "graphs" if result.hardware.graphs.cuda_graphs else "eager"
+        payload["mode"] = result.hardware.mode
         payload["host_speed"] = host_speed or 1.0
         payload["profile_undetermined"] = loose
         print_json(payload)

@@ -29,8 +29,8 @@ def for_engine(engine: str, hw: HardwareSpec, model: LoopedModelSpec) -> Hardwar
         raise ValueError(f"unknown engine {engine!r}; use {' or '.join(ENGINES)}")
     if engine == "wfd":
         return hw
-    return hw.with_terms(**{"name": f"{hw.name} as vLLM", "cuda_graphs": True,
-                                 **counted_fields(vllm_operations(model.family))})
+    return hw.with_terms(name=f"{hw.name} as vLLM", cuda_graphs=True,
+                         **counted_fields(vllm_operations(model.family)))
 
 
 def counted_fields(ops: dict[str, dict[str, int]]) -> dict[str, object]:

@@ -18,7 +18,7 @@ CONTEXT, NEW = 512, 256
 
 def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult:
     hw = profile or get_hardware("h100-sxm")
-    unbounded = hw.with_terms(**{"memory_capacity_bytes": 1e18})
+    unbounded = hw.with_terms(memory_capacity_bytes=1e18)
     batches = [1, 64] if small else [2**i for i in range(9)]
     rows = []
     for model in MODELS:

@@ -42,10 +42,9 @@ def _workload(model: str) -> Workload:
 
 def _ar_terms(model: str, hw: HardwareSpec) -> tuple[float, float]:
     """(per-token memory time at peak bandwidth, kernel launches per token) of AR."""
-    ideal = hw.with_terms(**{"launch_overhead_s": 1.0, "host_overhead_s": 0.0,
-                                  "bandwidth_efficiency": 1.0, "kv_bandwidth_efficiency": None,
-                                  "flops_efficiency": 1.0, "cuda_graphs": False,
-                                  "overhead_overlaps": False})
+    ideal = hw.with_terms(launch_overhead_s=1.0, host_overhead_s=0.0, bandwidth_efficiency=1.0,
+                          kv_bandwidth_efficiency=None, flops_efficiency=1.0, cuda_graphs=False,
+                          overhead_overlaps=False)
     ar = predict(model, ideal, _workload(model)).schedules["ar"]
     return ar.breakdown.weights_s + ar.breakdown.kv_s, ar.breakdown.overhead_s
 
