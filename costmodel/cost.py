@@ -219,10 +219,11 @@ def call_cost(
     """
     width = DTYPE_BYTES[dtype]
     key_sets = n_slots if key_sets is None else key_sets
-    bw_peak = hw.roofline.memory_bandwidth_bytes_per_s if bandwidth_bytes_per_s is None else (
+    roof = hw.roofline
+    bw_peak = roof.memory_bandwidth_bytes_per_s if bandwidth_bytes_per_s is None else (
         bandwidth_bytes_per_s)
-    kv_eff = hw.roofline.kv_bandwidth_efficiency or hw.roofline.bandwidth_efficiency
-    flops_peak = hw.roofline.peak_flops_per_s.get(dtype)
+    kv_eff = roof.kv_bandwidth_efficiency or roof.bandwidth_efficiency
+    flops_peak = roof.peak_flops_per_s.get(dtype)
     if flops_peak is None:
         hw.achievable_flops_per_s(dtype)  # raises the explanatory error
 
@@ -244,7 +245,6 @@ def call_cost(
         hw.layer_host_s + attention_host_s(hw, key_sets, n_positions)
     ) + host_launches * hw.kernel_overhead_s
 
-    roof = hw.roofline
     weight_bandwidth = bw_peak * roof.bandwidth_efficiency
     attention_s = attention_flops / (flops_peak * (roof.attention_flops_efficiency
                                                    or roof.flops_efficiency))
