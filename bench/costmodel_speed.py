@@ -1,5 +1,5 @@
 """How fast the cost model is: vectorized sweep throughput on two grids and on scattered points,
-and the cold CLI start time (whole processes).
+and the cold CLI start time (whole processes) beside a stand-in command on the same libraries.
 
     python bench/costmodel_speed.py [--points 1000000] [--cli-runs 10]
 
@@ -49,11 +49,38 @@ def scattered(points: int) -> dict[str, np.ndarray]:
                 batch=rng.integers(1, 9, points))
 
 
-def cli_start(runs: int) -> tuple[float, float]:
-    """(median wall time of a whole `costmodel predict` process, of a process that only imports
-    numpy, pydantic and typer: the floor the command's own code adds to), runs alternated."""
+# A command on the stack `costmodel predict` stands on, with none of the cost model's code:
+# numpy imported, one pydantic model validated, and a typer command with as many options as
+# predict's (typer builds a pydantic adapter for each). Its start is the floor predict's own
+# code adds to.
+STAND_IN = """
+import inspect, numpy, pydantic, typer
+class Spec(pydantic.BaseModel):
+    x: float
+def command(**options):
+    print(Spec(x=numpy.float64(len(options))).x)
+command.__signature__ = inspect.Signature([inspect.Parameter(
+    f"option_{i}", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=str | None)
+    for i in range(OPTIONS)])
+app = typer.Typer(add_completion=False)
+app.callback()(lambda: None)
+app.command("predict")(command)
+app()
+"""
+
+
+def cli_start(runs: int) -> tuple[list[float], list[float], int]:
+    """(wall times of whole `costmodel predict` processes, of the stand-in's, predict's
+    options), runs alternated."""
+    import inspect
+
+    from costmodel.cli import predict_cmd
+
+    options = len(inspect.signature(predict_cmd).parameters)
     commands = ([sys.executable, "-m", "costmodel", "predict", "--bandwidth", "768GB/s",
-                 "--width", "8"], [sys.executable, "-c", "import numpy, pydantic, typer"])
+                 "--width", "8"],
+                [sys.executable, "-c", STAND_IN.replace("OPTIONS", str(options)), "predict",
+                 "--option-0", "768GB/s", "--option-1", "8"])
     for cmd in commands:
         subprocess.run(cmd, capture_output=True, check=True)  # warm the file cache
     times: tuple[list[float], list[float]] = ([], [])
@@ -62,7 +89,7 @@ def cli_start(runs: int) -> tuple[float, float]:
             start = time.perf_counter()
             subprocess.run(cmd, capture_output=True, check=True)
             each.append(time.perf_counter() - start)
-    return statistics.median(times[0]), statistics.median(times[1])
+    return times[0], times[1], options
 
 
 def main() -> None:
@@ -77,11 +104,16 @@ def main() -> None:
         points, rate = sweep_rate(**axes)
         print(f"| sweep (AR + DtV best k in 1..32 + WFD, huginn-3.5b), {label}: {points:,} "
               f"points, median of 5 | {rate:,.0f} points/s |")
-    start, libraries = cli_start(args.cli_runs)
-    print(f"| `costmodel predict --bandwidth 768GB/s --width 8`, wall time (median of "
-          f"{args.cli_runs}) | {start * 1e3:.0f} ms |")
-    print(f"| `python -c 'import numpy, pydantic, typer'`, wall time (median of "
-          f"{args.cli_runs}, alternated with the above) | {libraries * 1e3:.0f} ms |")
+    start, floor, options = cli_start(args.cli_runs)
+
+    def ms(times: list[float]) -> str:
+        return (f"{statistics.median(times) * 1e3:.0f} ms ({min(times) * 1e3:.0f}-"
+                f"{max(times) * 1e3:.0f})")
+
+    print(f"| `costmodel predict --bandwidth 768GB/s --width 8`, wall time (median and range "
+          f"of {args.cli_runs}) | {ms(start)} |")
+    print(f"| the stack's floor: numpy, a pydantic model and a typer command of {options} "
+          f"options (STAND_IN), alternated with the above | {ms(floor)} |")
 
 
 if __name__ == "__main__":
