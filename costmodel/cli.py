@@ -150,15 +150,17 @@ def _print_table(p: Prediction) -> None:
 def _exit_options(rule: str | None, min_depth: int, exit_depths: str | None, depth: int
                   ) -> dict[str, object]:
     """The adaptive-depth fields of a workload, checked (one line for a bad one)."""
-    from .exits import ExitRule, parse_exit_depths
-
     out: dict[str, object] = {}
     if rule is not None:
+        from .exits import ExitRule
+
         ExitRule.parse(rule, min_depth).for_plan(False, depth)  # ValueError: a UserError
         out.update(exit_rule=rule, exit_min_depth=min_depth)
     elif min_depth != 1:
         raise UserError("--min-depth goes with --exit")
     if exit_depths is not None:
+        from .exits import parse_exit_depths
+
         out["exit_depths"] = parse_exit_depths(exit_depths, depth)
     return out
 

@@ -199,7 +199,7 @@ print(presets._preset.cache_info().currsize, presets._presets.cache_info().currs
     assert "costmodel" in loaded and "numpy" in loaded
     assert not loaded & {"rich", "scipy", "matplotlib", "torch", "wfd", "calibrate", "studies",
                          "costmodel.simulate", "costmodel.trace", "costmodel.recommend",
-                         "costmodel.profile"}
+                         "costmodel.profile", "costmodel.exits", "costmodel.adaptive"}
     assert cached == "2 0"  # huginn-3.5b and a6000, not every preset
 
 
