@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from costmodel.cli import JsonOption, app, load_profile, run_app, save_profile, undetermined
-from costmodel.clitools import DTYPES, UserError, error_summary, one_of, print_json
+from costmodel.clitools import DTYPES, UserError, error_summary, one_of, print_json, text_table
 from costmodel.figures import NO_PLOTS
 
 
@@ -124,8 +124,6 @@ def _plot(rep, path: Path, title: str) -> Path | None:
     return None
 
 
-
-
 def _print_validation(profile, rep, path: Path, plot_path: Path | None, as_json: bool) -> None:
     coefficients = profile.coefficients
     if as_json:
@@ -135,74 +133,64 @@ def _print_validation(profile, rep, path: Path, plot_path: Path | None, as_json:
                     "load": profile.load.model_dump() if profile.load else None,
                     **rep.model_dump()})
         return
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=max(Console().width, 110))
     threads = f", {profile.threads} threads" if profile.threads else ""
-    coef = Table(title=f"fitted on {profile.machine} ({profile.device}, {profile.dtype}{threads})",
-                 header_style="bold")
-    for col in ("coefficient", "value", "std. error", "unit"):
-        coef.add_column(col)
-    for name, v in coefficients.items():
-        coef.add_row(name, f"{v.value:.4g}", "measured" if v.unit.endswith("(measured)")
-                     else f"{v.stderr:.2g}", v.unit.removesuffix(" (measured)"))
-    for name, v in profile.held.items():
-        coef.add_row(name, f"{v.value:.4g}", "-", v.reason)
-    console.print(coef)
+    rows = [[name, f"{v.value:.4g}", "measured" if v.unit.endswith("(measured)")
+             else f"{v.stderr:.2g}", v.unit.removesuffix(" (measured)")]
+            for name, v in coefficients.items()]
+    rows += [[name, f"{v.value:.4g}", "-", v.reason] for name, v in profile.held.items()]
+    typer.echo(text_table(["coefficient", "value", "std. error", "unit"], rows, left=(0, 3),
+                          title=f"fitted on {profile.machine} ({profile.device}, "
+                                f"{profile.dtype}{threads})"))
     for check in profile.checks:
-        console.print(f"checked: {check}")
+        typer.echo(f"checked: {check}")
     if profile.load is not None:
         load = profile.load
-        console.print(f"load: {load.measurements} measurements, {load.retaken_fraction:.0%} "
-                      f"taken again, {load.loaded_fraction:.0%} kept with the canary over "
-                      f"{load.canary_tolerance}x (median {load.canary_median:.2f}x, 90th "
-                      f"percentile {load.canary_p90:.2f}x"
-                      + (f", spread {load.canary_p90 / load.canary_p10:.2f}x: 90th over 10th"
-                         if load.canary_p10 else "") + ")"
-                      + (": written with --force, too busy to trust" if load.forced else ""))
-    table = Table(title="held-out validation", header_style="bold")
-    for col in ("group", "points", "median |rel. error|", "max |rel. error|"):
-        table.add_column(col)
-    for group, stats in rep.per_schedule.items():
-        table.add_row(group, str(int(stats["points"])), f"{stats['median_rel_error']:.1%}",
-                      f"{stats['max_rel_error']:.1%}")
-    table.add_row("all", str(len(rep.points)), f"{rep.median_rel_error:.1%}",
-                  f"{rep.max_rel_error:.1%}")
+        typer.echo(f"load: {load.measurements} measurements, {load.retaken_fraction:.0%} "
+                   f"taken again, {load.loaded_fraction:.0%} kept with the canary over "
+                   f"{load.canary_tolerance}x (median {load.canary_median:.2f}x, 90th "
+                   f"percentile {load.canary_p90:.2f}x"
+                   + (f", spread {load.canary_p90 / load.canary_p10:.2f}x: 90th over 10th"
+                      if load.canary_p10 else "") + ")"
+                   + (": written with --force, too busy to trust" if load.forced else ""))
     from calibrate.validate import FIGURE_POINTS, FIGURES
 
+    def errors(group: str, points: int, stats) -> list[str]:
+        return [group, str(points), f"{stats['median_rel_error']:.1%}",
+                f"{stats['max_rel_error']:.1%}"]
+
+    rows = [errors(group, int(stats["points"]), stats)
+            for group, stats in rep.per_schedule.items()]
+    rows.append(errors("all", len(rep.points), {"median_rel_error": rep.median_rel_error,
+                                                "max_rel_error": rep.max_rel_error}))
     # the calibration targets' two figures: per call, and per decoded token of the runs
-    for figure, _ in FIGURES:
-        if stats := getattr(rep, figure):
-            label = FIGURE_POINTS[figure] + (", per token" if figure == "per_token" else "")
-            table.add_row(label, str(int(stats["points"])), f"{stats['median_rel_error']:.1%}",
-                          f"{stats['max_rel_error']:.1%}")
-    console.print(table)
+    rows += [errors(FIGURE_POINTS[figure] + (", per token" if figure == "per_token" else ""),
+                    int(stats["points"]), stats)
+             for figure, _ in FIGURES if (stats := getattr(rep, figure))]
+    typer.echo(text_table(["group", "points", "median |rel. error|", "max |rel. error|"], rows,
+                          title="held-out validation"))
     spreads = [(FIGURE_POINTS[figure], s) for figure, _ in FIGURES
                if (s := rep.repeat_spread.get(figure))]
     if spreads:
-        console.print("each held-out point measured again: its slowest over its fastest "
-                      "measurement, less 1, is " + " and ".join(
-                          f"{s['median_spread']:.1%} for the {what} (median; max "
-                          f"{s['max_spread']:.1%})" for what, s in spreads)
-                      + ". Errors near these are the machine's noise in that hour, not the "
-                      "model's.")
+        typer.echo("each held-out point measured again: its slowest over its fastest "
+                   "measurement, less 1, is " + " and ".join(
+                       f"{s['median_spread']:.1%} for the {what} (median; max "
+                       f"{s['max_spread']:.1%})" for what, s in spreads)
+                   + ". Errors near these are the machine's noise in that hour, not the "
+                   "model's.")
 
     def cells(*figures) -> list[str]:
         return [f"{f['median_rel_error']:.1%} / {f['max_rel_error']:.1%}" if f else "-"
                 for f in figures]
 
     if rep.per_mode or profile.cross_mode:
-        modes = Table(title="by execution mode (median / max |rel. error|)", header_style="bold")
-        for col in ("fitted on", "priced", "calls", "runs, per token"):
-            modes.add_column(col)
-        for mode, stats in rep.per_mode.items():
-            modes.add_row("both", mode, *cells(stats["per_call"], stats["per_token"]))
-        for check in profile.cross_mode:
-            modes.add_row(f"{check.fit_on} only", check.predicted,
-                          *cells(check.per_call, check.per_token))
-        console.print(modes)
-    console.print(f"profile: {path}" + (f"; plot: {plot_path}" if plot_path else ""))
+        rows = [["both", mode, *cells(stats["per_call"], stats["per_token"])]
+                for mode, stats in rep.per_mode.items()]
+        rows += [[f"{check.fit_on} only", check.predicted, *cells(check.per_call,
+                                                                  check.per_token)]
+                 for check in profile.cross_mode]
+        typer.echo(text_table(["fitted on", "priced", "calls", "runs, per token"], rows,
+                              left=(0, 1), title="by execution mode (median / max |rel. error|)"))
+    typer.echo(f"profile: {path}" + (f"; plot: {plot_path}" if plot_path else ""))
 
 
 def validate_cmd(
@@ -261,18 +249,13 @@ def check_profile_cmd(
                     "per_model": {m: statistics.median(r) for m, r in per_model.items()},
                     "ratios": [c.ratio for c in check.calls]})
     else:
-        from rich.console import Console
-        from rich.table import Table
-
         threads = f", {check.threads} threads" if check.threads else ""
-        table = Table(title=f"{profile} ({prof.created[:10]}, {check.profile_machine}) "
-                            f"on this machine ({check.machine}{threads})", header_style="bold")
-        for col in ("model", "calls", "time now / profile's (median)", "range"):
-            table.add_column(col)
-        for model, ratios in [*per_model.items(), ("all", [c.ratio for c in check.calls])]:
-            table.add_row(model, str(len(ratios)), f"{statistics.median(ratios):.2f}x",
-                          f"{min(ratios):.2f}-{max(ratios):.2f}x")
-        Console(width=max(Console().width, 100)).print(table)
+        rows = [[model, str(len(ratios)), f"{statistics.median(ratios):.2f}x",
+                 f"{min(ratios):.2f}-{max(ratios):.2f}x"]
+                for model, ratios in [*per_model.items(), ("all", [c.ratio for c in check.calls])]]
+        typer.echo(text_table(["model", "calls", "time now / profile's (median)", "range"], rows,
+                              title=f"{profile} ({prof.created[:10]}, {check.profile_machine}) "
+                                    f"on this machine ({check.machine}{threads})"))
         where = (f"within {check.tolerance:.0%} of 1 (the profile's own two passes ran "
                  f"{check.profile_repeat_spread:.0%} apart, median)")
         if check.holds:

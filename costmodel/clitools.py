@@ -116,10 +116,12 @@ def spinner(description: str, disable: bool = False) -> Iterator[None]:
     if disable:
         yield
         return
+    from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+    # on stderr: stdout carries the command's output, which a spinner must not touch
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                  transient=True) as progress:
+                  transient=True, console=Console(stderr=True)) as progress:
         progress.add_task(description, total=None)
         yield
 

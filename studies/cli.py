@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from costmodel.cli import JsonOption, load_profile, note_machine, note_undetermined, undetermined
-from costmodel.clitools import UserError, print_json, spinner
+from costmodel.clitools import UserError, print_json, spinner, text_table
 from costmodel.figures import NO_PLOTS
 
 from . import STUDIES, run
@@ -58,16 +58,9 @@ def _cell(value) -> str:
 
 
 def print_study(result, paths: dict[str, str], max_rows: int = 40) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=max(Console().width, 132))
-    table = Table(title=result.title, header_style="bold")
-    for col in result.rows[0]:
-        table.add_column(col)
-    for row in result.rows[:max_rows]:
-        table.add_row(*(_cell(v) for v in row.values()))
-    console.print(table)
+    rows = [[_cell(v) for v in row.values()] for row in result.rows[:max_rows]]
+    words = tuple(i for i, v in enumerate(result.rows[0].values()) if isinstance(v, str))
+    typer.echo(text_table(list(result.rows[0]), rows, left=words, title=result.title))
     if len(result.rows) > max_rows:
-        console.print(f"... {len(result.rows) - max_rows} more rows in {paths['csv']}")
-    console.print("wrote " + ", ".join(paths.values()))
+        typer.echo(f"... {len(result.rows) - max_rows} more rows in {paths['csv']}")
+    typer.echo("wrote " + ", ".join(paths.values()))
