@@ -76,6 +76,9 @@ def _override(hw: HardwareSpec, bandwidth: str | None, flops: str | None, memory
         changes["launch_overhead_s"] = parse_duration(launch_overhead)
     if mode is not None:
         changes["cuda_graphs"] = one_of("mode", mode, ("eager", "graphs")) == "graphs"
+        if changes["cuda_graphs"] and hw.cpu is not None:
+            raise UserError(f"--mode graphs prices CUDA graphs, and {hw.name} is a CPU: its "
+                            "calls run eagerly")
     if host_speed is not None and not host_speed > 0:
         raise UserError(f"host speed must be a positive factor, got {host_speed}")
     if changes or host_speed is not None:
@@ -245,7 +248,8 @@ def predict_cmd(
     loose = undetermined(prof) if prof is not None else []
     host = _host_source(result.hardware, launch_overhead, host_speed)
     if engine == "vllm":
-        host = VLLM_SOURCE
+        host = VLLM_SOURCE.format(mode="CUDA graphs" if result.hardware.graphs.cuda_graphs
+                                  else "eager (enforce_eager)")
     if as_json:
         payload = result.model_dump(mode="json")
         payload["host_source"] = host

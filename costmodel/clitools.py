@@ -52,7 +52,9 @@ def missing_extra(exc: ModuleNotFoundError) -> str | None:
 def _validation_message(exc: ValidationError) -> str:
     err = exc.errors()[0]
     where = ".".join(str(p) for p in err.get("loc", ()))
-    return f"{where}: {err['msg']}" if where else err["msg"]
+    # a validator's own ValueError reads as its message, not "Value error, <message>"
+    message = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
+    return f"{where}: {message}" if where else message
 
 
 def run(app: typer.Typer, user_errors: tuple[type[BaseException], ...] = ()) -> Callable[[], None]:

@@ -13,7 +13,8 @@ from pathlib import Path
 from .specs import HardwareSpec, LoopedModelSpec
 
 ENGINES = ("wfd", "vllm")
-VLLM_SOURCE = ("vLLM's AR: CUDA graphs, the kernels its layers launch per layer and part "
+# the note on vLLM's terms, by mode (--mode eager: vLLM run with enforce_eager)
+VLLM_SOURCE = ("vLLM's AR: {mode}, the kernels its layers launch per layer and part "
                "(costmodel/data/vllm_operations.json)")
 
 
@@ -29,6 +30,8 @@ def for_engine(engine: str, hw: HardwareSpec, model: LoopedModelSpec) -> Hardwar
         raise ValueError(f"unknown engine {engine!r}; use {' or '.join(ENGINES)}")
     if engine == "wfd":
         return hw
+    if hw.cpu is not None:  # the counts are of vLLM's CUDA kernels; its CPU build is not priced
+        raise ValueError(f"--engine vllm prices vLLM on a GPU, and {hw.name} is a CPU")
     return hw.with_terms(name=f"{hw.name} as vLLM", cuda_graphs=True,
                          **counted_fields(vllm_operations(model.family)))
 

@@ -72,6 +72,11 @@ def memory_report(model: LoopedModelSpec, hw: HardwareSpec, workload: Workload, 
                         max_context=max_context, max_batch=max_batch)
 
 
+class DoesNotFit(ValueError):
+    """A workload whose weights, KV and activations exceed the memory (the message says what
+    would fit)."""
+
+
 def does_not_fit(memory: MemoryReport, workload: Workload) -> str:
     """One line for a workload that does not fit: what it needs, and what would fit."""
     batch = workload.batch_size

@@ -15,7 +15,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from .memory import does_not_fit, memory_report
+from .memory import DoesNotFit, does_not_fit, memory_report
 from .plans import wave_width
 from .predict import MAX_BLOCK_LENGTH, _bound, _Pricer, decode_keys
 from .presets import get_hardware, get_model
@@ -125,7 +125,7 @@ def recommend(model: str | LoopedModelSpec, hardware: str | HardwareSpec,
     memory = memory_report(spec, hw, wl, depth=depth, readout_depths=2,
                            positions_per_call=max(depth, MAX_BLOCK_LENGTH + 1))
     if not memory.fits:
-        raise ValueError(f"on {hw.name}: {does_not_fit(memory, wl)}")
+        raise DoesNotFit(f"on {hw.name}: {does_not_fit(memory, wl)}")
     pricer = _Pricer(spec, hw, wl.dtype, np.asarray(decode_keys(wl, hw)),
                      np.asarray(float(wl.batch_size)), None)
 

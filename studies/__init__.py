@@ -24,7 +24,12 @@ def run(name: str, *, profile: HardwareSpec | None = None, out: str | Path | Non
     """Run study ``name``; write its outputs into ``out`` when given."""
     if name not in STUDIES:
         raise ValueError(f"unknown study {name!r}; known: {', '.join(STUDIES)}")
-    result = import_module(f".{STUDIES[name]}", __name__).run(profile=profile, small=small)
+    module = import_module(f".{STUDIES[name]}", __name__)
+    gpu_only = getattr(module, "GPU_ONLY", None)  # what the study prices that a CPU has not
+    if gpu_only and profile is not None and profile.cpu is not None:
+        raise ValueError(f"study {name} prices {gpu_only}, and {profile.name} is a CPU: give "
+                         "a GPU's profile, or none (the GPU presets)")
+    result = module.run(profile=profile, small=small)
     paths = write_outputs(result, out) if out is not None else {}
     return result, paths
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from costmodel import Workload, get_hardware, predict
+from costmodel import get_hardware, predict
 from costmodel.specs import HardwareSpec
 
-from .common import StudyResult
+from .common import StudyResult, workload
 
 MODELS = {"huginn-3.5b": ("huginn", "huginn-tiny"), "ouro-2.6b": ("ouro", "ouro-tiny")}
 GPUS = ["a6000", "h200"]
@@ -91,17 +91,15 @@ def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult
     for model, (family, tiny) in MODELS.items():
         depth = {"huginn": 32, "ouro": 4}[family]
         # the GPUs in graphs mode: the device's work decides the answer, not an eager host's
-        hardware: list[tuple[HardwareSpec, str]] = [
-            (get_hardware(g).in_mode("graphs").model_copy(update={"name": f"{g} graphs"}),
-             "bf16") for g in GPUS[:1 if small else 2]]
-        cpu = profile if profile is not None else cpu_hardware(family)
-        if cpu is not None:
-            hardware.append((cpu, "fp32"))
+        hardware = [get_hardware(g).in_mode("graphs").model_copy(update={"name": f"{g} graphs"})
+                    for g in GPUS[:1 if small else 2]]
+        own = profile if profile is not None else cpu_hardware(family)
+        hardware += [own] if own is not None else []
         shapes = {"point": point, "spread": spread}
         measured = measured_shape(tiny)
         if measured is not None:
             shapes[f"{tiny} {MEASURED_RULE[tiny]}"] = lambda m, r, f=measured: scaled(f, m, r)
-        for hw, dtype in hardware:
+        for hw in hardware:
             name = hw.name
             for label, shape in shapes.items():
                 seen = []
@@ -110,8 +108,8 @@ def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult
                     if dist in seen:  # a coarse shape (few depths) that lands on one already
                         continue
                     seen.append(dist)
-                    s = predict(model, hw, Workload(context_length=CONTEXT, exit_depths=dist,
-                                                    dtype=dtype)).schedules
+                    s = predict(model, hw, workload(hw, context_length=CONTEXT,
+                                                    exit_depths=dist)).schedules
                     rows.append({
                         "model": model, "hardware": name, "shape": label,
                         "mean_exit_depth": s["ar"].mean_exit_depth,

@@ -5,25 +5,24 @@ real card)."""
 
 from __future__ import annotations
 
-from costmodel import Workload, predict
+from costmodel import predict
 from costmodel.figures import batch_speedup_axes
-from costmodel.presets import get_hardware
 from costmodel.specs import HardwareSpec
 
-from .common import StudyResult
+from .common import StudyResult, hardware_or_profile, workload
 
 MODELS = ["huginn-3.5b", "ouro-2.6b"]
 CONTEXT, NEW = 512, 256
 
 
 def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult:
-    hw = profile or get_hardware("h100-sxm")
+    hw = hardware_or_profile("h100-sxm", profile)
     unbounded = hw.with_terms(memory_capacity_bytes=1e18)
     batches = [1, 64] if small else [2**i for i in range(9)]
     rows = []
     for model in MODELS:
         for b in batches:
-            wl = Workload(context_length=CONTEXT, new_tokens=NEW, batch_size=b)
+            wl = workload(hw, context_length=CONTEXT, new_tokens=NEW, batch_size=b)
             p = predict(model, unbounded, wl)
             fits = predict(model, hw, wl).memory.fits
             s = p.schedules
@@ -47,7 +46,7 @@ def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult
             ax.plot([r["batch"] for r in mine], [1 + r["wfd_kv_share"] for r in mine],
                     linestyle="--", color=f"C{i}", linewidth=0.8,
                     label=f"{model}: 1 + KV share of WFD time")
-        batch_speedup_axes(ax, f"{getattr(hw, 'name', hw)}, context {CONTEXT}",
+        batch_speedup_axes(ax, f"{hw.name}, context {CONTEXT}",
                            "speedup over AR at the same batch (x)", legend_size=7)
 
     return StudyResult("batch", "Speedup vs batch size", rows, draw)

@@ -13,6 +13,7 @@ from costmodel.clitools import UserError, print_json, spinner, text_table
 from costmodel.figures import NO_PLOTS
 
 from . import STUDIES, run
+from .common import columns
 
 
 def register(app: typer.Typer) -> None:
@@ -58,9 +59,12 @@ def _cell(value) -> str:
 
 
 def print_study(result, paths: dict[str, str], max_rows: int = 40) -> None:
-    rows = [[_cell(v) for v in row.values()] for row in result.rows[:max_rows]]
-    words = tuple(i for i, v in enumerate(result.rows[0].values()) if isinstance(v, str))
-    typer.echo(text_table(list(result.rows[0]), rows, left=words, title=result.title))
+    shown = result.rows[:max_rows]
+    cols = columns(shown)
+    words = tuple(i for i, col in enumerate(cols)
+                  if any(isinstance(row.get(col), str) for row in shown))
+    rows = [[_cell(row.get(col)) for col in cols] for row in shown]
+    typer.echo(text_table(cols, rows, left=words, title=result.title))
     if len(result.rows) > max_rows:
         typer.echo(f"... {len(result.rows) - max_rows} more rows in {paths['csv']}")
     typer.echo("wrote " + ", ".join(paths.values()))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from costmodel.figures import save_figure
-from costmodel.specs import HardwareSpec
+from costmodel.specs import HardwareSpec, Workload
 from costmodel.trace import atomic_write_text
 
 
@@ -32,10 +32,16 @@ def _fmt(value) -> str:
     return "" if value is None else str(value)
 
 
+def columns(rows: list[dict]) -> list[str]:
+    """Every key of the rows, in the order they first appear (a row may leave some out: a
+    configuration that does not fit has no speed)."""
+    return list(dict.fromkeys(key for row in rows for key in row))
+
+
 def to_markdown(rows: list[dict]) -> str:
     if not rows:
         return ""
-    cols = list(rows[0])
+    cols = columns(rows)
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
     return "\n".join(lines) + "\n"
@@ -45,7 +51,7 @@ def to_csv(rows: list[dict]) -> str:
     if not rows:
         return ""
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+    writer = csv.DictWriter(buf, fieldnames=columns(rows), lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
     return buf.getvalue()
@@ -68,38 +74,51 @@ def write_outputs(result: StudyResult, out_dir: str | Path) -> dict[str, str]:
     return {k: str(v) for k, v in paths.items()}
 
 
-def hardware_or_profile(default: str, profile: HardwareSpec | None) -> HardwareSpec | str:
-    return profile if profile is not None else default
+def hardware_or_profile(default: str, profile: HardwareSpec | None) -> HardwareSpec:
+    from costmodel import get_hardware
+
+    return profile if profile is not None else get_hardware(default)
 
 
-def all_hardware(profile: HardwareSpec | None, small: bool) -> list[HardwareSpec | str]:
+def all_hardware(profile: HardwareSpec | None, small: bool) -> list[HardwareSpec]:
     """Every hardware preset (two on a small grid), plus the profile's hardware when given."""
     from costmodel import HARDWARE
 
-    names: list[HardwareSpec | str] = list(HARDWARE)[:2] if small else list(HARDWARE)
-    return names + ([profile] if profile is not None else [])
+    presets = list(HARDWARE.values())
+    return (presets[:2] if small else presets) + ([profile] if profile is not None else [])
+
+
+def workload(hw: HardwareSpec, **fields) -> Workload:
+    """A study's workload on ``hw``: in bf16 where it prices bf16 (every GPU preset and GPU
+    calibration), else in the one dtype its calibration measured (a CPU's fp32)."""
+    peaks = hw.roofline.peak_flops_per_s
+    return Workload(dtype="bf16" if "bf16" in peaks else min(peaks), **fields)
+
+
+def modes(hw: HardwareSpec) -> tuple[str, ...]:
+    """The execution modes ``hw`` runs this decoder in: a CPU has no CUDA graphs."""
+    return ("eager",) if hw.cpu is not None else ("eager", "graphs")
 
 
 HOST_SPEEDS = [0.5, 1.0, 2.0, 4.0, 8.0, 16.0]
 
 
-def host_speed_sweep(hardware: list[HardwareSpec | str], models: list[str],
+def host_speed_sweep(hardware: list[HardwareSpec], models: list[str],
                      launch_gap_s: float | None = None) -> list[dict]:
     """DtV's (best k) and WFD's speedup over AR as the host gets faster (every host term divided
-    by the speed, as `costmodel predict --host-speed`), eager and with CUDA graphs: whether a
-    schedule's advantage grows or shrinks with a faster host. ``launch_gap_s``: the eager launch
-    gap to start from (None: each hardware's own)."""
-    from costmodel import Workload, get_hardware, predict
+    by the speed, as `costmodel predict --host-speed`), eager and (on a GPU) with CUDA graphs:
+    whether a schedule's advantage grows or shrinks with a faster host. ``launch_gap_s``: the
+    eager launch gap to start from (None: each hardware's own)."""
+    from costmodel import predict
 
     rows = []
     for hw in hardware:
-        hw = get_hardware(hw) if isinstance(hw, str) else hw
         for model in models:
-            for mode in ("eager", "graphs"):
+            for mode in modes(hw):
                 base = hw.in_mode(mode) if launch_gap_s is None else hw.with_terms(
                     cuda_graphs=mode == "graphs", launch_overhead_s=launch_gap_s)
                 for speed in HOST_SPEEDS:
-                    s = predict(model, base.with_host_speed(speed), Workload()).schedules
+                    s = predict(model, base.with_host_speed(speed), workload(hw)).schedules
                     rows.append({"hardware": hw.name, "model": model, "mode": mode,
                                  "host_speed": speed, "ar_ms": s["ar"].latency_per_token_s * 1e3,
                                  "dtv_speedup": s["dtv"].speedup_vs_ar,

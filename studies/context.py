@@ -4,10 +4,10 @@ WFD's per-token time."""
 
 from __future__ import annotations
 
-from costmodel import Workload, predict
+from costmodel import predict
 from costmodel.specs import HardwareSpec
 
-from .common import StudyResult, hardware_or_profile
+from .common import StudyResult, hardware_or_profile, workload
 
 MODELS = ["huginn-3.5b", "ouro-2.6b"]
 SHARING = {0: "per depth", 4: "4 shared", 1: "1 shared"}
@@ -20,7 +20,7 @@ def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult
     for model in MODELS:
         for sharing, label in SHARING.items():
             for ctx in contexts:
-                p = predict(model, hw, Workload(context_length=ctx, new_tokens=512,
+                p = predict(model, hw, workload(hw, context_length=ctx, new_tokens=512,
                                                 kv_sharing=sharing))
                 wfd, dtv = p.schedules.get("wfd"), p.schedules.get("dtv")
                 rows.append({
@@ -46,7 +46,7 @@ def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult
                                linewidth=0.8)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("context length (tokens); dashed: last that fits")
-            ax.set_title(f"{model} on {getattr(hw, 'name', hw)}", fontsize=9)
+            ax.set_title(f"{model} on {hw.name}", fontsize=9)
         axes[0].set_ylabel("speedup over AR (x); dotted: DtV")
         axes[0].legend(fontsize=7)
 

@@ -3,10 +3,10 @@ best k marked, beside WFD (which has no k to tune)."""
 
 from __future__ import annotations
 
-from costmodel import Workload, predict
+from costmodel import predict
 from costmodel.specs import HardwareSpec
 
-from .common import StudyResult, hardware_or_profile
+from .common import StudyResult, hardware_or_profile, workload
 
 MODEL = "huginn-3.5b"
 
@@ -17,7 +17,7 @@ def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult
     ks = [1, 4, 16] if small else list(range(1, 33))
     rows = []
     for a in alphas:
-        wl = Workload(acceptance=a)
+        wl = workload(hw, acceptance=a)
         per_k = {k: predict(MODEL, hw, wl, block_length=k).schedules for k in ks}
         best = max(ks, key=lambda k: per_k[k]["dtv"].speedup_vs_ar)
         for k in ks:
@@ -39,7 +39,7 @@ def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult
             ax.axhline(mine[0]["wfd_speedup"], color=color, linestyle="--", linewidth=1)
         ax.set_xlabel("DtV block length k (drafted tokens per round)")
         ax.set_ylabel("speedup over AR (x); dashed: WFD")
-        ax.set_title(f"{MODEL} on {getattr(hw, 'name', hw)}: DtV must tune k, WFD need not")
+        ax.set_title(f"{MODEL} on {hw.name}: DtV must tune k, WFD need not")
         ax.legend(fontsize=7)
 
     return StudyResult("dtv-block-length", "DtV speedup vs block length", rows, draw)

@@ -4,10 +4,10 @@ gets faster (eager and CUDA graphs, from each device's own host terms)."""
 
 from __future__ import annotations
 
-from costmodel import Workload, predict
+from costmodel import predict
 from costmodel.specs import HardwareSpec
 
-from .common import StudyResult, all_hardware, host_speed_sweep
+from .common import StudyResult, all_hardware, host_speed_sweep, workload
 
 MODELS = ["huginn-3.5b", "ouro-2.6b"]
 
@@ -16,9 +16,9 @@ def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult
     rows = []
     for hw in all_hardware(profile, small):
         for model in MODELS:
-            p = predict(model, hw, Workload())
+            p = predict(model, hw, workload(hw))
             s = p.schedules
-            row = {"hardware": getattr(hw, "name", hw), "model": model, "fits": p.memory.fits}
+            row = {"hardware": hw.name, "model": model, "fits": p.memory.fits}
             for key in ("ar", "dtv", "wfd"):
                 r = s.get(key)
                 row[f"{key}_ms_per_token"] = r.latency_per_token_s * 1e3 if r else None

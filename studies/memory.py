@@ -1,12 +1,13 @@
 """memory: the longest sequence (prompt + generated) whose KV fits beside the weights, for each
-model, hardware preset and KV sharing, at batch 1 and bf16 (DtV/WFD readout slots counted)."""
+model, hardware preset and KV sharing, at batch 1 and bf16 (a CPU profile: its fp32), DtV/WFD
+readout slots counted."""
 
 from __future__ import annotations
 
-from costmodel import Workload, predict
+from costmodel import predict
 from costmodel.specs import HardwareSpec
 
-from .common import StudyResult, all_hardware
+from .common import StudyResult, all_hardware, workload
 from .context import SHARING
 
 MODELS = ["huginn-3.5b", "ouro-1.4b", "ouro-2.6b"]
@@ -16,9 +17,9 @@ def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult
     rows = []
     for hw in all_hardware(profile, small):
         for model in MODELS:
-            row = {"hardware": getattr(hw, "name", hw), "model": model}
+            row = {"hardware": hw.name, "model": model}
             for sharing, label in SHARING.items():
-                p = predict(model, hw, Workload(context_length=1, new_tokens=1,
+                p = predict(model, hw, workload(hw, context_length=1, new_tokens=1,
                                                 kv_sharing=sharing))
                 row[f"max_context_kv_{label.replace(' ', '_')}"] = p.memory.max_context
             rows.append(row)

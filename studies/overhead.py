@@ -13,6 +13,7 @@ from costmodel.specs import HardwareSpec
 from .common import StudyResult, host_speed_sweep
 
 MODELS = ["huginn-3.5b", "ouro-2.6b"]
+GPU_ONLY = "a GPU's launch overhead and CUDA graphs"
 
 
 def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult:

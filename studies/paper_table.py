@@ -19,6 +19,7 @@ from costmodel.specs import HardwareSpec, decoder_operations
 
 from .common import StudyResult
 
+GPU_ONLY = "the WFD paper's setting (a GPU in bf16, its launch overhead derived from the paper)"
 ACCEPTANCE = {"huginn-3.5b": 0.94, "ouro-2.6b": 0.92}
 DRAFT_DEPTHS = {"huginn-3.5b": [4], "ouro-2.6b": [1, 2]}
 REPORTED_WFD = {"huginn-3.5b": 3.54, "ouro-2.6b": 2.42}

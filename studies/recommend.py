@@ -7,12 +7,13 @@ with the full depth, as measured depth traces do)."""
 
 from __future__ import annotations
 
-from costmodel import Workload, recommend
+from costmodel import recommend
+from costmodel.memory import DoesNotFit
 from costmodel.plans import default_draft_depth
 from costmodel.presets import get_hardware, get_model
 from costmodel.specs import HardwareSpec
 
-from .common import StudyResult
+from .common import StudyResult, workload
 
 MODELS = ["huginn-3.5b", "ouro-1.4b", "ouro-2.6b"]
 HARDWARE = ["a6000", "h100-sxm", "rtx4090"]
@@ -40,13 +41,13 @@ def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult
                 curve = acceptance_curve(depth, a0)
                 for context in contexts:
                     for batch in batches:
-                        wl = Workload(context_length=context, new_tokens=NEW_TOKENS,
+                        wl = workload(hw, context_length=context, new_tokens=NEW_TOKENS,
                                       batch_size=batch)
                         row = {"model": model, "hardware": hw.name, "a0": a0,
                                "context": context, "batch": batch}
                         try:
                             best = recommend(model, hw, curve, wl, top=1, quick=True)[0]
-                        except ValueError:  # does not fit
+                        except DoesNotFit:
                             rows.append({**row, "best": "does not fit"})
                             continue
                         rows.append({**row, "best": best.label, "schedule": best.schedule,

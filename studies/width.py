@@ -3,16 +3,17 @@ on an RTX A6000 and an H100 SXM."""
 
 from __future__ import annotations
 
-from costmodel import Workload, predict
+from costmodel import get_hardware, predict
 from costmodel.specs import HardwareSpec
 
-from .common import StudyResult
+from .common import StudyResult, workload
 
 MODELS = {"huginn-3.5b": 32, "ouro-2.6b": 4}
+HARDWARE = ("a6000", "h100-sxm")
 
 
 def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult:
-    hardware = [profile] if profile is not None else ["a6000", "h100-sxm"]
+    hardware = [profile] if profile is not None else [get_hardware(h) for h in HARDWARE]
     alphas = [0.8, 1.0] if small else [0.7, 0.8, 0.9, 0.95, 1.0]
     rows = []
     for hw in hardware:
@@ -21,8 +22,8 @@ def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult
             widths = sorted({2, depth} if small else {-(-depth // d) for d in range(1, depth)})
             for a in alphas:
                 for w in widths:
-                    s = predict(model, hw, Workload(acceptance=a), width=w).schedules["wfd"]
-                    rows.append({"hardware": getattr(hw, "name", hw), "model": model,
+                    s = predict(model, hw, workload(hw, acceptance=a), width=w).schedules["wfd"]
+                    rows.append({"hardware": hw.name, "model": model,
                                  "acceptance": a, "width": w, "draft_depth": s.draft_depth,
                                  "wfd_speedup": s.speedup_vs_ar,
                                  "block_calls_per_token": s.block_calls_per_token})

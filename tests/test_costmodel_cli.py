@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 COSTMODEL = [sys.executable, "-m", "costmodel"]
+CPU_PROFILE = str(Path(__file__).resolve().parents[1] / "data" / "profiles"
+                  / "cpu-huginn-fp32-quick.json")
 
 
 def run(*args):
@@ -129,14 +131,16 @@ def test_kv_sharing_lets_longer_contexts_fit():
      ["--prompts", "1000", "--new-tokens", "512"], ["--prompts", "2", "--new-tokens", "1"],
      ["--exit", "kl"], ["--exit", "gate:2", "--exit-depths", "8:1"], ["--exit-depths", "8:0.5"],
      ["--exit-depths", "33:1"], ["--exit-depths", "eight"], ["--min-depth", "3"],
-     ["--exit-depths", "8:1", "--prompts", "4"]],
+     ["--exit-depths", "8:1", "--prompts", "4"],
+     ["--profile", CPU_PROFILE, "--model", "huginn-tiny", "--mode", "graphs"],
+     ["--profile", CPU_PROFILE, "--model", "huginn-tiny", "--engine", "vllm"]],
 )
 def test_bad_input_is_one_line_and_exit_2(args):
     out = run("predict", *args)
     assert out.returncode == 2, (args, out.stdout, out.stderr)
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:"), out.stderr
-    assert "Traceback" not in out.stderr
+    assert "Traceback" not in out.stderr and "Value error" not in out.stderr
 
 
 def test_unknown_preset_error_lists_known_ones():
@@ -234,7 +238,9 @@ def test_predict_prices_ar_as_vllm_runs_it():
     assert vllm["mode"] == "graphs" and vllm["engine"] == "vllm"
     counted = vllm_operations("ouro")
     assert vllm["hardware_spec"]["kernels_per_layer"] == sum(counted["layer"].values())
-    assert "vllm_operations.json" in vllm["host_source"]
+    assert "CUDA graphs" in vllm["host_source"] and "vllm_operations.json" in vllm["host_source"]
+    eager = ar("--engine", "vllm", "--mode", "eager")  # vLLM with enforce_eager
+    assert eager["mode"] == "eager" and "eager (enforce_eager)" in eager["host_source"]
     graphs = ar("--mode", "graphs")
     assert (vllm["schedules"]["ar"]["latency_per_token_s"]
             == pytest.approx(graphs["schedules"]["ar"]["latency_per_token_s"], rel=1e-3))

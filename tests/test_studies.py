@@ -1,14 +1,18 @@
 """Every study runs on a small grid, writes its outputs, and agrees with direct predictions."""
 
+import importlib
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import studies
 from costmodel import Workload, get_hardware, predict
 from costmodel.plans import mean_decode_keys
+from costmodel.profile import load_profile
+from studies.common import to_csv, to_markdown
 from studies.paper_table import derive_overhead, derived_hardware
 
 
@@ -201,3 +205,40 @@ def test_cli_json_and_unknown_study(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "costmodel", "study", "nope"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.startswith("error: unknown study")
+
+
+PROFILES = Path(__file__).resolve().parents[1] / "data" / "profiles"
+
+
+@pytest.mark.parametrize("name", list(studies.STUDIES))
+def test_a_cpu_profile_is_studied_in_its_own_dtype_or_refused(name):
+    """A CPU calibration prices fp32 (its flops) and runs eagerly: a study prices it so, and one
+    about a GPU's launches or the paper's GPU setting says it cannot, in one line."""
+    cpu = load_profile(PROFILES / "cpu-huginn-fp32-quick.json").hardware
+    module = importlib.import_module(f"studies.{studies.STUDIES[name]}")
+    if getattr(module, "GPU_ONLY", None):
+        with pytest.raises(ValueError, match="is a CPU"):
+            studies.run(name, profile=cpu, small=True)
+        return
+    result, _ = studies.run(name, profile=cpu, small=True)
+    tables = [result.rows, *result.summary.get("tables", {}).values()]
+    mine = [r for rows in tables for r in rows if r.get("hardware") in (None, cpu.name)]
+    assert mine and all(r.get("mode", "eager") == "eager" for r in mine)
+    priced = [r for r in mine if r.get("best") != "does not fit"]
+    assert priced  # not every configuration "does not fit" for want of bf16 flops
+
+
+def test_a_gpu_profile_is_studied_in_bf16():
+    gpu = load_profile(PROFILES / "gpu-huginn-bf16.json").hardware
+    result, _ = studies.run("adaptive-depth", profile=gpu, small=True)
+    assert any(r["hardware"] == gpu.name for r in result.rows)
+
+
+def test_a_table_whose_rows_leave_columns_out_keeps_them_all(tmp_path):
+    rows = [{"model": "m", "best": "does not fit"}, {"model": "m", "best": "WFD", "speedup": 2.0}]
+    assert to_csv(rows).splitlines()[0] == "model,best,speedup"
+    assert to_markdown(rows).splitlines()[0] == "| model | best | speedup |"
+    out = subprocess.run([sys.executable, "-m", "costmodel", "study", "paper-table", "--profile",
+                          str(PROFILES / "cpu-ouro-fp32-quick.json")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith("error: study")
