@@ -208,7 +208,7 @@ def load_profile(path: str | Path) -> CalibrationProfile:
         raw = json.loads(Path(path).read_text())
     except OSError as exc:
         raise ProfileError(f"cannot read profile {path}: {exc.strerror}") from None
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):  # a binary file: not text either
         raise ProfileError(f"profile {path} is not valid JSON") from None
     if not isinstance(raw, dict):
         raise ProfileError(f"profile {path} is not a profile (not a JSON object)")

@@ -173,6 +173,8 @@ def _read_lines(path: str | os.PathLike[str]) -> tuple[TraceHeader, list[str]]:
         lines = Path(path).read_text().splitlines()
     except OSError as exc:
         raise TraceError(f"cannot read trace {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise TraceError(f"trace {path} is not text (a trace is JSON Lines)") from None
     if not lines:
         raise TraceError(f"trace {path} is empty")
     try:

@@ -267,6 +267,7 @@ def test_predict_says_what_a_profile_does_not_determine():
 
 @pytest.mark.parametrize(("content", "message"), [
     ("{not json", "not valid JSON"),
+    (b"\x89PNG\r\n\x1a\n", "not valid JSON"),  # a binary file
     ('{"schema_version": 99}', "schema version 99"),
     ('{"schema_version": 3, "hardware": 3}', "corrupt"),
     ('{"schema_version": 4, "hardware": 3}', "corrupt"),
@@ -274,7 +275,7 @@ def test_predict_says_what_a_profile_does_not_determine():
 ])
 def test_bad_profiles_fail_clearly(tmp_path, content, message):
     path = tmp_path / "p.json"
-    path.write_text(content)
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.raises(ProfileError, match=message):
         load_profile(path)
     out = subprocess.run([sys.executable, "-m", "costmodel", "predict", "--profile", str(path)],

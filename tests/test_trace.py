@@ -40,10 +40,11 @@ def test_depth_trace_acceptance(tmp_path):
 
 
 @pytest.mark.parametrize("content", ["", "not json\n", '{"schema_version": 99}\n',
-                                     '{"schema_version": 1, "trace": "calls"}\n'])
+                                     '{"schema_version": 1, "trace": "calls"}\n',
+                                     b"\x89PNG\r\n\x1a\n"])
 def test_corrupt_traces_are_a_clear_error(tmp_path, content):
     path = tmp_path / "bad.jsonl"
-    path.write_text(content)
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.raises(TraceError):
         read_call_trace(path)
 

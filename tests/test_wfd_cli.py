@@ -75,6 +75,21 @@ def test_bad_input_is_one_line_and_exit_2(args):
     assert len(lines) == 1 and lines[0].startswith("error:"), out.stderr
 
 
+def test_a_folder_with_binary_or_unreadable_files_is_one_line(tmp_path):
+    from conftest import tiny_model
+
+    from wfd.checkpoint import save
+
+    save(tiny_model("ouro"), tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "tokenizer.json").write_bytes(b"\x89PNG\r\n\x1a\n")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_bytes(b"\x89PNG\r\n\x1a\n")
+    for folder, message in (("ckpt", "is not a tokenizer file"), ("bad", "is not valid JSON")):
+        out = run("generate", "--model", str(tmp_path / folder), "--prompt-ids", "5,6")
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1 and message in lines[0], out.stderr
+
+
 def test_checkpoint_folder_by_path(tmp_path):
     from conftest import tiny_model
 

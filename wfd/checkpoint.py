@@ -87,6 +87,8 @@ def read_config(folder: Path) -> ModelConfig:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path} is not valid JSON ({exc.msg}, line {exc.lineno})") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path} is not valid JSON (not text)") from None
     try:
         return ModelConfig.from_hf(raw)
     except (ConfigError, ValueError) as exc:
@@ -98,7 +100,7 @@ def _weight_files(folder: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError):  # not JSON, not text, or not an index
             raise CheckpointError(f"{index} is not a safetensors index") from None
         files = sorted({folder / name for name in weight_map.values()})
     elif (folder / "model.safetensors").is_file():

@@ -27,7 +27,12 @@ class FileTokenizer:
     def __init__(self, path: Path):
         from tokenizers import Tokenizer
 
-        self._tok = Tokenizer.from_file(str(path))
+        from .checkpoint import CheckpointError
+
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as exc:  # the library raises a bare Exception for a file it cannot read
+            raise CheckpointError(f"{path} is not a tokenizer file ({exc})") from None
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
