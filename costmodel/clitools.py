@@ -10,6 +10,8 @@ from contextlib import contextmanager
 import typer
 from pydantic import ValidationError
 
+from .errors import validation_message
+
 try:  # typer >= 0.20 vendors its own copy of click
     from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
 except ImportError:  # pragma: no cover - older typer on the real click
@@ -49,14 +51,6 @@ def missing_extra(exc: ModuleNotFoundError) -> str | None:
             f"pip install 'looped-decoding[{extra}]'")
 
 
-def _validation_message(exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    where = ".".join(str(p) for p in err.get("loc", ()))
-    # a validator's own ValueError reads as its message, not "Value error, <message>"
-    message = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
-    return f"{where}: {message}" if where else message
-
-
 def run(app: typer.Typer, user_errors: tuple[type[BaseException], ...] = ()) -> Callable[[], None]:
     """Entry point for ``app`` that turns usage errors and bad input into one line and exit 2."""
 
@@ -78,7 +72,7 @@ def run(app: typer.Typer, user_errors: tuple[type[BaseException], ...] = ()) -> 
             typer.echo(f"error: {exc.format_message()}", err=True)
             sys.exit(exc.exit_code)
         except ValidationError as exc:
-            typer.echo(f"error: {_validation_message(exc)}", err=True)
+            typer.echo(f"error: {validation_message(exc)}", err=True)
             sys.exit(2)
         except ModuleNotFoundError as exc:
             message = missing_extra(exc)

@@ -1,5 +1,6 @@
 """The cost model's file errors, apart from the modules that read the files, so that a command
-can name them (to report them in one line) without importing the readers."""
+can name them (to report them in one line) without importing the readers; and a validation
+error's one line."""
 
 
 class ProfileError(ValueError):
@@ -8,3 +9,12 @@ class ProfileError(ValueError):
 
 class TraceError(ValueError):
     """A trace file that is missing, corrupt, or of another schema version."""
+
+
+def validation_message(exc) -> str:
+    """A pydantic ValidationError's first error in one line: where, and what (a validator's own
+    ValueError as its message, without pydantic's "Value error, " before it)."""
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err.get("loc", ()))
+    message = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
+    return f"{where}: {message}" if where else message

@@ -78,6 +78,8 @@ def test_sharded_checkpoint(tmp_path):
     (lambda s: s.update({"transformer.adapter.weight": torch.zeros(3, 3)}),
      "transformer.adapter.weight"),
     (lambda s: s.update({"transformer.extra.weight": torch.zeros(3)}), "transformer.extra"),
+    (lambda s: s.update({"transformer.adapter.weight": s["transformer.adapter.weight"].to(
+        torch.int32)}), "transformer.adapter.weight holds torch.int32 values"),
 ])
 def test_bad_tensors_are_named(tmp_path, edit, message):
     save(tiny_model("huginn"), tmp_path)
@@ -100,6 +102,13 @@ def test_corrupt_or_foreign_folders(tmp_path):
         load_folder(tmp_path)
     with pytest.raises(CheckpointError, match="huginn-3.5b:random"):
         load_model("no-such-model")
+    save(tiny_model("huginn"), tmp_path / "huginn")
+    config = json.loads((tmp_path / "huginn" / "config.json").read_text())
+    (tmp_path / "huginn" / "config.json").write_text(json.dumps(
+        {**config, "n_embd": 2 * config["n_embd"]}))
+    with pytest.raises(CheckpointError, match="head_dim is hidden_size / num_heads") as bad:
+        load_folder(tmp_path / "huginn")
+    assert "\n" not in str(bad.value)  # the validator's message alone, in one line
 
 
 @pytest.mark.parametrize("init_scale", [0.0, 1.0])

@@ -120,7 +120,11 @@ def load_state(folder: Path, device: str | torch.device, dtype: torch.dtype
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    state[key] = f.get_tensor(key).to(device=device, dtype=dtype)
+                    tensor = f.get_tensor(key)
+                    if not tensor.is_floating_point() and key not in _OPTIONAL:  # a cast hides it
+                        raise CheckpointError(f"{path.name}: {key} holds {tensor.dtype} values, "
+                                              "not floating-point weights")
+                    state[key] = tensor.to(device=device, dtype=dtype)
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{path.name} is not a readable safetensors file ({exc})") \
                 from None

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
+from costmodel.errors import validation_message
 from costmodel.specs import LoopedModelSpec
 
 
@@ -81,6 +82,9 @@ class ModelConfig(LoopedModelSpec):
                 )
         except KeyError as exc:
             raise ConfigError(f"config.json of a {kind} model lacks {exc.args[0]!r}") from None
+        except ValidationError as exc:
+            raise ConfigError(f"config.json has a bad value: {validation_message(exc)}") \
+                from None
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"config.json has a bad value: {exc}") from None
         raise ConfigError(f"config.json has model_type {kind!r}; this decoder reads "
