@@ -11,7 +11,15 @@ from typing import Annotated
 import typer
 
 from costmodel.cli import JsonOption, app, load_profile, run_app, save_profile, undetermined
-from costmodel.clitools import DTYPES, UserError, error_summary, one_of, print_json, text_table
+from costmodel.clitools import (
+    DTYPES,
+    UserError,
+    check_writable,
+    error_summary,
+    one_of,
+    print_json,
+    text_table,
+)
 from costmodel.figures import NO_PLOTS
 
 
@@ -71,6 +79,8 @@ def calibrate_cmd(
     if checkpoint is not None and not checkpoint.is_dir():
         raise UserError(f"checkpoint {checkpoint} is not a folder")
     alphas = parse_acceptances(acceptances) if acceptances is not None else None
+    out = out or Path(f"out/profile-{model}-{device.split(':')[0]}-{dtype}.json")
+    check_writable(out)
     import torch
 
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -81,7 +91,6 @@ def calibrate_cmd(
     from calibrate.validate import report
     from wfd.checkpoint import CheckpointError
 
-    out = out or Path(f"out/profile-{model}-{device.split(':')[0]}-{dtype}.json")
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                       transient=True, disable=as_json) as progress:

@@ -83,8 +83,28 @@ def run(app: typer.Typer, user_errors: tuple[type[BaseException], ...] = ()) -> 
         except (UserError, ValueError, *user_errors) as exc:
             typer.echo(f"error: {exc}", err=True)
             sys.exit(2)
+        except OSError as exc:  # a file that cannot be read or written: its name and why
+            typer.echo(f"error: {exc.strerror or exc}" + (
+                f": {exc.filename}" if exc.filename and str(exc.filename) not in
+                str(exc.strerror) else ""), err=True)
+            sys.exit(2)
 
     return main
+
+
+def check_writable(*paths) -> None:
+    """Each path given (None: skipped) can be written, its folder made if need be: asked before
+    a command spends minutes on what it would write there."""
+    import os
+    from pathlib import Path
+
+    for path in (Path(p) for p in paths if p is not None):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"cannot write {path}: {exc.strerror}") from None
+        if not os.access(path.parent, os.W_OK):
+            raise UserError(f"cannot write {path}: its folder is not writable")
 
 
 def print_json(payload: object) -> None:

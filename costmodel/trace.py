@@ -146,8 +146,11 @@ def current_commit() -> str:
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    except OSError as exc:  # named by the file asked for, not by its folder or temporary twin
+        raise OSError(exc.errno, f"cannot write {path}: {exc.strerror}", str(path)) from None
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a written file reads like any other

@@ -113,3 +113,17 @@ def test_a_byte_tokenizer_file_reads_text_as_its_utf8_bytes(tmp_path):
     assert isinstance(from_file, FileTokenizer)
     assert from_file.encode(text) == ByteTokenizer().encode(text)
     assert from_file.decode(list(range(256))) == ByteTokenizer().decode(list(range(256)))
+
+
+def test_outputs_that_cannot_be_written_are_one_line_before_any_work(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # a file where a folder would have to be
+    cases = [["wfd", "generate", "--prompt-ids", "5,6", "--trace", str(blocker / "t.jsonl")],
+             ["costmodel", "calibrate", "--model", "huginn", "--out", str(blocker / "p.json")],
+             ["costmodel", "study", "width", "--out", str(blocker / "studies")]]
+    for command in cases:
+        out = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True,
+                             timeout=120)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1, (command, out.stderr)
+        assert str(blocker) in lines[0] and "Traceback" not in out.stderr

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from costmodel.clitools import DTYPES, UserError, one_of, print_json, run
+from costmodel.clitools import DTYPES, UserError, check_writable, one_of, print_json, run
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
                   help="Decode looped language models (Huginn, Ouro) with AR, DtV or WFD.")
@@ -151,6 +151,7 @@ def generate(
         except ValueError as exc:
             raise UserError(f"--draft-when: {exc}") from None
 
+    check_writable(trace, depth_trace, out)
     import torch  # heavy: only once the arguments are known to be sane
 
     from costmodel.predict import resolve_draft_depth
