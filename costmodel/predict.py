@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from .cost import call_cost
 from .memory import MemoryReport, kv_cache_bytes, memory_report
 from .plans import lookahead, mean_decode_keys, wave_width
-from .presets import get_hardware, get_model
+from .presets import resolve
 from .schedules import (
     CallGroup,
     basis_value,
@@ -203,8 +203,7 @@ def predict(
 
     width W means draft depth ceil(R / W). block_length None picks DtV's best k in 1..32.
     """
-    spec = get_model(model) if isinstance(model, str) else model
-    hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
+    spec, hw = resolve(model, hardware)
     wl = workload or Workload()
     depth = wl.depth or spec.default_depth
     d = resolve_draft_depth(spec, depth, width, draft_depth)
@@ -352,8 +351,7 @@ def sweep(
     (``_Pricer.basis_latency``), and only then weighed by each point's acceptance, per draft
     depth over the points that draft at it (DtV's best k from one running Horner sum of the
     expected tokens per round)."""
-    spec = get_model(model) if isinstance(model, str) else model
-    hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
+    spec, hw = resolve(model, hardware)
     depth = depth or spec.default_depth
     alpha = spec.default_acceptance if acceptance is None else acceptance
     width = -(-depth // spec.default_draft_depth) if width is None else width

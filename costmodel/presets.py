@@ -59,6 +59,13 @@ def get_model(name: str) -> LoopedModelSpec:
     return spec
 
 
+def resolve(model: str | LoopedModelSpec, hardware: str | HardwareSpec
+            ) -> tuple[LoopedModelSpec, HardwareSpec]:
+    """The model and hardware a query names: a preset's name, or a spec as it is."""
+    return (get_model(model) if isinstance(model, str) else model,
+            get_hardware(hardware) if isinstance(hardware, str) else hardware)
+
+
 def get_hardware(name: str) -> HardwareSpec:
     spec = _preset("hardware", name)
     if spec is None or spec.name != name:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from .memory import DoesNotFit, does_not_fit, memory_report
 from .plans import wave_width
 from .predict import MAX_BLOCK_LENGTH, _bound, _Pricer, decode_keys
-from .presets import get_hardware, get_model
+from .presets import resolve
 from .schedules import call_groups
 from .simulate import simulate
 from .specs import AR, WFD, DtV, HardwareSpec, LoopedModelSpec, Workload
@@ -116,8 +116,7 @@ def recommend(model: str | LoopedModelSpec, hardware: str | HardwareSpec,
     block length in 1..32 and every width cap, then re-prices the finalists with the simulator;
     ``quick`` tries QUICK_DEPTHS and QUICK_BLOCK_LENGTHS and no cap, and simulates the best
     QUICK_FINALISTS only."""
-    spec = get_model(model) if isinstance(model, str) else model
-    hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
+    spec, hw = resolve(model, hardware)
     wl = workload or Workload()
     depth = wl.depth or spec.default_depth
     check_acceptance(acceptance, depth)

@@ -27,6 +27,7 @@ from .plans import (
     keys_read,
     make_plan,
 )
+from .presets import resolve
 from .specs import AR, WFD, DtV, HardwareSpec, LoopedModelSpec
 from .trace import CallRecord, slot_lengths
 
@@ -136,8 +137,8 @@ class _Simulator(Executor):
 
 
 def simulate(
-    model: LoopedModelSpec,
-    hw: HardwareSpec,
+    model: str | LoopedModelSpec,
+    hw: str | HardwareSpec,
     schedule: AR | DtV | WFD,
     *,
     context_length: int,
@@ -165,8 +166,10 @@ def simulate(
     Adaptive depth: ``exits`` (what the plan needs of the rule) and ``exit_depths``, the depth
     each decoded position exits at (by decoded position, or an oracle of (position, entry)).
     Adaptive drafting: ``drafts`` and ``draft_depths``, an oracle of the depth each entry of a
-    position's draft rule fires at (one it never reaches: the rule does not fire).
+    position's draft rule fires at (one it never reaches: the rule does not fire). ``model`` and
+    ``hw`` may name presets, as in ``predict``.
     """
+    model, hw = resolve(model, hw)
     depth = depth or model.default_depth
     decode_tokens = new_tokens - 1
     if decode_tokens < 1:
@@ -328,8 +331,8 @@ class BatchSimulation:
 
 
 def simulate_batch(
-    model: LoopedModelSpec,
-    hw: HardwareSpec,
+    model: str | LoopedModelSpec,
+    hw: str | HardwareSpec,
     schedule: AR | DtV | WFD,
     sequences: Sequence[tuple[int, int, Sequence[bool] | None]],
     *,
@@ -345,6 +348,7 @@ def simulate_batch(
     waves filling, sequences finishing at different calls, newcomers' prefills and rounds."""
     from .batching import PREFILL, merged_call, run_batch
 
+    model, hw = resolve(model, hw)
     depth = depth or model.default_depth
     calls: list[CallRecord] = []
     prefill: list[bool] = []

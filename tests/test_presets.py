@@ -89,3 +89,20 @@ def test_a_preset_counts_this_decoders_operations():
         per_layer, extra = sum(counted["layer"].values()), sum(counted["block"].values())
         assert host == part.layers * per_layer + extra
         assert kernels == host - part.layers * counted["layer"]["view"] - counted["block"]["view"]
+
+
+def test_every_query_takes_preset_names_or_specs():
+    from costmodel import WFD, Workload, predict, recommend, simulate
+    from costmodel.simulate import simulate_batch
+
+    spec, hw = get_model("ouro-2.6b"), get_hardware("h200")
+    wl = Workload(new_tokens=32)
+    assert predict("ouro-2.6b", "h200", wl) == predict(spec, hw, wl)
+    curve = {1: 0.9, 2: 0.95}
+    assert recommend("ouro-2.6b", "h200", curve, wl) == recommend(spec, hw, curve, wl)
+    kw = dict(context_length=64, new_tokens=16, acceptance=0.9, seed=3)
+    assert (simulate("ouro-2.6b", "h200", WFD(draft_depth=1), **kw).latency_per_token_s
+            == simulate(spec, hw, WFD(draft_depth=1), **kw).latency_per_token_s)
+    jobs = [(64, 8, [True] * 8), (32, 6, [False, True] * 3)]
+    assert (simulate_batch("ouro-2.6b", "h200", WFD(draft_depth=1), jobs, batch_size=2).calls
+            == simulate_batch(spec, hw, WFD(draft_depth=1), jobs, batch_size=2).calls)
