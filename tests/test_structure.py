@@ -149,3 +149,25 @@ def test_every_bench_script_imports_and_parses_its_arguments(monkeypatch, capsys
             runpy.run_path(str(script), run_name="__main__")
         assert done.value.code in (0, None), script.name
         assert "usage:" in capsys.readouterr().out, script.name
+
+
+def test_a_package_name_stays_the_function_once_its_module_is_imported():
+    """`wfd.generate` and `costmodel.predict` are functions defined in modules of the same
+    name; importing those modules (as loading a model does) must not put the module in the
+    function's place."""
+    code = """
+import costmodel, wfd
+model = wfd.load_model("ouro-tiny")
+import wfd.batch, wfd.checkpoint, costmodel.simulate
+from costmodel import predict
+assert callable(wfd.generate) and callable(wfd.decode_batch) and callable(costmodel.simulate)
+assert callable(costmodel.predict) and callable(costmodel.recommend)
+assert len(wfd.generate(model, [1, 2, 3], max_new_tokens=2).tokens) == 2
+try:
+    wfd.nothing
+except AttributeError as exc:
+    print(exc)
+"""
+    out = _python(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "module 'wfd' has no attribute 'nothing'"

@@ -1,20 +1,8 @@
 """A decoder for looped (recurrent-depth) language models: Huginn and Ouro architectures, a
 recurrence-specific KV cache, and the AR, DtV and WaveFront schedules."""
 
-__all__ = ["decode_batch", "generate", "load_model"]
+from costmodel.lazy import lazy_exports
 
-
-def __getattr__(name: str):  # torch loads on first use, not on `import wfd`
-    if name == "load_model":
-        from .checkpoint import load_model
-
-        return load_model
-    if name == "generate":
-        from .generate import generate
-
-        return generate
-    if name == "decode_batch":
-        from .batch import decode_batch
-
-        return decode_batch
-    raise AttributeError(name)
+# torch loads on first use, not on `import wfd`
+__all__ = lazy_exports(__name__, {"load_model": "checkpoint", "generate": "generate",
+                                  "decode_batch": "batch"})
