@@ -114,9 +114,8 @@ def test_continuous_batching_keeps_the_batch_full():
 @pytest.mark.parametrize("family", ["huginn", "ouro"])
 @pytest.mark.parametrize("schedule", ["ar", "dtv", "wfd"])
 def test_kv_cache_is_what_the_cost_model_predicts(family, schedule):
-    from costmodel.specs import Workload
+    from costmodel import Workload, predict
 
-    predict = sys.modules["costmodel.predict"].predict
     model = model_for(family, False)
     context, new, batch = 6, 9, 3
     run = decode_batch(model, [Request(i, [i + 1] * context, new) for i in range(batch)],
@@ -311,3 +310,19 @@ def test_predicting_a_run_of_prompts_simulates_it_to_its_end():
         assert (b.weights_s + b.kv_s + b.compute_s + b.overhead_s) == pytest.approx(
             finite[kind].latency_per_token_s)
         assert 0 < finite[kind].roofline_fraction <= 1
+
+
+def test_a_prompt_that_is_not_token_ids_of_the_vocabulary_is_one_clear_error():
+    """From Python as from the command line: text, an id past the vocabulary, an empty prompt."""
+    from conftest import tiny_model
+
+    model = tiny_model("ouro")
+    vocab = model.config.vocab_size
+    for prompt, message in (("def f", "must be token ids"), ([1, vocab], f"token id {vocab}"),
+                            ([], "is empty"), ([1, True], "must be token ids")):
+        with pytest.raises(GenerationError, match=message):
+            generate(model, prompt, max_new_tokens=2)
+        with pytest.raises(GenerationError, match=f"prompt 0 {message}" if "token id" not in
+                           message else message):
+            decode_batch(model, [Request(index=0, prompt=prompt, max_new_tokens=2)],
+                         schedule="ar", batch_size=1)

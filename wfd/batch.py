@@ -22,7 +22,7 @@ from costmodel.plans import Plan
 from costmodel.trace import CallRecord
 
 from .generate import Decoder, RunSetup
-from .runtime import Runner, runner_for
+from .runtime import Runner, check_prompt, runner_for
 from .sampling import GenerationError, Sampling
 
 
@@ -125,8 +125,7 @@ def decode_batch(model: nn.Module, requests: Sequence[Request], *, schedule: str
     if not requests:
         raise GenerationError("no prompts to decode")
     for req in requests:
-        if not req.prompt:
-            raise GenerationError(f"prompt {req.index} is empty")
+        check_prompt(req.prompt, model.config.vocab_size, f"prompt {req.index}")
         if req.max_new_tokens < 1:
             raise GenerationError(f"prompt {req.index}: max new tokens must be at least 1, "
                                   f"got {req.max_new_tokens}")

@@ -160,7 +160,7 @@ def generate(
 
     from .checkpoint import SHIPPED_DIR, CheckpointError, load_model
     from .generate import GenerationError, Sampling, generate
-    from .prompts import check_token_ids
+    from .runtime import check_prompt
     from .tokenizer import tokenizer_for
 
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -199,10 +199,7 @@ def generate(
             ids = tok.encode(prompt)
         else:
             ids = _parse_ids(prompt_ids, "--prompt-ids")
-        try:
-            check_token_ids(ids, net.config.vocab_size)
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
+        check_prompt(ids, net.config.vocab_size)
         hardware = None
         if schedule == "auto":
             if profile:

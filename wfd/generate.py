@@ -26,7 +26,7 @@ from .cache import KVCache
 from .checkpoint import DTYPE_NAMES
 from .exits import ExitTracker, check_rule, depth_signals
 from .layers import CallPlan
-from .runtime import Runner, make_cache, runner_for
+from .runtime import Runner, check_prompt, make_cache, runner_for
 from .sampling import GenerationError, Proposal, Sampling, Verifier
 
 __all__ = ["GenerationError", "GenerationResult", "Sampling", "full_forward", "generate",
@@ -352,8 +352,7 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
     setup = RunSetup.of(model, schedule, depth, draft_depth, block_length, width_cap, exit_rule,
                         draft_rule)
     depth = setup.depth
-    if not prompt:
-        raise GenerationError("the prompt is empty")
+    check_prompt(prompt, model.config.vocab_size)
     if max_new_tokens < 1:
         raise GenerationError(f"max new tokens must be at least 1, got {max_new_tokens}")
     if auto and (hardware is None or force_acceptance is not None or depth < 2):

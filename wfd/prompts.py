@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import IO
 
 from .batch import Request, SequenceResult
+from .runtime import check_prompt
 
 
 @dataclass
@@ -70,20 +71,11 @@ def _parse(raw: str, index: int, tokenizer, vocab_size: int, max_new_tokens: int
         if not isinstance(ids, list) or not all(
                 isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise ValueError("prompt_ids must be a list of integers")
-    if not ids:
-        raise ValueError("the prompt is empty")
-    check_token_ids(ids, vocab_size)
+    check_prompt(ids, vocab_size)  # a GenerationError is a ValueError: the line's error
     new = obj.get("max_new_tokens", max_new_tokens)
     if not isinstance(new, int) or isinstance(new, bool) or new < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {new!r}")
     return Request(index=index, prompt=list(ids), max_new_tokens=new)
-
-
-def check_token_ids(ids: list[int], vocab_size: int) -> None:
-    """Refuse a prompt with a token id outside the vocabulary."""
-    bad = [i for i in ids if not 0 <= i < vocab_size]
-    if bad:
-        raise ValueError(f"token id {bad[0]} outside the vocabulary of {vocab_size}")
 
 
 def result_row(line: PromptLine, result: SequenceResult | None, tokenizer) -> dict:

@@ -66,6 +66,19 @@ def make_cache(model: nn.Module, *, prompt_len: int, max_new_tokens: int, depth:
                    device=param.device, sequences=sequences)
 
 
+def check_prompt(prompt: object, vocab_size: int, what: str = "the prompt") -> None:
+    """Refuse a prompt that is not token ids of the vocabulary, in one line (text is encoded by
+    a tokenizer first: wfd.tokenizer.tokenizer_for)."""
+    if isinstance(prompt, str | bytes) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+        raise GenerationError(f"{what} must be token ids (integers); encode text first")
+    if not prompt:
+        raise GenerationError(f"{what} is empty")
+    bad = [i for i in prompt if not 0 <= i < vocab_size]
+    if bad:
+        raise GenerationError(f"token id {bad[0]} outside the vocabulary of {vocab_size}")
+
+
 def check_run(model: nn.Module, prompt_len: int, max_new_tokens: int, depth: int,
               kv_sharing: int) -> None:
     """Refuse a depth, a sharing or a sequence the model cannot run, in one line."""
