@@ -13,7 +13,7 @@ from costmodel.clitools import UserError, print_json, spinner, text_table
 from costmodel.figures import NO_PLOTS
 
 from . import STUDIES, run
-from .common import columns
+from .common import cell, columns
 
 
 def register(app: typer.Typer) -> None:
@@ -52,18 +52,12 @@ def study_cmd(
     note_undetermined(loose)
 
 
-def _cell(value) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return "" if value is None else str(value)
-
-
 def print_study(result, paths: dict[str, str], max_rows: int = 40) -> None:
     shown = result.rows[:max_rows]
     cols = columns(shown)
     words = tuple(i for i, col in enumerate(cols)
                   if any(isinstance(row.get(col), str) for row in shown))
-    rows = [[_cell(row.get(col)) for col in cols] for row in shown]
+    rows = [[cell(row.get(col)) for col in cols] for row in shown]
     typer.echo(text_table(cols, rows, left=words, title=result.title))
     if len(result.rows) > max_rows:
         typer.echo(f"... {len(result.rows) - max_rows} more rows in {paths['csv']}")

@@ -26,7 +26,8 @@ class StudyResult:
     summary: dict = field(default_factory=dict)
 
 
-def _fmt(value) -> str:
+def cell(value) -> str:
+    """A table cell: a float to four significant digits, None empty."""
     if isinstance(value, float):
         return f"{value:.4g}"
     return "" if value is None else str(value)
@@ -43,7 +44,7 @@ def to_markdown(rows: list[dict]) -> str:
         return ""
     cols = columns(rows)
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in cols) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
