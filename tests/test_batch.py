@@ -326,3 +326,9 @@ def test_a_prompt_that_is_not_token_ids_of_the_vocabulary_is_one_clear_error():
                            message else message):
             decode_batch(model, [Request(index=0, prompt=prompt, max_new_tokens=2)],
                          schedule="ar", batch_size=1)
+    import numpy as np
+
+    ids = [int(i) for i in np.arange(1, 4)]
+    as_numpy = list(np.arange(1, 4))  # a tokenizer's numpy integers are token ids too
+    assert generate(model, as_numpy, max_new_tokens=2).tokens == generate(
+        model, ids, max_new_tokens=2).tokens

@@ -3,6 +3,7 @@ recorded in the call trace (costmodel.trace.CallRecord), against one KV cache.""
 
 from __future__ import annotations
 
+import numbers
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -69,8 +70,8 @@ def make_cache(model: nn.Module, *, prompt_len: int, max_new_tokens: int, depth:
 def check_prompt(prompt: object, vocab_size: int, what: str = "the prompt") -> None:
     """Refuse a prompt that is not token ids of the vocabulary, in one line (text is encoded by
     a tokenizer first: wfd.tokenizer.tokenizer_for)."""
-    if isinstance(prompt, str | bytes) or not all(
-            isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+    if isinstance(prompt, str | bytes) or not all(  # numpy's integers are Integral too
+            isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in prompt):
         raise GenerationError(f"{what} must be token ids (integers); encode text first")
     if not prompt:
         raise GenerationError(f"{what} is empty")
