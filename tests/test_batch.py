@@ -135,6 +135,10 @@ def test_a_batch_that_does_not_fit_is_refused_up_front(monkeypatch):
                                               r"at most 2 such sequences fit"):
         decode_batch(model, [Request(i, [1, 2, 3], 8) for i in range(6)], schedule="ar",
                      batch_size=4)
+    # not even one sequence: how many of its positions would
+    monkeypatch.setattr(runtime, "free_memory_bytes", lambda device: one // 2)
+    with pytest.raises(GenerationError, match=r"one sequence fits at most \d+ positions"):
+        decode_batch(model, [Request(0, [1, 2, 3], 8)], schedule="ar", batch_size=1)
 
 
 def test_bad_requests_are_refused():

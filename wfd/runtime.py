@@ -59,7 +59,7 @@ def make_cache(model: nn.Module, *, prompt_len: int, max_new_tokens: int, depth:
     per_position = 2 * layer_slots * cfg.num_kv_heads * cfg.head_dim * param.element_size()
     check_fits(sequences * length * per_position, param.device,
                f"{sequences} sequence{'s' * (sequences > 1)} of {length} positions",
-               per_sequence_bytes=length * per_position)
+               per_sequence_bytes=length * per_position, per_position_bytes=per_position)
     return KVCache(prelude_layers=cfg.prelude_layers, core_layers=cfg.core_layers,
                    coda_layers=cfg.coda_layers, depth=depth, kv_sharing=kv_sharing,
                    readout_depths=list(readout_depths), kv_heads=cfg.num_kv_heads,
@@ -150,13 +150,19 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 def check_fits(kv_bytes: int, device: torch.device, what: str,
-               per_sequence_bytes: int | None = None) -> None:
+               per_sequence_bytes: int | None = None, per_position_bytes: int | None = None
+               ) -> None:
     """Refuse, before allocating, a KV cache larger than the device's free memory (the weights
-    are already loaded there), saying how many such sequences would fit."""
+    are already loaded there), saying how many such sequences would fit, or where not one
+    does, how many positions of one."""
     free = free_memory_bytes(device)
     if kv_bytes > free:
-        room = (f"at most {free // per_sequence_bytes:,} such sequences fit"
-                if per_sequence_bytes else "fewer sequences or shorter ones")
+        if per_sequence_bytes and free >= per_sequence_bytes:
+            room = f"at most {free // per_sequence_bytes:,} such sequences fit"
+        elif per_position_bytes:
+            room = f"one sequence fits at most {free // per_position_bytes:,} positions"
+        else:
+            room = "fewer sequences or shorter ones"
         raise GenerationError(f"the KV cache of {what} needs {kv_bytes / 1e9:.2f} GB and the "
                               f"{device.type} has {free / 1e9:.2f} GB free: {room}")
 
