@@ -61,7 +61,6 @@ def _root() -> None:
     """Cost model of AR, draft-then-verify (DtV) and WaveFront Decoding (WFD)."""
 
 
-
 def _override(hw: HardwareSpec, bandwidth: str | None, flops: str | None, memory: str | None,
               launch_overhead: str | None, dtype: str, mode: str | None = None,
               host_speed: float | None = None) -> HardwareSpec:
@@ -76,9 +75,6 @@ def _override(hw: HardwareSpec, bandwidth: str | None, flops: str | None, memory
         changes["launch_overhead_s"] = parse_duration(launch_overhead)
     if mode is not None:
         changes["cuda_graphs"] = one_of("mode", mode, ("eager", "graphs")) == "graphs"
-        if changes["cuda_graphs"] and hw.cpu is not None:
-            raise UserError(f"--mode graphs prices CUDA graphs, and {hw.name} is a CPU: its "
-                            "calls run eagerly")
     if host_speed is not None and not host_speed > 0:
         raise UserError(f"host speed must be a positive factor, got {host_speed}")
     if changes or host_speed is not None:
@@ -86,7 +82,6 @@ def _override(hw: HardwareSpec, bandwidth: str | None, flops: str | None, memory
     hw = hw.with_terms(**changes)
     # the host's share of a call runs host_speed times faster; the device's terms are untouched
     return hw.with_host_speed(host_speed) if host_speed is not None else hw
-
 
 
 def _at_least_one(**values: int | None) -> None:
@@ -332,8 +327,6 @@ def _host_source(hw: HardwareSpec, launch_overhead: str | None, host_speed: floa
         source = (f"{launch_overhead} per dispatched operation (--launch-overhead) x this "
                   "decoder's operations per call (costmodel/data/operations.json)")
     return source + (f", / {host_speed:g} (--host-speed)" if host_speed is not None else "")
-
-
 
 
 def undetermined(profile) -> list[str]:

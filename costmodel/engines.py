@@ -30,8 +30,6 @@ def for_engine(engine: str, hw: HardwareSpec, model: LoopedModelSpec) -> Hardwar
         raise ValueError(f"unknown engine {engine!r}; use {' or '.join(ENGINES)}")
     if engine == "wfd":
         return hw
-    if hw.cpu is not None:  # the counts are of vLLM's CUDA kernels; its CPU build is not priced
-        raise ValueError(f"--engine vllm prices vLLM on a GPU, and {hw.name} is a CPU")
     return hw.with_terms(name=f"{hw.name} as vLLM", cuda_graphs=True,
                          **counted_fields(vllm_operations(model.family)))
 

@@ -296,7 +296,11 @@ class HardwareSpec(Spec):
             else:
                 raise ValueError(f"{', '.join(fields)}: a CPU term, and {self.name} has no "
                                  "measured products")
-        return self.model_copy(update=own)
+        changed = self.model_copy(update=own)
+        if changed.graphs.cuda_graphs and changed.cpu is not None:  # modes, engines, overrides
+            raise ValueError(f"{self.name} is a CPU: CUDA graphs (graphs mode, vLLM's engine) "
+                             "replay on a GPU")
+        return changed
 
     def with_host_speed(self, speed: float) -> HardwareSpec:
         """This hardware with a host ``speed`` times faster: every host time (per call, per

@@ -106,3 +106,20 @@ def test_every_query_takes_preset_names_or_specs():
     jobs = [(64, 8, [True] * 8), (32, 6, [False, True] * 3)]
     assert (simulate_batch("ouro-2.6b", "h200", WFD(draft_depth=1), jobs, batch_size=2).calls
             == simulate_batch(spec, hw, WFD(draft_depth=1), jobs, batch_size=2).calls)
+
+
+def test_a_cpu_spec_has_no_cuda_graphs():
+    """Graphs mode and vLLM's engine replay CUDA graphs: a CPU's spec refuses them however they
+    are asked for (a mode, an engine, a term)."""
+    from pathlib import Path
+
+    from costmodel.engines import for_engine
+    from costmodel.profile import load_profile
+
+    cpu = load_profile(Path(__file__).resolve().parents[1] / "data" / "profiles"
+                       / "cpu-ouro-fp32.json").hardware
+    assert cpu.in_mode("eager") is cpu
+    for ask in (lambda: cpu.in_mode("graphs"), lambda: cpu.with_terms(cuda_graphs=True),
+                lambda: for_engine("vllm", cpu, get_model("ouro-tiny"))):
+        with pytest.raises(ValueError, match="is a CPU: CUDA graphs"):
+            ask()
