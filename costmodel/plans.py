@@ -276,7 +276,7 @@ class DtVPlan(Plan):
     def __init__(self, prompt_length: int, depth: int, *, block_length: int, draft_depth: int,
                  **common):
         super().__init__(prompt_length, depth, readout_depths=(draft_depth,), **common)
-        _check_draft_depth(draft_depth, depth)
+        check_draft_depth(draft_depth, depth)
         if block_length < 1:
             raise ValueError(f"block length must be at least 1, got {block_length}")
         self.block_length, self.draft_depth = block_length, draft_depth
@@ -345,7 +345,7 @@ class WFDPlan(Plan):
     def __init__(self, prompt_length: int, depth: int, *, draft_depth: int,
                  width_cap: int | None = None, **common):
         super().__init__(prompt_length, depth, readout_depths=(draft_depth,), **common)
-        _check_draft_depth(draft_depth, depth)
+        check_draft_depth(draft_depth, depth)
         if width_cap is not None and width_cap < 1:
             raise ValueError(f"width cap must be at least 1, got {width_cap}")
         self.draft_depth, self.width_cap = draft_depth, width_cap
@@ -464,7 +464,9 @@ class Executor:
         return None
 
 
-def _check_draft_depth(draft_depth: int, depth: int) -> None:
+def check_draft_depth(draft_depth: int, depth: int) -> None:
+    if depth < 2:
+        raise ValueError(f"drafting needs a depth R of at least 2 (a draft below R), got {depth}")
     if not 1 <= draft_depth < depth:
         raise ValueError(f"draft depth must be in 1..{depth - 1} (below R = {depth}), "
                          f"got {draft_depth}")

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .cost import call_cost
 from .memory import MemoryReport, kv_cache_bytes, memory_report
-from .plans import lookahead, mean_decode_keys, wave_width
+from .plans import check_draft_depth, lookahead, mean_decode_keys, wave_width
 from .presets import resolve
 from .schedules import (
     CallGroup,
@@ -159,17 +159,12 @@ def resolve_draft_depth(model: LoopedModelSpec, depth: int, width: int | None,
                         draft_depth: int | None) -> int:
     if width is not None and draft_depth is not None:
         raise ValueError("give either a width or a draft depth, not both")
-    if width is not None:
-        if not 1 <= width <= depth:
-            raise ValueError(f"width must be in 1..{depth} (R = {depth}), got {width}")
-        d = model.width_to_draft_depth(width, depth)
-        if d >= depth:
-            raise ValueError(f"width {width} leaves no room to draft (draft depth {d} = R); "
-                             f"use a width in 2..{depth}")
-        return d
-    d = draft_depth if draft_depth is not None else min(model.default_draft_depth, depth - 1)
-    if not 1 <= d < depth:
-        raise ValueError(f"draft depth must be in 1..{depth - 1} (below R = {depth}), got {d}")
+    if width is not None and depth >= 2 and not 2 <= width <= depth:
+        # width 1 drafts at R: nothing left to verify
+        raise ValueError(f"width must be in 2..{depth} (R = {depth}), got {width}")
+    d = model.width_to_draft_depth(width, depth) if width is not None else (
+        draft_depth if draft_depth is not None else min(model.default_draft_depth, depth - 1))
+    check_draft_depth(d, depth)
     return d
 
 

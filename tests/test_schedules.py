@@ -211,3 +211,16 @@ def test_graphs_mode_prices_the_static_spans_a_decode_reads():
     eager = predict(HUGINN, A6000, workload).schedules["ar"]
     keys = mean_decode_keys(1000, 300, True) / mean_decode_keys(1000, 300, False)
     assert ar.breakdown.kv_s / eager.breakdown.kv_s == pytest.approx(keys, rel=0.01)
+
+
+def test_a_draft_depth_is_refused_with_the_range_it_must_lie_in():
+    from costmodel.predict import resolve_draft_depth
+
+    spec = get_model("huginn-3.5b")
+    assert resolve_draft_depth(spec, 32, 2, None) == 16
+    for depth, width, draft, message in ((32, 1, None, r"width must be in 2\.\.32"),
+                                         (32, None, 32, r"draft depth must be in 1\.\.31"),
+                                         (1, None, None, "a depth R of at least 2"),
+                                         (1, 2, None, "a depth R of at least 2")):
+        with pytest.raises(ValueError, match=message):
+            resolve_draft_depth(spec, depth, width, draft)
