@@ -79,6 +79,8 @@ def run_batch(jobs: Sequence[Job], regions: int,
     """Run every job, ``regions`` at a time. ``start(job, region)`` gives a job's executor and
     plan; ``run_call(lanes)`` runs one call over their pending calls (all at the same clock:
     ``merged_call``); ``finish(lane)`` takes a finished sequence before its region is reused."""
+    if regions < 1:  # nothing would ever start: the loop below would not end
+        raise ValueError(f"a batch needs at least one region, got {regions}")
     waiting = list(jobs)
     free = list(range(regions))
     lanes: list[Lane] = []

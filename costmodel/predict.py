@@ -26,7 +26,7 @@ from .schedules import (
     call_groups,
     merge_groups,
 )
-from .specs import AR, WFD, DtV, HardwareSpec, LoopedModelSpec, Workload
+from .specs import AR, DTYPE_BYTES, WFD, DtV, HardwareSpec, LoopedModelSpec, Workload
 
 MAX_BLOCK_LENGTH = 32
 # the most tokens a finite run may simulate (prompts x new tokens), for the three schedules: a
@@ -356,10 +356,21 @@ def sweep(
                          np.asarray(context, dtype=float), np.asarray(bw, dtype=float),
                          np.asarray(batch, dtype=float))
     shape = np.broadcast_shapes(w.shape, a.shape, ctx.shape, bwa.shape, b.shape)
-    if np.any((w < 2) | (w > depth)):
-        raise ValueError(f"width must be in 2..{depth}")
-    if np.any((a < 0) | (a > 1)):
-        raise ValueError("acceptance must be in [0, 1]")
+    # each as "not (valid)", so that NaN is refused too
+    for bad, what in ((depth < 2, f"depth R must be at least 2, got {depth}"),
+                      (np.any(~((w >= 2) & (w <= depth))), f"width must be in 2..{depth}"),
+                      (np.any(~((a >= 0) & (a <= 1))), "acceptance must be in [0, 1]"),
+                      (np.any(~(ctx >= 1)), "context must be at least 1 token"),
+                      (np.any(~(b >= 1)), "batch must be at least 1"),
+                      (np.any(~(bwa > 0)), "bandwidth must be positive"),
+                      (new_tokens < 1, f"new tokens must be at least 1, got {new_tokens}"),
+                      (not 0 <= kv_sharing <= depth,
+                       f"KV sharing must be 0 or a slot count up to R = {depth}, got {kv_sharing}"),
+                      (not block_lengths or min(block_lengths) < 1,
+                       "block lengths must be 1 or more"),
+                      (dtype not in DTYPE_BYTES, f"unknown dtype {dtype!r}")):
+        if bad:
+            raise ValueError(what)
     d = -(-depth // w)
     keys = mean_decode_keys(ctx, new_tokens, hw.graphs.cuda_graphs)
     # calls priced once over the cost axes, unless those vary point by point (a scatter of

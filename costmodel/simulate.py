@@ -58,6 +58,8 @@ class SimulationResult:
 def acceptance_draws(acceptance: float, count: int, seed: int) -> list[bool]:
     """Seeded Bernoulli draft outcomes, one per decoded position (the decoder's forced
     acceptance draws the same ones)."""
+    if not 0 <= acceptance <= 1:  # NaN too: a draw against it would never accept
+        raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
     rng = np.random.default_rng(seed)
     return [bool(x) for x in rng.random(count) < acceptance]
 
@@ -159,8 +161,8 @@ def simulate(
 ) -> SimulationResult:
     """Simulate decoding ``new_tokens`` after a prompt of ``context_length`` tokens, and price it.
 
-    Exactly one of ``acceptance`` (Bernoulli draws with ``seed``) and ``accept_sequence`` gives the
-    draft outcomes; AR needs neither. With ``prefill`` the records begin with the prefill's calls
+    ``accept_sequence`` gives the draft outcomes, or else Bernoulli draws with ``seed`` at
+    ``acceptance`` (default: the model's); AR reads neither. With ``prefill`` the records begin with the prefill's calls
     (as a decoder's call trace does); the latency and committed tokens count decoding only.
     Without ``records`` only the latency, its breakdown and the counts come back (faster).
     Adaptive depth: ``exits`` (what the plan needs of the rule) and ``exit_depths``, the depth
@@ -350,6 +352,9 @@ def simulate_batch(
 
     model, hw = resolve(model, hw)
     depth = depth or model.default_depth
+    if batch_size < 1 or not sequences:
+        raise ValueError(f"simulate one sequence or more, at least 1 at a time (got "
+                         f"{len(sequences)} at batch size {batch_size})")
     calls: list[CallRecord] = []
     prefill: list[bool] = []
 

@@ -282,6 +282,17 @@ def test_a_simulated_batch_of_one_is_the_simulation():
     assert batch.decode_tokens == alone.committed_tokens
 
 
+def test_a_simulated_batch_of_none_and_an_impossible_acceptance_are_refused():
+    # batch size 0 looped for ever; an acceptance of 2 drew every draft accepted
+    for batch_size, sequences in ((0, [(9, 30, None)]), (2, [])):
+        with pytest.raises(ValueError, match="at least 1 at a time"):
+            simulate_batch("huginn-3.5b", "h200", AR(), sequences, batch_size=batch_size)
+    for alpha in (2.0, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="acceptance must be in"):
+            simulate("huginn-3.5b", "h200", WFD(draft_depth=4), context_length=9,
+                     new_tokens=30, acceptance=alpha)
+
+
 def test_predicting_a_run_of_prompts_simulates_it_to_its_end():
     """``predict`` with ``Workload.prompts``: the run's figures, the batch simulator's on the
     draws a forced-acceptance decode makes; the steady state is what long runs tend to."""

@@ -36,6 +36,23 @@ def test_sweep_rejects_impossible_widths():
         sweep("huginn-3.5b", width=np.array([0, 8]))
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"acceptance": np.array([0.5, np.nan])}, "acceptance"),
+    ({"context": np.array([0, 1024])}, "context"),
+    ({"batch": 0}, "batch"),
+    ({"bandwidth_bytes_per_s": np.array([0.0, 1e12])}, "bandwidth"),
+    ({"new_tokens": 0}, "new tokens"),
+    ({"kv_sharing": -1}, "KV sharing"),
+    ({"block_lengths": range(0, 4)}, "block lengths"),
+    ({"dtype": "int4"}, "dtype"),
+    ({"depth": 1, "width": 2}, "depth R"),
+])
+def test_sweep_refuses_what_has_no_price(kwargs, message):
+    # each of these priced a silently wrong number (NaN, or a batch of none) or failed obscurely
+    with pytest.raises(ValueError, match=message):
+        sweep("huginn-3.5b", "a6000", **kwargs)
+
+
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(st.sampled_from(["huginn-3.5b", "ouro-2.6b"]),
        st.sampled_from(["a6000", "h100-sxm", "h200", "rtx4090", "mi300x"]),
