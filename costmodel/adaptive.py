@@ -22,7 +22,7 @@ from functools import cache, cached_property
 
 import numpy as np
 
-from .exits import ExitRule
+from .exits import ExitRule, check_exit_depths
 from .plans import EarlyExit, make_plan
 from .schedules import CallGroup
 from .specs import WFD, DtV, HardwareSpec, LoopedModelSpec, Workload
@@ -190,10 +190,7 @@ def exit_profile(model: LoopedModelSpec, workload: Workload, depth: int, draft_d
         if workload.exit_rule else None
     if workload.exit_depths is not None:
         dist = workload.exit_depths
-        if any(not 1 <= r <= depth for r in dist) or any(p < 0 for p in dist.values()):
-            raise ValueError(f"exit depths must be in 1..{depth} with probabilities >= 0")
-        if abs(sum(dist.values()) - 1) > 1e-6:
-            raise ValueError(f"exit depth probabilities sum to {sum(dist.values()):g}, not 1")
+        check_exit_depths(dist, depth)
         alpha = model.default_acceptance if workload.acceptance is None else workload.acceptance
         every = rule.for_plan(coda_attends, depth).every_depth if rule else coda_attends
         return ExitProfile.from_distribution(dist, depth, alpha, every)

@@ -135,21 +135,27 @@ def parse_exit_depths(text: str, depth: int) -> dict[int, float]:
     1), each depth in 1..R; ValueError in one line otherwise."""
     dist: dict[int, float] = {}
     for part in text.split(","):
-        d, sep, p = part.strip().partition(":")
-        try:
+        d, _, p = part.strip().partition(":")
+        try:  # float("") refuses a pair without its ":"
             r, prob = int(d), float(p)
         except ValueError:
             raise ValueError(f"exit depths are DEPTH:PROBABILITY pairs, got {part.strip()!r}"
                              ) from None
-        if not sep or not 1 <= r <= depth:
-            raise ValueError(f"exit depth {d} outside 1..{depth}")
-        if not (math.isfinite(prob) and prob >= 0):
-            raise ValueError(f"probability of exit depth {r} must be >= 0, got {p}")
+        check_exit_depths({r: prob}, depth, total=False)
         dist[r] = dist.get(r, 0.0) + prob
-    total = sum(dist.values())
-    if abs(total - 1) > 1e-6:
-        raise ValueError(f"exit depth probabilities sum to {total:g}, not 1")
+    check_exit_depths(dist, depth)
     return dict(sorted(dist.items()))
+
+
+def check_exit_depths(dist: dict[int, float], depth: int, total: bool = True) -> None:
+    """Each exit depth in 1..R with a finite probability >= 0, and (``total``) summing to 1."""
+    for r, prob in dist.items():
+        if not 1 <= r <= depth:
+            raise ValueError(f"exit depth {r} outside 1..{depth}")
+        if not (math.isfinite(prob) and prob >= 0):
+            raise ValueError(f"probability of exit depth {r} must be >= 0, got {prob:g}")
+    if total and abs(sum(dist.values()) - 1) > 1e-6:
+        raise ValueError(f"exit depth probabilities sum to {sum(dist.values()):g}, not 1")
 
 
 @dataclass(frozen=True)

@@ -162,8 +162,9 @@ def simulate(
     """Simulate decoding ``new_tokens`` after a prompt of ``context_length`` tokens, and price it.
 
     ``accept_sequence`` gives the draft outcomes, or else Bernoulli draws with ``seed`` at
-    ``acceptance`` (default: the model's); AR reads neither. With ``prefill`` the records begin with the prefill's calls
-    (as a decoder's call trace does); the latency and committed tokens count decoding only.
+    ``acceptance`` (default: the model's); AR reads neither. With ``prefill`` the records begin
+    with the prefill's calls (as a decoder's call trace does); the latency and committed tokens
+    count decoding only.
     Without ``records`` only the latency, its breakdown and the counts come back (faster).
     Adaptive depth: ``exits`` (what the plan needs of the rule) and ``exit_depths``, the depth
     each decoded position exits at (by decoded position, or an oracle of (position, entry)).

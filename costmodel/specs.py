@@ -289,8 +289,8 @@ class HardwareSpec(Spec):
             current = getattr(self, part)
             if part == "cpu" and "matmul" in fields and fields["matmul"] is None:
                 own[part] = None  # no measured products: no CPU part
-            elif current is not None:
-                own[part] = current.model_copy(update=fields)
+            elif current is not None:  # validated: a copy's update is not
+                own[part] = type(current).model_validate({**dict(current), **fields})
             elif "matmul" in fields:
                 own[part] = CpuTerms(**fields)
             else:

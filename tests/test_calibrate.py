@@ -352,6 +352,15 @@ def test_a_cpu_term_without_measured_products_is_refused():
         HardwareSpec.model_validate({**gpu.model_dump(), "launch_overhead_s": 1e-6})
 
 
+def test_a_term_set_by_name_is_validated_as_its_part_validates_it():
+    gpu = get_hardware("a6000")
+    for term, value in (("memory_bandwidth_bytes_per_s", float("nan")),
+                        ("bandwidth_efficiency", 1.5), ("launch_overhead_s", -1e-6)):
+        with pytest.raises(ValueError, match=term):  # a copy's update took any of them
+            gpu.with_terms(**{term: value})
+    assert gpu.with_terms(bandwidth_efficiency=0.5).roofline.bandwidth_efficiency == 0.5
+
+
 def test_a_busy_calibration_is_refused():
     from calibrate.run import too_busy
 

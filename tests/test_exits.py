@@ -282,6 +282,14 @@ def test_bad_exit_distributions_are_one_line(text, message):
         parse_exit_depths(text, 32)
 
 
+def test_a_workload_s_exit_distribution_is_checked_as_the_command_line_s():
+    # one check for both; a NaN probability reached numpy's sampler before
+    for dist, message in (({4: float("nan"), 32: 0.5}, ">= 0"), ({40: 1.0}, "outside"),
+                          ({4: 0.5}, "sum to")):
+        with pytest.raises(ValueError, match=message):
+            predict("huginn-3.5b", "a6000", Workload(exit_depths=dist))
+
+
 def test_plan_exit_checks_read_out_every_depth_only_where_needed():
     """A rule on the states with a coda that has no attention reads out only the exit depth;
     a rule on the readouts reads out every depth from the minimum on."""
