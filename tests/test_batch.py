@@ -347,3 +347,14 @@ def test_a_prompt_that_is_not_token_ids_of_the_vocabulary_is_one_clear_error():
     as_numpy = list(np.arange(1, 4))  # a tokenizer's numpy integers are token ids too
     assert generate(model, as_numpy, max_new_tokens=2).tokens == generate(
         model, ids, max_new_tokens=2).tokens
+
+
+def test_a_nan_temperature_and_depth_0_are_refused_not_decoded():
+    # a NaN temperature sampled one token for ever; depth 0 ran at the model's default depth
+    from conftest import tiny_model
+
+    model = tiny_model("ouro")
+    with pytest.raises(GenerationError, match="temperature"):
+        Sampling(float("nan"))
+    with pytest.raises(GenerationError, match="depth must be at least 1, got 0"):
+        generate(model, [1, 2], max_new_tokens=2, depth=0)

@@ -249,7 +249,7 @@ class RunSetup:
     def of(cls, model: nn.Module, schedule: str, depth: int | None, draft_depth: int | None,
            block_length: int, width_cap: int | None, exit_rule: Rule | None = None,
            draft_rule: ExitRule | None = None) -> RunSetup:
-        depth = depth or model.config.depth
+        depth = model.config.depth if depth is None else depth  # 0 is refused, not the default
         if draft_depth is None and depth > 1:
             draft_depth = min(model.config.default_draft_depth, depth - 1)
         if exit_rule is not None:

@@ -25,7 +25,7 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
+        if not 0 <= self.temperature < float("inf"):  # NaN too: it sampled token 255 alone
             raise GenerationError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise GenerationError(f"top-p must be in (0, 1], got {self.top_p}")
