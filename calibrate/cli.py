@@ -76,6 +76,8 @@ def calibrate_cmd(
     one_of("model family", model, ("huginn", "ouro"))
     one_of("dtype", dtype, DTYPES)
     one_of("device", device.split(":")[0], ("cpu", "cuda"))
+    if threads is not None and threads < 1:
+        raise UserError(f"--threads must be at least 1, got {threads}")
     if checkpoint is not None and not checkpoint.is_dir():
         raise UserError(f"checkpoint {checkpoint} is not a folder")
     alphas = parse_acceptances(acceptances) if acceptances is not None else None

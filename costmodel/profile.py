@@ -212,6 +212,8 @@ def load_profile(path: str | Path) -> CalibrationProfile:
         raise ProfileError(f"profile {path} is not valid JSON") from None
     if not isinstance(raw, dict):
         raise ProfileError(f"profile {path} is not a profile (not a JSON object)")
+    if "schema_version" not in raw:  # a validation report, a trace's header, a config
+        raise ProfileError(f"{path} is not a calibration profile (it has no schema_version)")
     if raw.get("schema_version") != PROFILE_SCHEMA_VERSION:
         raw = upgrade(raw, path)
     try:

@@ -385,11 +385,18 @@ def test_calibrate_rejects_bad_input(tmp_path):
                  ["--model", "ouro", "--dtype", "int4"],
                  ["--model", "ouro", "--checkpoint", str(tmp_path / "none")],
                  ["--model", "ouro", "--acceptances", "0.6,1.2"],
-                 ["--model", "ouro", "--acceptances", "high"]):
+                 ["--model", "ouro", "--acceptances", "high"],
+                 ["--model", "ouro", "--threads", "0"]):  # 0 was taken as torch's default
         out = subprocess.run([sys.executable, "-m", "costmodel", "calibrate", *args],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 2, (args, out.stderr)
         assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_a_file_that_is_not_a_profile_says_so():
+    # a validation report beside its profile said "schema version None ... recalibrate"
+    with pytest.raises(ProfileError, match="is not a calibration profile"):
+        load_profile(Path(__file__).parents[1] / "data/profiles/gpu-huginn-bf16.validation.json")
 
 
 def test_calibrate_with_a_checkpoint_of_the_wrong_family(tmp_path):
