@@ -188,6 +188,8 @@ def exit_profile(model: LoopedModelSpec, workload: Workload, depth: int, draft_d
     coda_attends = model.coda_layers > 0
     rule = ExitRule.parse(workload.exit_rule, workload.exit_min_depth) \
         if workload.exit_rule else None
+    if rule is not None and rule.name == "gate" and not model.exit_gate:
+        raise ValueError(f"the gate rule needs a model with an exit gate; {model.name} has none")
     if workload.exit_depths is not None:
         dist = workload.exit_depths
         check_exit_depths(dist, depth)

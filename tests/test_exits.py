@@ -455,3 +455,9 @@ def test_held_out_bits_through_the_decoder_equal_the_uncached_evaluation(family)
     assert decoded == pytest.approx(uncached, rel=1e-4)
     early = held_out_bits(model, data, ExitRule.parse(RULES[family][0]), windows=1, length=32)
     assert early["mean_exit_depth"] < model.config.depth
+
+
+def test_the_gate_rule_on_a_model_without_a_gate_is_refused_by_name():
+    # it asked to record the depth trace again, as if the trace were old
+    with pytest.raises(ValueError, match="huginn-3.5b has none"):
+        predict("huginn-3.5b", "a6000", Workload(exit_rule="gate:0.5", exit_depths={32: 1.0}))
