@@ -194,20 +194,22 @@ def test_prompts_file_cli(tmp_path):
         json.dumps({"prompt": "x", "max_new_tokens": -1}),
         "",
         json.dumps({"prompt": "import os", "max_new_tokens": 5}),
+        json.dumps({"prompt": "too long", "max_new_tokens": 100_000}),  # it ended the run
     ]) + "\n")
     out = tmp_path / "out.jsonl"
     res = subprocess.run([*CLI, "generate", "--model", "huginn-tiny", "--prompts-file",
                           str(prompts), "--batch-size", "2", "--schedule", "wfd",
                           "--max-new-tokens", "6", "--out", str(out), "--json"],
                          capture_output=True, text=True, timeout=120)
-    assert res.returncode == 1, res.stderr  # two bad lines, the others served
+    assert res.returncode == 1, res.stderr  # three bad lines, the others served
     assert "line 3: not JSON" in res.stderr and "line 4: max_new_tokens" in res.stderr
+    assert "line 7: a prompt of 8 tokens plus 100000 new ones exceeds" in res.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["line"] for r in rows] == [1, 2, 3, 4, 6]
-    assert [r.get("new_tokens") for r in rows] == [6, 3, None, None, 5]
-    assert "error" in rows[2] and "error" in rows[3]
+    assert [r["line"] for r in rows] == [1, 2, 3, 4, 6, 7]
+    assert [r.get("new_tokens") for r in rows] == [6, 3, None, None, 5, None]
+    assert "error" in rows[2] and "error" in rows[3] and "error" in rows[5]
     totals = json.loads(res.stdout)
-    assert totals["served"] == 3 and totals["skipped"] == 2 and totals["batch_size"] == 2
+    assert totals["served"] == 3 and totals["skipped"] == 3 and totals["batch_size"] == 2
     from wfd.checkpoint import load_model
 
     shipped = load_model("huginn-tiny")

@@ -281,7 +281,7 @@ def _generate_file(net, tok, prompts_file: Path, out: Path | None, *, model: str
     from .prompts import OrderedWriter, read_prompts
 
     try:
-        lines = read_prompts(prompts_file, tok, net.config.vocab_size, kw["max_new_tokens"])
+        lines = read_prompts(prompts_file, tok, net.config, kw["max_new_tokens"])
     except ValueError as exc:
         raise UserError(str(exc)) from None
     bad = [line for line in lines if line.request is None]

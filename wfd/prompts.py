@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import IO
 
 from .batch import Request, SequenceResult
-from .runtime import check_prompt
+from .runtime import check_length, check_prompt
 
 
 @dataclass
@@ -24,9 +24,9 @@ class PromptLine:
     error: str | None = None
 
 
-def read_prompts(path: Path, tokenizer, vocab_size: int, max_new_tokens: int
-                 ) -> list[PromptLine]:
-    """Every non-blank line of ``path`` as a request, or the reason it cannot be one."""
+def read_prompts(path: Path, tokenizer, config, max_new_tokens: int) -> list[PromptLine]:
+    """Every non-blank line of ``path`` as a request for a model of ``config`` (its vocabulary
+    and context), or the reason it cannot be one."""
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
@@ -37,7 +37,7 @@ def read_prompts(path: Path, tokenizer, vocab_size: int, max_new_tokens: int
             continue
         index = len(lines)
         try:
-            request = _parse(raw, index, tokenizer, vocab_size, max_new_tokens)
+            request = _parse(raw, index, tokenizer, config, max_new_tokens)
         except ValueError as exc:
             lines.append(PromptLine(number, None, f"line {number}: {exc}"))
         else:
@@ -47,7 +47,7 @@ def read_prompts(path: Path, tokenizer, vocab_size: int, max_new_tokens: int
     return lines
 
 
-def _parse(raw: str, index: int, tokenizer, vocab_size: int, max_new_tokens: int) -> Request:
+def _parse(raw: str, index: int, tokenizer, config, max_new_tokens: int) -> Request:
     try:
         obj = json.loads(raw)
     except json.JSONDecodeError as exc:
@@ -71,10 +71,11 @@ def _parse(raw: str, index: int, tokenizer, vocab_size: int, max_new_tokens: int
         if not isinstance(ids, list) or not all(
                 isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise ValueError("prompt_ids must be a list of integers")
-    check_prompt(ids, vocab_size)  # a GenerationError is a ValueError: the line's error
+    check_prompt(ids, config.vocab_size)  # a GenerationError is a ValueError: the line's error
     new = obj.get("max_new_tokens", max_new_tokens)
     if not isinstance(new, int) or isinstance(new, bool) or new < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {new!r}")
+    check_length(len(ids), new, config.max_position_embeddings)  # one line, not the whole run
     return Request(index=index, prompt=list(ids), max_new_tokens=new)
 
 

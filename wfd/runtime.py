@@ -87,7 +87,10 @@ def check_run(model: nn.Module, prompt_len: int, max_new_tokens: int, depth: int
         raise GenerationError(f"depth must be at least 1, got {depth}")
     if kv_sharing < 0:
         raise GenerationError(f"KV sharing must be 0 or a slot count >= 1, got {kv_sharing}")
-    context = model.config.max_position_embeddings
+    check_length(prompt_len, max_new_tokens, model.config.max_position_embeddings)
+
+
+def check_length(prompt_len: int, max_new_tokens: int, context: int) -> None:
     if prompt_len + max_new_tokens > context:
         raise GenerationError(f"a prompt of {prompt_len} tokens plus {max_new_tokens} new ones "
                               f"exceeds the model's context of {context}")
