@@ -31,10 +31,16 @@ def study_cmd(
 ) -> None:
     """Run a design-space study: writes NAME.csv, NAME.md and NAME.png into --out."""
     if name == "list":
-        typer.echo("\n".join(STUDIES))
+        if as_json:
+            print_json({"studies": list(STUDIES)})
+        else:
+            typer.echo("\n".join(STUDIES))
         return
     if name not in STUDIES:
         raise UserError(f"unknown study {name!r}; known: {', '.join(STUDIES)}")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; the study writes its table and figure into a "
+                        "folder")
     prof = load_profile(profile) if profile is not None else None
     if prof is not None:
         note_machine(prof, profile)

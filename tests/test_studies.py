@@ -205,6 +205,14 @@ def test_cli_json_and_unknown_study(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "costmodel", "study", "nope"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.startswith("error: unknown study")
+    listed = subprocess.run([sys.executable, "-m", "costmodel", "study", "list", "--json"],
+                            capture_output=True, text=True, timeout=60)
+    assert "memory" in json.loads(listed.stdout)["studies"]  # it printed names, not JSON
+    (tmp_path / "a-file").write_text("")
+    blocked = subprocess.run([sys.executable, "-m", "costmodel", "study", "memory", "--out",
+                              str(tmp_path / "a-file")], capture_output=True, text=True,
+                             timeout=60)
+    assert blocked.returncode == 2 and "is a file" in blocked.stderr
 
 
 PROFILES = Path(__file__).resolve().parents[1] / "data" / "profiles"
