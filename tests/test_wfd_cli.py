@@ -75,6 +75,16 @@ def test_bad_input_is_one_line_and_exit_2(args):
     assert len(lines) == 1 and lines[0].startswith("error:"), out.stderr
 
 
+def test_auto_refuses_a_profile_of_another_device_or_dtype():
+    # it read a GPU's bf16 profile for a CPU fp32 run: "has no peak flops for fp32"
+    from pathlib import Path
+
+    gpu = Path(__file__).parents[1] / "data" / "profiles" / "gpu-huginn-bf16.json"
+    out = run("generate", "--model", "huginn-tiny", "--prompt", "x", "--schedule", "auto",
+              "--profile", str(gpu))
+    assert out.returncode == 2 and "calibrated on cuda in bf16" in out.stderr, out.stderr
+
+
 def test_a_folder_with_binary_or_unreadable_files_is_one_line(tmp_path):
     from conftest import tiny_model
 

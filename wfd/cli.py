@@ -204,6 +204,11 @@ def generate(
         if schedule == "auto":
             if profile:
                 chosen, calibrated = profile, load_profile(profile)
+                ran = (calibrated.device.split(":")[0], calibrated.dtype)
+                if ran != (device.split(":")[0], dtype):
+                    raise UserError(f"--profile {profile} was calibrated on {ran[0]} in {ran[1]}; "
+                                    f"this run decodes on {device} in {dtype}: --schedule auto "
+                                    "decides with a profile of the run's device and dtype")
             else:  # this machine's calibration, or one made here in about a second
                 from calibrate.transplant import profile_for
 
