@@ -12,7 +12,7 @@ import typer
 from .clitools import DTYPES, UserError, one_of, print_json, run, spinner, text_table
 from .engines import ENGINES, VLLM_SOURCE, for_engine
 from .errors import ProfileError, TraceError
-from .memory import does_not_fit
+from .memory import DoesNotFit, does_not_fit
 from .predict import Prediction, predict
 from .presets import UnknownPresetError, get_hardware, get_model
 from .specs import EAGER_HOST_SOURCE, HardwareSpec, Workload
@@ -301,7 +301,11 @@ def recommend_cmd(
     _, hw, dtype = _hardware(profile, hardware, dtype)
     workload = Workload(context_length=context, new_tokens=new_tokens, batch_size=batch,
                         dtype=dtype)
-    choices = recommend(spec, hw, acceptance, workload, top=top)
+    try:
+        choices = recommend(spec, hw, acceptance, workload, top=top)
+    except DoesNotFit as exc:  # an answer, as predict gives it: exit 1, not bad input's 2
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
     if as_json:
         print_json({"model": spec.name, "hardware": hw.name, "workload": workload.model_dump(),
                     "acceptance_by_depth": acceptance,

@@ -16,7 +16,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from .memory import DoesNotFit, does_not_fit, memory_report
-from .plans import wave_width
+from .plans import lookahead, wave_width
 from .predict import MAX_BLOCK_LENGTH, _bound, _Pricer, decode_keys
 from .presets import resolve
 from .schedules import call_groups
@@ -121,8 +121,11 @@ def recommend(model: str | LoopedModelSpec, hardware: str | HardwareSpec,
     depth = wl.depth or spec.default_depth
     check_acceptance(acceptance, depth)
     hw.achievable_flops_per_s(wl.dtype)  # an unknown dtype fails here with a clear message
+    # what predict allocates for the widest wave and the longest DtV block: the same verdict
     memory = memory_report(spec, hw, wl, depth=depth, readout_depths=2,
-                           positions_per_call=max(depth, MAX_BLOCK_LENGTH + 1))
+                           positions_per_call=max(depth, MAX_BLOCK_LENGTH + 1),
+                           lookahead=max(lookahead("wfd", width=depth),
+                                         lookahead("dtv", block_length=MAX_BLOCK_LENGTH)))
     if not memory.fits:
         raise DoesNotFit(f"on {hw.name}: {does_not_fit(memory, wl)}")
     pricer = _Pricer(spec, hw, wl.dtype, np.asarray(decode_keys(wl, hw)),

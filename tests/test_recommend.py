@@ -88,6 +88,17 @@ def test_cli_json_and_bad_input(tmp_path):
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
+def test_a_context_that_does_not_fit_is_predict_s_verdict_and_exit_code():
+    # recommend left out the drafts' lookahead (33 tokens more fitted) and exited 2
+    fits = predict("huginn-3.5b", "a6000", Workload(context_length=1024)).memory.max_context
+    edge = fits - 512  # the longest prompt that fits with 512 new tokens
+    recommend("huginn-3.5b", "a6000", {4: 0.9}, Workload(context_length=edge))
+    with pytest.raises(ValueError, match=f"at most {fits:,} tokens"):
+        recommend("huginn-3.5b", "a6000", {4: 0.9}, Workload(context_length=edge + 1))
+    out = _cli("--acceptance-by-depth", "4:0.9", "--context", str(edge + 1))
+    assert out.returncode == 1 and out.stderr.startswith("error: on a6000"), out.stderr
+
+
 @pytest.mark.parametrize("family", ["huginn", "ouro"])
 def test_auto_runs_what_it_chooses_and_stays_exact(family):
     model = model_for(family, True)
