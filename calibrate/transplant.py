@@ -139,11 +139,12 @@ def profile_for(model, name: str, device: str, say=print) -> tuple[str, Calibrat
     from wfd.runtime import GenerationError, committed_profiles, machine_name
 
     family, machine = model.config.family, machine_name(device)
-    committed = list(committed_profiles(family, device))
+    dtype = DTYPE_NAMES[next(model.parameters()).dtype]
+    # a profile prices its own dtype (its peaks, a CPU's product curve): only that one serves
+    committed = [(path, p) for path, p in committed_profiles(family, device) if p.dtype == dtype]
     here = [(path, profile) for path, profile in committed if profile.machine == machine]
     if here:
         return str(here[0][0]), here[0][1]
-    dtype = DTYPE_NAMES[next(model.parameters()).dtype]
     cached = cache_dir() / "profiles" / f"{_slug(machine)}-{_slug(name)}-{dtype}.json"
     if cached.is_file():
         try:
@@ -157,11 +158,12 @@ def profile_for(model, name: str, device: str, say=print) -> tuple[str, Calibrat
             return str(cached), profile
         say(f"auto: the profile kept for this machine ({cached}) no longer prices it; "
             "timing it again")
-    base = next((p for _, p in committed if p.dtype == dtype),
-                next((p for _, p in committed), None))
-    if base is None:
-        raise GenerationError(f"no calibration profile of {family} on a {device} to start from; "
-                              f"make one with `costmodel calibrate --model {family}`")
+    if not committed:
+        on = "" if device == "cpu" else f" --device {device}"
+        raise GenerationError(f"no calibration profile of {family} in {dtype} on a {device} to "
+                              f"start from; make one with `costmodel calibrate --model {family}"
+                              f"{on} --dtype {dtype}`")
+    base = committed[0][1]
     say(f"auto: no calibration of this machine ({machine}); timing {len(SHAPES)} calls of "
         f"{name} to rescale {base.machine}'s profile")
     profile = transplant(base, model, name, machine)

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import tiny_model
 
 from calibrate.transplant import SHAPES, factors, profile_for
@@ -58,6 +59,15 @@ def test_a_cache_that_cannot_be_written_is_said_in_a_line_and_auto_still_decides
                                                  f"{elsewhere / 'profiles'}")
     assert source == "this machine's calls, timed just now"
     assert profile.machine == "Another CPU, 2 CPUs"
+
+
+def test_a_dtype_nobody_calibrated_says_which_calibration_to_make():
+    # the fp32 profile of this machine was taken for a bf16 run: "no peak flops for bf16"
+    from wfd.runtime import GenerationError
+
+    model = tiny_model("huginn").to(torch.bfloat16)
+    with pytest.raises(GenerationError, match="in bf16 on a cpu .* --dtype bf16"):
+        profile_for(model, "tiny-test", "cpu", say=lambda line: None)
 
 
 def test_the_two_factors_are_read_back_from_calls_that_weigh_them_differently():
