@@ -2,6 +2,8 @@
 the depth curriculum."""
 
 import statistics
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -40,3 +42,15 @@ def test_the_depth_ramp_rises_from_one_to_the_mean_then_holds():
     early = statistics.mean(sample_depth(ramped_mean_depth(16, 0.5, 0.1), 32, gen)
                             for _ in range(2000))
     assert early == pytest.approx(4, abs=0.3)
+
+
+@pytest.mark.parametrize("flag, value", [("--minutes", "0"), ("--batch", "0"), ("--length", "0"),
+                                         ("--lr", "-1"), ("--threads", "0"),
+                                         ("--intermediate-weight", "-1")])
+def test_numbers_training_cannot_use_are_refused_before_it_starts(flag, value, tmp_path):
+    # each gave a traceback, a NaN loss for the whole budget, or a model trained for no time
+    out = subprocess.run([sys.executable, "-m", "wfd.train", "--family", "ouro", "--out",
+                          str(tmp_path / "m"), flag, value], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and f"{flag} must be" in out.stderr, out.stderr
+    assert not (tmp_path / "m").exists()

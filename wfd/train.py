@@ -308,6 +308,12 @@ def main() -> None:
     parser.add_argument("--gate-only", action="store_true",
                         help="Ouro: train only the exit gate of the model already in --out")
     args = parser.parse_args()
+    for name in ("minutes", "batch", "length", "lr", "mean_depth", "max_depth", "backprop_depth",
+                 "threads"):  # each ran into a traceback, a NaN loss or a loop that never ended
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive, not {getattr(args, name)}")
+    if not args.intermediate_weight >= 0:
+        parser.error(f"--intermediate-weight must be >= 0, not {args.intermediate_weight}")
     if not 0 <= args.depth_ramp <= 1:
         parser.error(f"--depth-ramp is a fraction of the minutes, 0 to 1, not {args.depth_ramp}")
 
