@@ -45,6 +45,8 @@ from wfd.heldout import held_out_bits
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import heldout_prompts, model_heldout  # noqa: E402
 
+from costmodel.clitools import script_main
+
 RULES = {"huginn-tiny": ["kl:0.01", "kl:0.001", "kl:0.0001", "entropy-diff:0.01",
                          "latent-diff:0.03", "argmax-stable:2"],
          "ouro-tiny": ["gate:0.8", "gate:0.9", "gate:0.95", "kl:0.01"]}
@@ -196,4 +198,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

@@ -16,6 +16,7 @@ import statistics
 from pathlib import Path
 
 from calibrate.validate import predict_point
+from costmodel.clitools import script_main
 from costmodel.profile import ProfileError, ValidationPoint, load_profile
 
 SHAPES = ("one position, one key set", "positions share one key set", "a key set per position")
@@ -54,4 +55,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

@@ -36,6 +36,7 @@ import time
 import torch
 
 from calibrate.timing import Quiet
+from costmodel.clitools import script_main
 from costmodel.profile import load_profile
 from costmodel.simulate import price_records
 from wfd.checkpoint import load_model
@@ -202,4 +203,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

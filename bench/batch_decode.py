@@ -44,6 +44,7 @@ import sys
 import torch
 
 from calibrate.timing import Quiet
+from costmodel.clitools import script_main
 from costmodel.figures import batch_speedup_axes, save_figure
 from costmodel.predict import predict
 from costmodel.profile import load_profile
@@ -312,4 +313,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

@@ -15,6 +15,7 @@ import itertools
 import statistics
 from pathlib import Path
 
+from costmodel.clitools import script_main
 from costmodel.profile import load_profile
 
 
@@ -47,4 +48,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

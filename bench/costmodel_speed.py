@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from costmodel import sweep
+from costmodel.clitools import script_main
 
 GRIDS = {
     "31 widths x 20,000 acceptances": dict(width=np.arange(2, 33)[:, None],
@@ -117,4 +118,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

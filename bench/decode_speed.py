@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from costmodel.clitools import script_main
 from costmodel.exits import ForcedExits
 from costmodel.plans import wave_width
 from costmodel.predict import resolve_draft_depth
@@ -318,8 +319,10 @@ def main() -> None:
     o.add_argument("--write", default=None,
                    help="write each family's bf16 counts by class to this JSON file instead")
     args = parser.parse_args()
+    if getattr(args, "repeats", 1) < 1:
+        parser.error(f"--repeats must be at least 1, not {args.repeats}")
     {"schedules": schedules, "block-calls": block_calls, "operations": operations}[args.what](args)
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

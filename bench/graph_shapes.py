@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 
 from costmodel import AR, WFD, DtV, Workload, get_hardware, get_model, simulate
+from costmodel.clitools import script_main
 from costmodel.memory import kv_cache_bytes
 from costmodel.plans import lookahead, wave_width
 
@@ -58,4 +59,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

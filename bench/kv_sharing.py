@@ -27,6 +27,8 @@ from wfd.generate import generate
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import heldout_prompts, model_heldout  # noqa: E402
 
+from costmodel.clitools import script_main
+
 
 def agreement(a: list[int], b: list[int]) -> tuple[float, float]:
     """(fraction of positions with equal tokens, fraction before the first difference)."""
@@ -71,4 +73,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

@@ -23,6 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from costmodel.clitools import script_main
+
 
 def per_call(fn, inner: int) -> float:
     t0 = time.perf_counter()
@@ -92,4 +94,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

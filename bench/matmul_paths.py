@@ -19,6 +19,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from costmodel.clitools import script_main
+
 
 def timed(fn, repeats: int) -> float:
     for _ in range(3):
@@ -83,4 +85,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

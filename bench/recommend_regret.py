@@ -23,6 +23,7 @@ from pathlib import Path
 from decode_speed import PROMPTS, prompts_for, time_schedule
 
 from costmodel import Workload, recommend
+from costmodel.clitools import script_main
 from costmodel.plans import wave_width
 from costmodel.profile import load_profile
 from costmodel.trace import atomic_write_text
@@ -177,4 +178,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

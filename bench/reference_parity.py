@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from costmodel.clitools import script_main
 from wfd.checkpoint import build, init_random, load_folder, save
 from wfd.config import ModelConfig
 from wfd.generate import full_forward, make_cache, prefill
@@ -118,4 +119,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from calibrate.fit import PARAMETERS, Observation, fit, parameters_for
 from calibrate.validate import predict_point
+from costmodel.clitools import script_main
 from costmodel.profile import ProfileError, ValidationPoint, load_profile
 from costmodel.specs import HardwareSpec
 
@@ -87,4 +88,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

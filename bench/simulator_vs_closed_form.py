@@ -16,6 +16,7 @@ import random
 import numpy as np
 
 from costmodel import WFD, DtV, get_hardware, get_model, simulate
+from costmodel.clitools import script_main
 from costmodel.predict import _Pricer
 from costmodel.schedules import block_calls_per_token, call_groups
 
@@ -62,4 +63,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

@@ -21,6 +21,7 @@ import textwrap
 
 import torch
 
+from costmodel.clitools import script_main
 from costmodel.predict import resolve_draft_depth
 from wfd.checkpoint import SHIPPED_DIR, load_model
 from wfd.generate import Sampling, generate
@@ -243,4 +244,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

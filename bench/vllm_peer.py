@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from costmodel.clitools import script_main
 from wfd.batch import Request, decode_batch
 from wfd.checkpoint import load_model
 from wfd.generate import generate
@@ -123,4 +124,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    script_main(main)

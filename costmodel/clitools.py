@@ -92,6 +92,18 @@ def run(app: typer.Typer, user_errors: tuple[type[BaseException], ...] = ()) -> 
     return main
 
 
+def script_main(main: Callable[[], object]) -> None:
+    """A script's entry (bench/): bad input, a missing file or preset as one line on stderr and
+    exit 2, as the command lines report them, instead of a traceback."""
+    from .presets import UnknownPresetError
+
+    try:
+        main()
+    except (UserError, ValueError, OSError, UnknownPresetError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
 def check_writable(*paths) -> None:
     """Each path given (None: skipped) can be written, its folder made if need be: asked before
     a command spends minutes on what it would write there."""

@@ -151,6 +151,20 @@ def test_every_bench_script_imports_and_parses_its_arguments(monkeypatch, capsys
         assert "usage:" in capsys.readouterr().out, script.name
 
 
+def test_a_bench_script_s_bad_input_is_one_line(monkeypatch, capsys):
+    # an unknown model or preset gave a traceback
+    import runpy
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    for script, args in (("graph_shapes.py", ["--models", "gpt-5"]),
+                         ("decode_speed.py", ["schedules", "--models", "gpt-5"])):
+        monkeypatch.setattr(sys, "argv", [script, *args])
+        with pytest.raises(SystemExit) as done:
+            runpy.run_path(str(bench / script), run_name="__main__")
+        err = capsys.readouterr().err.strip().splitlines()
+        assert done.value.code == 2 and len(err) == 1 and "gpt-5" in err[0], err
+
+
 def test_a_package_name_stays_the_function_once_its_module_is_imported():
     """`wfd.generate` and `costmodel.predict` are functions defined in modules of the same
     name; importing those modules (as loading a model does) must not put the module in the
