@@ -224,6 +224,7 @@ def test_prompts_file_cli(tmp_path):
     ["--prompts-file", "{p}", "--schedule", "auto"],
     ["--prompts-file", "{p}", "--json"],
     ["--prompt", "x", "--batch-size", "4"],
+    ["--prompts-file", "{p}", "--out", "{p}"],  # it overwrote the prompts with the results
 ])
 def test_prompts_file_bad_input_is_one_line(args, tmp_path):
     p = tmp_path / "p.jsonl"
@@ -234,6 +235,7 @@ def test_prompts_file_bad_input_is_one_line(args, tmp_path):
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:"), res.stderr
+    assert p.read_text() == json.dumps({"prompt": "hi"}) + "\n"
 
 
 def test_one_sequence_batch_is_the_decoder():

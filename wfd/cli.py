@@ -151,6 +151,10 @@ def generate(
         except ValueError as exc:
             raise UserError(f"--draft-when: {exc}") from None
 
+    outputs = [p.resolve() for p in (trace, depth_trace, out) if p is not None]
+    if len(set(outputs)) < len(outputs) or (prompts_file and prompts_file.resolve() in outputs):
+        raise UserError("--trace, --depth-trace, --out and --prompts-file must be different "
+                        "files (one would overwrite another)")
     check_writable(trace, depth_trace, out)
     import torch  # heavy: only once the arguments are known to be sane
 
