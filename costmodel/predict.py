@@ -168,6 +168,11 @@ def resolve_draft_depth(model: LoopedModelSpec, depth: int, width: int | None,
     return d
 
 
+def check_kv_sharing(kv_sharing: int, depth: int) -> None:
+    if kv_sharing > depth:
+        raise ValueError(f"KV sharing uses at most R = {depth} slots, got {kv_sharing}")
+
+
 def acceptance_for(spec: LoopedModelSpec, wl: Workload, depth: int, draft_depth: int) -> float:
     """The workload's acceptance: given, read from its depth trace at the draft depth, or the
     model's default."""
@@ -206,8 +211,7 @@ def predict(
         raise ValueError(f"block length must be at least 1, got {block_length}")
     if width_cap is not None and width_cap < 1:
         raise ValueError(f"width cap must be at least 1, got {width_cap}")
-    if wl.kv_sharing > depth:
-        raise ValueError(f"KV sharing uses at most R = {depth} slots, got {wl.kv_sharing}")
+    check_kv_sharing(wl.kv_sharing, depth)
     if wl.prompts is not None and wl.prompts * wl.new_tokens > MAX_SIMULATED_TOKENS:
         raise ValueError(f"{wl.prompts} prompts x {wl.new_tokens} new tokens = "
                          f"{wl.prompts * wl.new_tokens:,} tokens to simulate, more than "

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .memory import DoesNotFit, does_not_fit, memory_report
 from .plans import lookahead, wave_width
-from .predict import MAX_BLOCK_LENGTH, _bound, _Pricer, decode_keys
+from .predict import MAX_BLOCK_LENGTH, _bound, _Pricer, check_kv_sharing, decode_keys
 from .presets import resolve
 from .schedules import call_groups
 from .simulate import simulate
@@ -119,6 +119,12 @@ def recommend(model: str | LoopedModelSpec, hardware: str | HardwareSpec,
     spec, hw = resolve(model, hardware)
     wl = workload or Workload()
     depth = wl.depth or spec.default_depth
+    if wl.adaptive or wl.prompts is not None or wl.acceptance is not None or wl.depth_trace:
+        # each was ignored: the search prices fixed-depth steady states at ``acceptance``
+        raise ValueError("recommend prices a full batch at fixed depth from its acceptance by "
+                         "depth: leave exits, a run of prompts and a single acceptance or depth "
+                         "trace out of the workload")
+    check_kv_sharing(wl.kv_sharing, depth)
     check_acceptance(acceptance, depth)
     hw.achievable_flops_per_s(wl.dtype)  # an unknown dtype fails here with a clear message
     # what predict allocates for the widest wave and the longest DtV block: the same verdict

@@ -137,3 +137,13 @@ def test_this_machines_profile_is_found_or_the_error_says_how_to_make_one(monkey
     assert said == []  # this machine's own calibration: nothing timed, nothing said
     with pytest.raises(GenerationError, match="costmodel calibrate --model ouro"):
         profile_for(ouro, "tiny", "cpu")
+
+
+def test_workload_fields_the_search_does_not_price_are_refused():
+    # exits, a run of prompts and a single acceptance were ignored without a word
+    for wl in (Workload(exit_depths={4: 0.5, 32: 0.5}), Workload(prompts=4, batch_size=2),
+               Workload(acceptance=0.5)):
+        with pytest.raises(ValueError, match="leave exits, a run of prompts"):
+            recommend("huginn-3.5b", "h200", {4: 0.9}, wl)
+    with pytest.raises(ValueError, match="KV sharing uses at most R = 32"):
+        recommend("huginn-3.5b", "h200", {4: 0.9}, Workload(kv_sharing=40))
