@@ -159,8 +159,8 @@ def resolve_draft_depth(model: LoopedModelSpec, depth: int, width: int | None,
                         draft_depth: int | None) -> int:
     if width is not None and draft_depth is not None:
         raise ValueError("give either a width or a draft depth, not both")
-    if width is not None and depth >= 2 and not 2 <= width <= depth:
-        # width 1 drafts at R: nothing left to verify
+    check_draft_depth(1, depth)  # R >= 2: room to draft at all
+    if width is not None and not 2 <= width <= depth:  # width 1 drafts at R: nothing to verify
         raise ValueError(f"width must be in 2..{depth} (R = {depth}), got {width}")
     d = model.width_to_draft_depth(width, depth) if width is not None else (
         draft_depth if draft_depth is not None else min(model.default_draft_depth, depth - 1))

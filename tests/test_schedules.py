@@ -221,6 +221,7 @@ def test_a_draft_depth_is_refused_with_the_range_it_must_lie_in():
     for depth, width, draft, message in ((32, 1, None, r"width must be in 2\.\.32"),
                                          (32, None, 32, r"draft depth must be in 1\.\.31"),
                                          (1, None, None, "a depth R of at least 2"),
-                                         (1, 2, None, "a depth R of at least 2")):
+                                         (1, 2, None, "a depth R of at least 2"),
+                                         (1, 0, None, "a depth R of at least 2")):
         with pytest.raises(ValueError, match=message):
             resolve_draft_depth(spec, depth, width, draft)
