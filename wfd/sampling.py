@@ -26,7 +26,8 @@ class Sampling:
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature < float("inf"):  # NaN too: it sampled token 255 alone
-            raise GenerationError(f"temperature must be >= 0, got {self.temperature}")
+            raise GenerationError(f"temperature must be a finite number >= 0, got "
+                                  f"{self.temperature}")
         if not 0 < self.top_p <= 1:
             raise GenerationError(f"top-p must be in (0, 1], got {self.top_p}")
 
