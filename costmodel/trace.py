@@ -216,4 +216,10 @@ def read_depth_trace(path: str | os.PathLike[str]) -> DepthTrace:
     header, lines = _read_lines(path)
     if header.trace != "depths":
         raise TraceError(f"{path} is a {header.trace} trace, not a depth trace")
-    return DepthTrace(header=header, records=_records(path, lines, DepthRecord))
+    records = _records(path, lines, DepthRecord)
+    short = next((r for r in records if len(r.predictions) != header.depth), None)
+    if short is not None:  # every reader indexes depths 1..R
+        raise TraceError(f"trace {path}: position {short.position} is read out at "
+                         f"{len(short.predictions)} depths, not R = {header.depth} (a depth trace "
+                         "reads every position out at every depth)")
+    return DepthTrace(header=header, records=records)

@@ -57,3 +57,14 @@ def test_bad_record_names_its_line(tmp_path):
         read_call_trace(path)
     with pytest.raises(TraceError, match="not a depth trace"):
         read_depth_trace(path)
+
+
+def test_a_depth_trace_with_a_position_read_out_short_is_refused(tmp_path):
+    # predict and recommend raised an IndexError on it
+    header = TraceHeader(trace="depths", source="measured", model="m", device="cpu",
+                         dtype="fp32", depth=4, prompt_length=2)
+    path = tmp_path / "short.jsonl"
+    write_jsonl(path, header, [DepthRecord(position=2, token=1, predictions=[1, 1],
+                                           top1_prob=[0.5, 0.5])])
+    with pytest.raises(TraceError, match="position 2 is read out at 2 depths, not R = 4"):
+        read_depth_trace(path)

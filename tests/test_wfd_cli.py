@@ -67,6 +67,8 @@ def test_prompt_ids_without_tokenizer_prints_ids():
     ["--model", "huginn-tiny:random", "--prompt", "x", "--exit", "kl", "--min-depth", "0"],
     ["--model", "huginn-tiny:random", "--prompt", "x", "--min-depth", "2"],
     ["--model", "huginn-tiny:random", "--prompt", "x", "--exit", "kl", "--schedule", "auto"],
+    # a depth trace under exits held short records that predict then indexed past
+    ["--model", "huginn-tiny:random", "--prompt", "x", "--exit", "kl", "--depth-trace", "d.jsonl"],
 ])
 def test_bad_input_is_one_line_and_exit_2(args):
     out = run("generate", *args)

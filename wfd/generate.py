@@ -358,6 +358,10 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
     if auto and (hardware is None or force_acceptance is not None or depth < 2):
         raise GenerationError("--schedule auto needs a calibration profile, a depth of at least "
                               "2 and the model's own acceptance (no forced acceptance)")
+    if depth_trace and exit_rule is not None:  # an exit would cut a position's readouts short
+        raise GenerationError("a depth trace is recorded at full depth (every position read out "
+                              "at every depth): leave out the exit rule; the trace gives every "
+                              "rule's exits (costmodel predict --exit)")
     if auto and exit_rule is not None:
         raise GenerationError("--schedule auto chooses among fixed-depth schedules; name the "
                               "schedule to run with an exit rule")
