@@ -26,7 +26,7 @@ from costmodel import Workload, recommend
 from costmodel.clitools import script_main
 from costmodel.plans import wave_width
 from costmodel.profile import load_profile
-from costmodel.trace import atomic_write_text
+from costmodel.trace import atomic_write
 from studies.recommend import acceptance_curve
 from wfd.checkpoint import load_model
 from wfd.generate import generate
@@ -174,7 +174,7 @@ def main() -> None:
     table = "\n".join(lines) + "\n"
     print(table)
     if args.out:
-        atomic_write_text(args.out, table)
+        atomic_write(args.out, table)
 
 
 if __name__ == "__main__":

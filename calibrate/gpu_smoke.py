@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from costmodel.plans import STATIC_SPAN_KEYS
 from costmodel.presets import MODELS
-from costmodel.trace import atomic_write_text
+from costmodel.trace import atomic_write
 from wfd.checkpoint import DTYPES, load_model
 from wfd.generate import full_forward, generate
 from wfd.layers import BACKEND_NAMES, SDPBackend, backend_for, sdpa_kernel
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     report["seconds"] = time.perf_counter() - started
     print(f"\n{report['seconds']:.1f} s")
     if args.json is not None:
-        atomic_write_text(args.json, json.dumps(report, indent=1))
+        atomic_write(args.json, json.dumps(report, indent=1))
     return 0
 
 

@@ -3,6 +3,7 @@ atomically. Without it, nothing is written and the caller says so."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,12 +18,13 @@ def save_figure(path: str | Path, draw: Callable[[object], None],
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
+    from .trace import atomic_write
+
     fig = Figure(figsize=size_in, layout="constrained")
     draw(fig)
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(path)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
+    atomic_write(path, png.getvalue())
     return True
 
 

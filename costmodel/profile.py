@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import ProfileError  # noqa: F401 (importers name it here)
 from .specs import HardwareSpec, LoopedModelSpec
-from .trace import CallRecord, atomic_write_text
+from .trace import CallRecord, atomic_write
 
 # 2: measured kernel counts, cache, blocked products, p-norm; 3: CPU threads' regime, measured
 # thin-product flops, per-product latencies, cached vector products read once per row; 4: a
@@ -129,7 +129,7 @@ class CalibrationProfile(BaseModel):
 
 
 def save_profile(profile: CalibrationProfile, path: str | Path) -> None:
-    atomic_write_text(path, profile.model_dump_json(indent=2) + "\n")
+    atomic_write(path, profile.model_dump_json(indent=2) + "\n")
 
 
 def cpu_machine_name() -> str:

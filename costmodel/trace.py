@@ -144,7 +144,9 @@ def current_commit() -> str:
     return out.stdout.strip() or "unknown"
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> None:
+    """Write ``data`` (text, or bytes such as a figure's) to ``path`` all at once or not at all:
+    a temporary file beside it, renamed over it."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -155,8 +157,8 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     os.umask(umask)
     os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a written file reads like any other
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -168,7 +170,7 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
 def write_jsonl(path: str | os.PathLike[str], header: TraceHeader,
                 records: Iterable[BaseModel]) -> None:
     lines = [header.model_dump_json()] + [r.model_dump_json() for r in records]
-    atomic_write_text(path, "\n".join(lines) + "\n")
+    atomic_write(path, "\n".join(lines) + "\n")
 
 
 def _read_lines(path: str | os.PathLike[str]) -> tuple[TraceHeader, list[str]]:

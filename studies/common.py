@@ -14,7 +14,7 @@ from pathlib import Path
 
 from costmodel.figures import save_figure
 from costmodel.specs import HardwareSpec, Workload
-from costmodel.trace import atomic_write_text
+from costmodel.trace import atomic_write
 
 
 @dataclass
@@ -64,10 +64,10 @@ def write_outputs(result: StudyResult, out_dir: str | Path) -> dict[str, str]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"csv": out / f"{result.name}.csv", "markdown": out / f"{result.name}.md"}
-    atomic_write_text(paths["csv"], to_csv(result.rows))
+    atomic_write(paths["csv"], to_csv(result.rows))
     extra = "".join(f"\n## {title}\n\n" + to_markdown(table)
                     for title, table in result.summary.get("tables", {}).items())
-    atomic_write_text(paths["markdown"], f"# {result.title}\n\n" + to_markdown(result.rows)
+    atomic_write(paths["markdown"], f"# {result.title}\n\n" + to_markdown(result.rows)
                       + extra)
     figure = out / f"{result.name}.png"
     if save_figure(figure, result.draw, (9, 5.5)):

@@ -250,3 +250,16 @@ def test_a_table_whose_rows_leave_columns_out_keeps_them_all(tmp_path):
                           str(PROFILES / "cpu-ouro-fp32-quick.json")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith("error: study")
+
+
+def test_a_figure_that_cannot_be_written_names_the_file(tmp_path):
+    # it named its temporary twin (".f.png.tmp.png")
+    pytest.importorskip("matplotlib")
+    from costmodel.figures import save_figure
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(OSError, match=f"cannot write {blocker / 'f.png'}"):
+        save_figure(blocker / "f.png", lambda fig: fig.add_subplot(), (2, 2))
+    assert save_figure(tmp_path / "f.png", lambda fig: fig.add_subplot(), (2, 2))
+    assert (tmp_path / "f.png").read_bytes().startswith(b"\x89PNG")
