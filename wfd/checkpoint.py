@@ -41,13 +41,12 @@ def build(cfg: ModelConfig, *, init_scale: float = 1.0, seed: int = 0,
           device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
     cls = HuginnModel if cfg.family == "huginn" else OuroModel
     device = torch.device(device)
-    if device.type != "meta":  # made in fp32, then cast: both copies at once in another dtype
-        need = cfg.to_spec(cfg.family).num_params * (4 + dtype.itemsize * (dtype != torch.float32))
+    if device.type != "meta":  # made in fp32, then cast a parameter at a time: fp32's bytes
+        need = cfg.to_spec(cfg.family).num_params * 4
         free = free_memory_bytes(device)
         if need > free:
-            raise CheckpointError(f"the weights need {need / 1e9:.1f} GB to load in "
-                                  f"{DTYPE_NAMES[dtype]} and the {device.type} has "
-                                  f"{free / 1e9:.1f} GB free")
+            raise CheckpointError(f"the weights need {need / 1e9:.1f} GB to load (made in fp32, "
+                                  f"then cast) and the {device.type} has {free / 1e9:.1f} GB free")
     with torch.device(device):
         model = cls(cfg, init_scale=init_scale, seed=seed)
     return model.to(dtype).eval()

@@ -145,8 +145,9 @@ def meminfo_bytes(field: str) -> int | None:
 
 def free_memory_bytes(device: torch.device) -> int:
     """Memory a new allocation can take: the GPU's free memory, or the host's available RAM."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cuda":  # and what torch's allocator holds unused, free to it
+        return (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+                - torch.cuda.memory_allocated(device))
     available = meminfo_bytes("MemAvailable")
     return available if available is not None else (
         os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
