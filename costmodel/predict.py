@@ -169,8 +169,9 @@ def resolve_draft_depth(model: LoopedModelSpec, depth: int, width: int | None,
 
 
 def check_kv_sharing(kv_sharing: int, depth: int) -> None:
-    if kv_sharing > depth:
-        raise ValueError(f"KV sharing uses at most R = {depth} slots, got {kv_sharing}")
+    if not 0 <= kv_sharing <= depth:
+        raise ValueError(f"KV sharing is 0 (a slot per depth) or at most R = {depth} slots, got "
+                         f"{kv_sharing}")
 
 
 def acceptance_for(spec: LoopedModelSpec, wl: Workload, depth: int, draft_depth: int) -> float:
@@ -360,6 +361,7 @@ def sweep(
                          np.asarray(context, dtype=float), np.asarray(bw, dtype=float),
                          np.asarray(batch, dtype=float))
     shape = np.broadcast_shapes(w.shape, a.shape, ctx.shape, bwa.shape, b.shape)
+    check_kv_sharing(kv_sharing, depth)
     # each as "not (valid)", so that NaN is refused too
     for bad, what in ((depth < 2, f"depth R must be at least 2, got {depth}"),
                       (np.any(~((w >= 2) & (w <= depth))), f"width must be in 2..{depth}"),
@@ -368,8 +370,6 @@ def sweep(
                       (np.any(~(b >= 1)), "batch must be at least 1"),
                       (np.any(~(bwa > 0)), "bandwidth must be positive"),
                       (new_tokens < 1, f"new tokens must be at least 1, got {new_tokens}"),
-                      (not 0 <= kv_sharing <= depth,
-                       f"KV sharing must be 0 or a slot count up to R = {depth}, got {kv_sharing}"),
                       (not block_lengths or min(block_lengths) < 1,
                        "block lengths must be 1 or more"),
                       (dtype not in DTYPE_BYTES, f"unknown dtype {dtype!r}")):

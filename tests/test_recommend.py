@@ -145,5 +145,5 @@ def test_workload_fields_the_search_does_not_price_are_refused():
                Workload(acceptance=0.5)):
         with pytest.raises(ValueError, match="leave exits, a run of prompts"):
             recommend("huginn-3.5b", "h200", {4: 0.9}, wl)
-    with pytest.raises(ValueError, match="KV sharing uses at most R = 32"):
+    with pytest.raises(ValueError, match="at most R = 32 slots, got 40"):
         recommend("huginn-3.5b", "h200", {4: 0.9}, Workload(kv_sharing=40))
