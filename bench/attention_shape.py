@@ -17,7 +17,7 @@ from pathlib import Path
 
 from calibrate.validate import predict_point
 from costmodel.clitools import script_main
-from costmodel.profile import ProfileError, ValidationPoint, load_profile
+from costmodel.profile import ValidationPoint, load_profile
 
 SHAPES = ("one position, one key set", "positions share one key set", "a key set per position")
 
@@ -37,10 +37,7 @@ def main() -> None:
     print("| profile | model | shape | calls | median ms | median predicted / measured - 1 |\n"
           "|---|---|---|---|---|---|")
     for path in args.profiles:
-        try:
-            profile = load_profile(path)
-        except ProfileError as exc:
-            raise SystemExit(str(exc)) from None
+        profile = load_profile(path)
         groups: dict[tuple[str, str], list[tuple[float, float]]] = {}
         for point in profile.training + profile.validation:
             if point.kind == "call" and point.group == "block":

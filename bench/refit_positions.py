@@ -24,7 +24,7 @@ from pathlib import Path
 from calibrate.fit import PARAMETERS, Observation, fit, parameters_for
 from calibrate.validate import predict_point
 from costmodel.clitools import script_main
-from costmodel.profile import ProfileError, ValidationPoint, load_profile
+from costmodel.profile import ValidationPoint, load_profile
 from costmodel.specs import HardwareSpec
 
 
@@ -52,10 +52,7 @@ def main() -> None:
     parser.add_argument("--fix", nargs="+", default=[], choices=[p.name for p in PARAMETERS],
                         help="coefficients held at their default instead of fitted")
     args = parser.parse_args()
-    try:
-        profile = load_profile(args.profile)
-    except ProfileError as exc:
-        raise SystemExit(str(exc)) from None
+    profile = load_profile(args.profile)
     if not profile.training:
         raise SystemExit(f"{args.profile} keeps no training calls (made before they were kept); "
                          "calibrate again")

@@ -80,16 +80,19 @@ def run(app: typer.Typer, user_errors: tuple[type[BaseException], ...] = ()) -> 
                 raise
             typer.echo(f"error: {message}", err=True)
             sys.exit(2)
-        except (UserError, ValueError, *user_errors) as exc:
-            typer.echo(f"error: {exc}", err=True)
-            sys.exit(2)
-        except OSError as exc:  # a file that cannot be read or written: its name and why
-            typer.echo(f"error: {exc.strerror or exc}" + (
-                f": {exc.filename}" if exc.filename and str(exc.filename) not in
-                str(exc.strerror) else ""), err=True)
+        except (UserError, ValueError, OSError, *user_errors) as exc:
+            typer.echo(f"error: {error_text(exc)}", err=True)
             sys.exit(2)
 
     return main
+
+
+def error_text(exc: BaseException) -> str:
+    """Bad input's one line; a file that cannot be read or written by its name and why."""
+    if not isinstance(exc, OSError):
+        return str(exc)
+    named = exc.filename and str(exc.filename) not in str(exc.strerror)
+    return f"{exc.strerror or exc}" + (f": {exc.filename}" if named else "")
 
 
 def script_main(main: Callable[[], object]) -> None:
@@ -100,7 +103,7 @@ def script_main(main: Callable[[], object]) -> None:
     try:
         main()
     except (UserError, ValueError, OSError, UnknownPresetError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {error_text(exc)}", file=sys.stderr)
         sys.exit(2)
 
 
