@@ -13,6 +13,7 @@ from .clitools import DTYPES, UserError, one_of, print_json, run, spinner, text_
 from .engines import ENGINES, VLLM_SOURCE, for_engine
 from .errors import ProfileError, TraceError
 from .memory import DoesNotFit, does_not_fit
+from .plans import check_kv_sharing
 from .predict import Prediction, predict
 from .presets import UnknownPresetError, get_hardware, get_model
 from .specs import EAGER_HOST_SOURCE, HardwareSpec, Workload
@@ -216,9 +217,6 @@ def predict_cmd(
     if acceptance is not None and not 0 <= acceptance <= 1:
         raise UserError(f"acceptance must be in [0, 1], got {acceptance}")
     _at_least_one(context=context, new_tokens=new_tokens, batch=batch, prompts=prompts)
-    if kv_sharing < 0:
-        raise UserError(f"KV sharing must be 0 (per-depth slots) or a slot count >= 1, "
-                        f"got {kv_sharing}")
     if depth is not None and depth < 2:
         raise UserError(f"depth R must be at least 2, got {depth}")
     if engine not in ENGINES:
@@ -227,6 +225,7 @@ def predict_cmd(
     spec = get_model(model)
     base = for_engine(engine, base, spec)
     hw = _override(base, bandwidth, flops, memory, launch_overhead, dtype, mode, host_speed)
+    check_kv_sharing(kv_sharing, depth or spec.default_depth)
     exits = _exit_options(exit_rule, min_depth, exit_depths, depth or spec.default_depth)
     if exit_rule is not None and exit_depths is None and depth_trace is None:
         raise UserError("--exit is priced from the exit depths a --depth-trace gives under it "
@@ -260,6 +259,10 @@ def predict_cmd(
         note_undetermined(loose)
         if host is not None:
             typer.echo(f"note: {'engine' if engine == 'vllm' else 'host'}: {host}", err=True)
+    if result.memory.fits and context + new_tokens > spec.max_position_embeddings:  # no run
+        typer.echo(f"note: {spec.name} has {spec.max_position_embeddings:,} positions; "
+                   f"{context:,} + {new_tokens:,} tokens is priced as the architecture would run "
+                   "it (the decoder refuses it)", err=True)
     if not result.memory.fits:
         typer.echo(f"error: {does_not_fit(result.memory, workload)}", err=True)
         raise typer.Exit(1)

@@ -471,3 +471,8 @@ def check_draft_depth(draft_depth: int, depth: int) -> None:
         raise ValueError(f"draft depth must be in 1..{depth - 1} (below R = {depth}), "
                          f"got {draft_depth}")
 
+
+def check_kv_sharing(kv_sharing: int, depth: int) -> None:
+    if not 0 <= kv_sharing <= depth:
+        raise ValueError(f"KV sharing is 0 (a slot per depth) or at most R = {depth} slots, got "
+                         f"{kv_sharing}")

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .cost import call_cost
 from .memory import MemoryReport, kv_cache_bytes, memory_report
-from .plans import check_draft_depth, lookahead, mean_decode_keys, wave_width
+from .plans import check_draft_depth, check_kv_sharing, lookahead, mean_decode_keys, wave_width
 from .presets import resolve
 from .schedules import (
     CallGroup,
@@ -166,12 +166,6 @@ def resolve_draft_depth(model: LoopedModelSpec, depth: int, width: int | None,
         draft_depth if draft_depth is not None else min(model.default_draft_depth, depth - 1))
     check_draft_depth(d, depth)
     return d
-
-
-def check_kv_sharing(kv_sharing: int, depth: int) -> None:
-    if not 0 <= kv_sharing <= depth:
-        raise ValueError(f"KV sharing is 0 (a slot per depth) or at most R = {depth} slots, got "
-                         f"{kv_sharing}")
 
 
 def acceptance_for(spec: LoopedModelSpec, wl: Workload, depth: int, draft_depth: int) -> float:

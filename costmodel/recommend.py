@@ -16,8 +16,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from .memory import DoesNotFit, does_not_fit, memory_report
-from .plans import lookahead, wave_width
-from .predict import MAX_BLOCK_LENGTH, _bound, _Pricer, check_kv_sharing, decode_keys
+from .plans import check_kv_sharing, lookahead, wave_width
+from .predict import MAX_BLOCK_LENGTH, _bound, _Pricer, decode_keys
 from .presets import resolve
 from .schedules import call_groups
 from .simulate import simulate

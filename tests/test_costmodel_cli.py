@@ -117,6 +117,9 @@ def test_kv_sharing_lets_longer_contexts_fit():
     out = run("predict", "--context", "100000", "--kv-sharing", "1", "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["memory"]["fits"] is True
+    # priced, and said to be past the model's 4,096 positions, which the decoder refuses
+    assert "huginn-3.5b has 4,096 positions" in out.stderr
+    assert "positions" not in run("predict", "--context", "3584").stderr
 
 
 @pytest.mark.parametrize(

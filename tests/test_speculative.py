@@ -144,6 +144,8 @@ def test_kv_sharing_with_a_slot_per_depth_equals_no_sharing():
     for schedule in ("ar", "dtv", "wfd"):
         assert run(model, prompt, schedule, max_new_tokens=16, draft_depth=2,
                    kv_sharing=depth).tokens == ar.tokens
+    with pytest.raises(ValueError, match="at most R"):  # the cost model's rule: no slot beyond R
+        run(model, prompt, max_new_tokens=4, kv_sharing=depth + 1)
 
 
 def test_forced_acceptance_is_flagged_and_paces_the_wave():

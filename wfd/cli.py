@@ -178,6 +178,8 @@ def generate(
         folder = Path(model) if Path(model).is_dir() else SHIPPED_DIR / model
         tok = tokenizer_for(folder if folder.is_dir() else None, net.config.vocab_size)
         stops = frozenset(_parse_ids(stop_ids, "--stop-ids")) if stop_ids else frozenset()
+        if stops:
+            check_prompt(sorted(stops), net.config.vocab_size, "--stop-ids")
         run_depth = depth or net.config.depth
         if force_exits is not None:
             from costmodel.exits import ForcedExits

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from costmodel.plans import call_slots, keys_read, static_span
+from costmodel.plans import call_slots, check_kv_sharing, keys_read, static_span
 from costmodel.trace import CallRecord
 
 from .cache import KVCache, part_slots
@@ -77,7 +77,8 @@ def check_prompt(prompt: object, vocab_size: int, what: str = "the prompt") -> N
         raise GenerationError(f"{what} is empty")
     bad = [i for i in prompt if not 0 <= i < vocab_size]
     if bad:
-        raise GenerationError(f"token id {bad[0]} outside the vocabulary of {vocab_size}")
+        raise GenerationError(f"{what} holds token id {bad[0]}, outside the vocabulary of "
+                              f"{vocab_size}")
 
 
 def check_run(model: nn.Module, prompt_len: int, max_new_tokens: int, depth: int,
@@ -85,8 +86,7 @@ def check_run(model: nn.Module, prompt_len: int, max_new_tokens: int, depth: int
     """Refuse a depth, a sharing or a sequence the model cannot run, in one line."""
     if depth < 1:
         raise GenerationError(f"depth must be at least 1, got {depth}")
-    if kv_sharing < 0:
-        raise GenerationError(f"KV sharing must be 0 or a slot count >= 1, got {kv_sharing}")
+    check_kv_sharing(kv_sharing, depth)
     check_length(prompt_len, max_new_tokens, model.config.max_position_embeddings)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+from costmodel.plans import check_kv_sharing
 from wfd.config import ConfigError, ModelConfig
 
 
@@ -42,9 +43,9 @@ class LoopedConfig(PretrainedConfig):
     @property
     def depth(self) -> int:
         depth = int(self.recurrence_depth or self.looped.depth)
-        if depth < 1 or self.kv_sharing < 0:
-            raise ValueError(f"recurrence_depth must be >= 1 and kv_sharing >= 0, got {depth} "
-                             f"and {self.kv_sharing}")
+        if depth < 1:
+            raise ValueError(f"recurrence_depth must be >= 1, got {depth}")
+        check_kv_sharing(self.kv_sharing, depth)
         return depth
 
     @property
