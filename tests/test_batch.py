@@ -238,6 +238,16 @@ def test_prompts_file_bad_input_is_one_line(args, tmp_path):
     assert p.read_text() == json.dumps({"prompt": "hi"}) + "\n"
 
 
+def test_an_unreadable_prompts_file_is_named_in_one_line(tmp_path):
+    binary = tmp_path / "b.jsonl"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff")
+    for path, said in ((binary, "is not text"), (tmp_path / "gone.jsonl", "No such file")):
+        res = subprocess.run([*CLI, "generate", "--model", "huginn-tiny", "--prompts-file",
+                              str(path)], capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2 and said in res.stderr and "Errno" not in res.stderr, \
+            res.stderr
+
+
 def test_one_sequence_batch_is_the_decoder():
     """decode_batch at B = 1 runs the same calls as generate (one region, flat slots = slots)."""
     model = model_for("huginn", True)

@@ -29,8 +29,10 @@ def read_prompts(path: Path, tokenizer, config, max_new_tokens: int) -> list[Pro
     and context), or the reason it cannot be one."""
     try:
         text = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"cannot read the prompts file {path}: {exc}") from None
+    except OSError as exc:
+        raise ValueError(f"cannot read the prompts file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"the prompts file {path} is not text (UTF-8)") from None
     lines: list[PromptLine] = []
     for number, raw in enumerate(text.splitlines(), start=1):
         if not raw.strip():
