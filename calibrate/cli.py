@@ -91,18 +91,14 @@ def calibrate_cmd(
 
     from calibrate.run import calibrate, too_busy
     from calibrate.validate import report
-    from wfd.checkpoint import CheckpointError
 
-    try:
-        with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                      transient=True, disable=as_json) as progress:
-            profile = calibrate(model, checkpoint=str(checkpoint) if checkpoint else None,
-                                device=device, dtype=dtype, quick=quick, threads=threads,
-                                fit_models=fit_models.split(",") if fit_models else None,
-                                holdout_model=holdout_model, mode=mode, progress=progress,
-                                machine_from=machine_from, force=force, acceptances=alphas)
-    except CheckpointError as exc:
-        raise UserError(str(exc)) from None
+    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                  transient=True, disable=as_json) as progress:  # a CheckpointError: run's line
+        profile = calibrate(model, checkpoint=str(checkpoint) if checkpoint else None,
+                            device=device, dtype=dtype, quick=quick, threads=threads,
+                            fit_models=fit_models.split(",") if fit_models else None,
+                            holdout_model=holdout_model, mode=mode, progress=progress,
+                            machine_from=machine_from, force=force, acceptances=alphas)
     busy = too_busy(profile.load)
     if busy and not force:
         raise UserError(f"no profile written: {busy}")

@@ -127,10 +127,7 @@ def generate(
     if exit_rule is not None:
         from costmodel.exits import ExitRule
 
-        try:
-            rule = ExitRule.parse(exit_rule, min_depth)
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
+        rule = ExitRule.parse(exit_rule, min_depth)  # a ValueError: one line, exit 2 (run)
         if depth is not None and min_depth > depth:
             raise UserError(f"the minimum exit depth must be in 1..{depth}, got {min_depth}")
         if schedule == "auto":
@@ -162,8 +159,8 @@ def generate(
     from costmodel.profile import load_profile
     from costmodel.trace import TraceHeader, current_commit, write_jsonl
 
-    from .checkpoint import SHIPPED_DIR, CheckpointError, load_model
-    from .generate import GenerationError, Sampling, generate
+    from .checkpoint import SHIPPED_DIR, load_model
+    from .generate import Sampling, generate
     from .runtime import check_prompt
     from .tokenizer import tokenizer_for
 
@@ -173,66 +170,64 @@ def generate(
     if mode == "graphs" and not device.startswith("cuda"):
         raise UserError("--mode graphs captures CUDA graphs: it needs --device cuda (on a CPU, "
                         "--mode static runs the same fixed-shape calls without capture)")
-    try:
-        net = load_model(model, device=device, dtype=dtype, init_scale=init_scale, seed=seed)
-        folder = Path(model) if Path(model).is_dir() else SHIPPED_DIR / model
-        tok = tokenizer_for(folder if folder.is_dir() else None, net.config.vocab_size)
-        stops = frozenset(_parse_ids(stop_ids, "--stop-ids")) if stop_ids else frozenset()
-        if stops:
-            check_prompt(sorted(stops), net.config.vocab_size, "--stop-ids")
-        run_depth = depth or net.config.depth
-        if force_exits is not None:
-            from costmodel.exits import ForcedExits
+    # a CheckpointError or GenerationError is a ValueError: one line, exit 2 (run)
+    net = load_model(model, device=device, dtype=dtype, init_scale=init_scale, seed=seed)
+    folder = Path(model) if Path(model).is_dir() else SHIPPED_DIR / model
+    tok = tokenizer_for(folder if folder.is_dir() else None, net.config.vocab_size)
+    stops = frozenset(_parse_ids(stop_ids, "--stop-ids")) if stop_ids else frozenset()
+    if stops:
+        check_prompt(sorted(stops), net.config.vocab_size, "--stop-ids")
+    run_depth = depth or net.config.depth
+    if force_exits is not None:
+        from costmodel.exits import ForcedExits
 
-            try:
-                rule = ForcedExits.parse(force_exits, run_depth, seed)
-            except ValueError as exc:
-                raise UserError(f"--force-exits: {exc}") from None
-        if schedule in ("dtv", "wfd"):
-            draft_depth = resolve_draft_depth(net.config, run_depth, width, draft_depth)
-        if prompts_file is not None:
-            return _generate_file(
-                net, tok, prompts_file, out, model=model, device=device, dtype=dtype,
-                trace=trace, as_json=as_json, schedule=schedule, batch_size=batch_size,
-                max_new_tokens=max_new_tokens, depth=run_depth, draft_depth=draft_depth,
-                block_length=block_length, width_cap=width_cap, kv_sharing=kv_sharing,
-                sampling=Sampling(temperature, top_p, seed), stop_tokens=stops,
-                force_acceptance=force_acceptance, seed=seed, mode=mode, exit_rule=rule,
-                draft_rule=draft_rule)
-        if prompt is not None:
-            if tok is None:
-                raise UserError(f"{model} has no tokenizer.json; give --prompt-ids")
-            ids = tok.encode(prompt)
-        else:
-            ids = _parse_ids(prompt_ids, "--prompt-ids")
-        check_prompt(ids, net.config.vocab_size)
-        hardware = None
-        if schedule == "auto":
-            if profile:
-                chosen, calibrated = profile, load_profile(profile)
-                ran = (calibrated.device.split(":")[0], calibrated.dtype)
-                if ran != (device.split(":")[0], dtype):
-                    raise UserError(f"--profile {profile} was calibrated on {ran[0]} in {ran[1]}; "
-                                    f"this run decodes on {device} in {dtype}: --schedule auto "
-                                    "decides with a profile of the run's device and dtype")
-            else:  # this machine's calibration, or one made here in about a second
-                from calibrate.transplant import profile_for
+        try:
+            rule = ForcedExits.parse(force_exits, run_depth, seed)
+        except ValueError as exc:
+            raise UserError(f"--force-exits: {exc}") from None
+    if schedule in ("dtv", "wfd"):
+        draft_depth = resolve_draft_depth(net.config, run_depth, width, draft_depth)
+    if prompts_file is not None:
+        return _generate_file(
+            net, tok, prompts_file, out, model=model, device=device, dtype=dtype,
+            trace=trace, as_json=as_json, schedule=schedule, batch_size=batch_size,
+            max_new_tokens=max_new_tokens, depth=run_depth, draft_depth=draft_depth,
+            block_length=block_length, width_cap=width_cap, kv_sharing=kv_sharing,
+            sampling=Sampling(temperature, top_p, seed), stop_tokens=stops,
+            force_acceptance=force_acceptance, seed=seed, mode=mode, exit_rule=rule,
+            draft_rule=draft_rule)
+    if prompt is not None:
+        if tok is None:
+            raise UserError(f"{model} has no tokenizer.json; give --prompt-ids")
+        ids = tok.encode(prompt)
+    else:
+        ids = _parse_ids(prompt_ids, "--prompt-ids")
+    check_prompt(ids, net.config.vocab_size)
+    hardware = None
+    if schedule == "auto":
+        if profile:
+            chosen, calibrated = profile, load_profile(profile)
+            ran = (calibrated.device.split(":")[0], calibrated.dtype)
+            if ran != (device.split(":")[0], dtype):
+                raise UserError(f"--profile {profile} was calibrated on {ran[0]} in {ran[1]}; "
+                                f"this run decodes on {device} in {dtype}: --schedule auto "
+                                "decides with a profile of the run's device and dtype")
+        else:  # this machine's calibration, or one made here in about a second
+            from calibrate.transplant import profile_for
 
-                chosen, calibrated = profile_for(net, model, device,
-                                                 say=lambda line: typer.echo(line, err=True))
-            hardware = calibrated.hardware
-            typer.echo(f"auto: deciding with {chosen}", err=True)
-        if depth_trace is not None and schedule != "ar":
-            raise UserError("--depth-trace is recorded by an AR run (--schedule ar)")
-        result = generate(net, ids, schedule=schedule, max_new_tokens=max_new_tokens,
-                          depth=run_depth, kv_sharing=kv_sharing,
-                          sampling=Sampling(temperature, top_p, seed), stop_tokens=stops,
-                          depth_trace=depth_trace is not None, draft_depth=draft_depth,
-                          block_length=block_length, width_cap=width_cap,
-                          force_acceptance=force_acceptance, seed=seed, hardware=hardware,
-                          mode=mode, exit_rule=rule, draft_rule=draft_rule)
-    except (CheckpointError, GenerationError) as exc:
-        raise UserError(str(exc)) from None
+            chosen, calibrated = profile_for(net, model, device,
+                                             say=lambda line: typer.echo(line, err=True))
+        hardware = calibrated.hardware
+        typer.echo(f"auto: deciding with {chosen}", err=True)
+    if depth_trace is not None and schedule != "ar":
+        raise UserError("--depth-trace is recorded by an AR run (--schedule ar)")
+    result = generate(net, ids, schedule=schedule, max_new_tokens=max_new_tokens,
+                      depth=run_depth, kv_sharing=kv_sharing,
+                      sampling=Sampling(temperature, top_p, seed), stop_tokens=stops,
+                      depth_trace=depth_trace is not None, draft_depth=draft_depth,
+                      block_length=block_length, width_cap=width_cap,
+                      force_acceptance=force_acceptance, seed=seed, hardware=hardware,
+                      mode=mode, exit_rule=rule, draft_rule=draft_rule)
 
     header = dict(source="measured", model=model, device=str(device), dtype=dtype,
                   commit=current_commit(), depth=run_depth, prompt_length=len(ids),
@@ -291,10 +286,7 @@ def _generate_file(net, tok, prompts_file: Path, out: Path | None, *, model: str
     from .batch import decode_batch
     from .prompts import OrderedWriter, read_prompts
 
-    try:
-        lines = read_prompts(prompts_file, tok, net.config, kw["max_new_tokens"])
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
+    lines = read_prompts(prompts_file, tok, net.config, kw["max_new_tokens"])
     bad = [line for line in lines if line.request is None]
     for line in bad:
         typer.echo(f"skipped: {line.error}", err=True)
