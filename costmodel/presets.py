@@ -51,12 +51,16 @@ class UnknownPresetError(KeyError):
         return str(self.args[0])
 
 
-def get_model(name: str) -> LoopedModelSpec:
-    spec = _preset("models", name)
+def _named(kind: str, name: str):
+    spec = _preset(kind, name)
     if spec is None or spec.name != name:
-        raise UnknownPresetError(
-            f"unknown model {name!r}; known: {', '.join(_presets('models'))}")
+        raise UnknownPresetError(f"unknown {kind.removesuffix('s')} {name!r}; known: "
+                                 f"{', '.join(_presets(kind))}")
     return spec
+
+
+def get_model(name: str) -> LoopedModelSpec:
+    return _named("models", name)
 
 
 def resolve(model: str | LoopedModelSpec, hardware: str | HardwareSpec
@@ -67,8 +71,4 @@ def resolve(model: str | LoopedModelSpec, hardware: str | HardwareSpec
 
 
 def get_hardware(name: str) -> HardwareSpec:
-    spec = _preset("hardware", name)
-    if spec is None or spec.name != name:
-        raise UnknownPresetError(
-            f"unknown hardware {name!r}; known: {', '.join(_presets('hardware'))}")
-    return spec
+    return _named("hardware", name)
