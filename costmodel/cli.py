@@ -187,7 +187,7 @@ def predict_cmd(
     new_tokens: NewTokensOption = 512,
     depth: Annotated[int | None, typer.Option(help="recurrence depth R (default: model's)")] = None,
     kv_sharing: Annotated[int, typer.Option(
-        help="0: one KV slot per depth; S >= 1: S shared slots")] = 0,
+        help="0: one KV slot per depth; S in 1..R: S shared slots")] = 0,
     exit_rule: Annotated[str | None, typer.Option(
         "--exit", help="adaptive depth: RULE[:THRESHOLD] (kl, entropy-diff, latent-diff, "
         "argmax-stable, gate); the exit depths are read from --depth-trace under it")] = None,

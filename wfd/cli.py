@@ -61,7 +61,7 @@ def generate(
         help="Huginn's initial-state scale (0: the zero state)")] = 1.0,
     depth: Annotated[int | None, typer.Option(help="recurrence depth R")] = None,
     kv_sharing: Annotated[int, typer.Option(
-        help="0: one KV slot per depth; S >= 1: S shared slots")] = 0,
+        help="0: one KV slot per depth; S in 1..R: S shared slots")] = 0,
     stop_ids: Annotated[str | None, typer.Option(help="token ids that end generation")] = None,
     exit_rule: Annotated[str | None, typer.Option(
         "--exit", help="adaptive depth: RULE[:THRESHOLD], each token stops at the first depth "

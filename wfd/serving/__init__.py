@@ -6,7 +6,7 @@ vLLM's ``vllm.general_plugins`` entry point, so ``vllm serve PATH`` and ``LLM(mo
 a checkpoint folder in either family's public layout. Decoding is autoregressive at a fixed
 depth; each (recurrence step, core layer) has its own KV cache, as in ``wfd``'s decoder.
 Options, as ``hf_overrides`` (or keys in config.json): ``recurrence_depth`` (R; default the
-checkpoint's), ``kv_sharing`` (0: a KV slot per depth; S >= 1: S shared slots), and for Huginn
+checkpoint's), ``kv_sharing`` (0: a KV slot per depth; S in 1..R: S shared slots), and for Huginn
 ``init_scale`` and ``state_seed`` (its initial state, as ``wfd generate --init-scale --seed``).
 """
 

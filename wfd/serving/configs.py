@@ -17,7 +17,7 @@ class LoopedConfig(PretrainedConfig):
 
     model_type = ""
     recurrence_depth: int | None = None  # R; None: the checkpoint's
-    kv_sharing: int = 0  # 0: a KV slot per depth; S >= 1: S shared slots
+    kv_sharing: int = 0  # 0: a KV slot per depth; S in 1..R: S shared slots
     init_scale: float = 1.0  # Huginn's initial state, as wfd generate --init-scale
     state_seed: int = 0  # and --seed
 
