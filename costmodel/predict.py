@@ -187,7 +187,7 @@ def acceptance_for(spec: LoopedModelSpec, wl: Workload, depth: int, draft_depth:
 def predict(
     model: str | LoopedModelSpec = "huginn-3.5b",
     hardware: str | HardwareSpec = "a6000",
-    workload: Workload | None = None,
+    workload: Workload | dict | None = None,
     *,
     width: int | None = None,
     draft_depth: int | None = None,
@@ -199,7 +199,7 @@ def predict(
     width W means draft depth ceil(R / W). block_length None picks DtV's best k in 1..32.
     """
     spec, hw = resolve(model, hardware)
-    wl = workload or Workload()
+    wl = Workload.model_validate(workload or {})  # a Workload, or its fields as a dict
     depth = wl.depth or spec.default_depth
     d = resolve_draft_depth(spec, depth, width, draft_depth)
     if block_length is not None and block_length < 1:

@@ -66,6 +66,11 @@ def get_model(name: str) -> LoopedModelSpec:
 def resolve(model: str | LoopedModelSpec, hardware: str | HardwareSpec
             ) -> tuple[LoopedModelSpec, HardwareSpec]:
     """The model and hardware a query names: a preset's name, or a spec as it is."""
+    for value, spec, what in ((model, LoopedModelSpec, "model"), (hardware, HardwareSpec,
+                                                                 "hardware")):
+        if not isinstance(value, str | spec):
+            raise TypeError(f"{what} must be a preset's name or a {spec.__name__}, got "
+                            f"{type(value).__name__}")
     return (get_model(model) if isinstance(model, str) else model,
             get_hardware(hardware) if isinstance(hardware, str) else hardware)
 

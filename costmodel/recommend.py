@@ -92,6 +92,8 @@ def parse_acceptance_by_depth(text: str) -> dict[int, float]:
 
 
 def check_acceptance(acceptance: dict[int, float], depth: int) -> None:
+    if not isinstance(acceptance, dict):
+        raise TypeError(f"acceptance is by draft depth, e.g. {{4: 0.9}}, got {acceptance!r}")
     if not acceptance:
         raise ValueError("no acceptance at any draft depth (an empty trace?)")
     for d, alpha in acceptance.items():
@@ -109,7 +111,7 @@ QUICK_BLOCK_LENGTHS = (1, 2, 4, 8, 16, 32)
 
 
 def recommend(model: str | LoopedModelSpec, hardware: str | HardwareSpec,
-              acceptance: dict[int, float], workload: Workload | None = None, *,
+              acceptance: dict[int, float], workload: Workload | dict | None = None, *,
               top: int = 5, seed: int = 0, quick: bool = False) -> list[Choice]:
     """The ``top`` configurations by predicted tokens/s, best first; speedups are over AR's
     predicted latency for the same workload. The search tries every draft depth given, every
@@ -117,7 +119,7 @@ def recommend(model: str | LoopedModelSpec, hardware: str | HardwareSpec,
     ``quick`` tries QUICK_DEPTHS and QUICK_BLOCK_LENGTHS and no cap, and simulates the best
     QUICK_FINALISTS only."""
     spec, hw = resolve(model, hardware)
-    wl = workload or Workload()
+    wl = Workload.model_validate(workload or {})  # a Workload, or its fields as a dict
     depth = wl.depth or spec.default_depth
     if wl.adaptive or wl.prompts is not None or wl.acceptance is not None or wl.depth_trace:
         # each was ignored: the search prices fixed-depth steady states at ``acceptance``

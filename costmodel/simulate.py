@@ -138,6 +138,12 @@ class _Simulator(Executor):
             self.result.bonus += 1
 
 
+def check_schedule(schedule: object) -> None:
+    if not isinstance(schedule, AR | DtV | WFD):  # a name leaves out DtV's and WFD's parameters
+        raise TypeError(f"schedule must be AR(), DtV(block_length=K, draft_depth=D) or "
+                        f"WFD(draft_depth=D) (costmodel.specs), got {schedule!r}")
+
+
 def simulate(
     model: str | LoopedModelSpec,
     hw: str | HardwareSpec,
@@ -173,6 +179,7 @@ def simulate(
     ``hw`` may name presets, as in ``predict``.
     """
     model, hw = resolve(model, hw)
+    check_schedule(schedule)
     depth = depth or model.default_depth
     decode_tokens = new_tokens - 1
     if decode_tokens < 1:
@@ -352,6 +359,7 @@ def simulate_batch(
     from .batching import PREFILL, merged_call, run_batch
 
     model, hw = resolve(model, hw)
+    check_schedule(schedule)
     depth = depth or model.default_depth
     if batch_size < 1 or not sequences:
         raise ValueError(f"simulate one sequence or more, at least 1 at a time (got "

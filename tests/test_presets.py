@@ -123,3 +123,24 @@ def test_a_cpu_spec_has_no_cuda_graphs():
                 lambda: for_engine("vllm", cpu, get_model("ouro-tiny"))):
         with pytest.raises(ValueError, match="is a CPU: CUDA graphs"):
             ask()
+
+
+def test_the_python_api_says_what_it_takes():
+    """A study's script passes names, specs and a workload's fields as a dict; what is none of
+    these is a TypeError naming what was expected (it was an AttributeError deep inside)."""
+    from costmodel import predict
+    from costmodel.recommend import recommend
+    from costmodel.simulate import simulate
+    from costmodel.specs import Workload
+
+    as_dict = predict("ouro-1.4b", "h200", {"context_length": 2048, "batch_size": 2})
+    as_model = predict("ouro-1.4b", "h200", Workload(context_length=2048, batch_size=2))
+    assert as_dict.model_dump() == as_model.model_dump()
+    with pytest.raises(TypeError, match="model must be a preset's name or a LoopedModelSpec"):
+        predict(None, "h200")
+    with pytest.raises(TypeError, match="hardware must be a preset's name or a HardwareSpec"):
+        predict("ouro-1.4b", 768e9)
+    with pytest.raises(TypeError, match=r"schedule must be AR\(\)"):
+        simulate("ouro-1.4b", "h200", "wfd", context_length=16, new_tokens=4)
+    with pytest.raises(TypeError, match="acceptance is by draft depth"):
+        recommend("ouro-1.4b", "h200", 0.9)
