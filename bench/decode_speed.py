@@ -25,7 +25,10 @@ measured copy bandwidth, divided by the measured ms per token); the speedup over
 mode. Capture and warm-up time (static and graphs modes) is excluded. With --reference-huginn or
 --reference-ouro (a folder holding the public reference modeling code, see
 bench/reference_parity.py), the reference implementation's own cached `generate` runs on the same
-random weights as the baseline (it needs transformers in this environment).
+weights as the baseline (it needs its transformers in this environment), --repeats passes after
+the others, and the last column gives each row's decode speed over it (its ms per decoded token,
+the prefill taken out by a one-token run, over the row's). A reference that fails is named after
+the table, which is kept, and the script exits 1.
 Prints a Markdown table for docs/ and, with --out, writes its rows as JSON.
 
 `operations` counts what the decoder dispatches per layer and per call of each part, by class, as
@@ -40,7 +43,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -55,6 +57,7 @@ from costmodel.plans import wave_width
 from costmodel.predict import resolve_draft_depth
 from costmodel.presets import get_hardware
 from costmodel.simulate import price_bytes
+from costmodel.trace import atomic_write
 from wfd.checkpoint import DTYPE_NAMES, DTYPES, load_model
 from wfd.generate import generate, make_cache, prefill
 from wfd.runtime import Runner, default_mode
@@ -103,10 +106,12 @@ def decode_bytes_per_token(model, schedule: str, prompt: list[int], new_tokens: 
         len(res.tokens) - 1, 1)
 
 
-def reference_rate(family: str, folder: str, model, prompts: list[list[int]], new_tokens: int
-                   ) -> float:
+def reference_rate(family: str, folder: str, model, prompts: list[list[int]], new_tokens: int,
+                   repeats: int = 1) -> dict:
     """Tokens/s of the public reference implementation's cached greedy `generate` on the same
-    weights (saved in the public layout and loaded with its own class)."""
+    weights (saved in the public layout and loaded with its own class), and its ms per decoded
+    token: a run of one token (the prefill) taken from a run of ``new_tokens``; medians of
+    ``repeats`` passes over the prompts."""
     sys.path.insert(0, str(Path(__file__).parent))
     from reference_parity import import_reference
 
@@ -126,20 +131,27 @@ def reference_rate(family: str, folder: str, model, prompts: list[list[int]], ne
             ref = mod.OuroForCausalLM.from_pretrained(tmp, torch_dtype=dtype)
             extra = {}
     ref = ref.to(device).eval()
-    tokens, wall = 0, 0.0
-    for i, ids in enumerate([prompts[0], *prompts]):  # the first run warms up
+
+    def timed(ids: list[int], tokens: int) -> float:
         x = torch.tensor([ids], device=device)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = ref.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                           do_sample=False, use_cache=True, **extra)
+        out = ref.generate(x, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                           use_cache=True, **extra)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        if i:
-            tokens += out.shape[1] - len(ids)
-            wall += time.perf_counter() - t0
-    return tokens / wall
+        assert out.shape[1] - len(ids) == tokens
+        return time.perf_counter() - t0
+
+    timed(prompts[0], 2)  # warm-up
+    passes = []
+    for _ in range(repeats):
+        runs = [(timed(ids, new_tokens), timed(ids, 1)) for ids in prompts]
+        passes.append({"tokens_per_s": new_tokens * len(prompts) / sum(w for w, _ in runs),
+                       "ms_per_token": 1e3 * sum(w - p for w, p in runs)
+                       / ((new_tokens - 1) * len(prompts))})
+    return {key: statistics.median(p[key] for p in passes) for key in passes[0]}
 
 
 def schedules(args) -> None:
@@ -148,7 +160,7 @@ def schedules(args) -> None:
     torch.set_num_threads(args.threads)
     modes = args.modes or [default_mode(args.device)]
     bandwidth = memory_bandwidth(args.device, args.dtype)
-    rows = []
+    rows, failed = [], []
     for name in args.models:
         model = load_model(name, dtype=args.dtype, device=args.device)
         forced = args.acceptance if name.endswith(":random") else None
@@ -199,31 +211,42 @@ def schedules(args) -> None:
         reference = {"huginn": args.reference_huginn, "ouro": args.reference_ouro}[
             model.config.family]
         if reference:
-            rate = reference_rate(model.config.family, reference, model, prompts,
-                                  args.reference_tokens)
+            try:
+                ref = reference_rate(model.config.family, reference, model, prompts,
+                                     args.reference_tokens, args.repeats)
+            except Exception as exc:  # noqa: BLE001 - the table above must survive its baseline
+                failed.append(f"{name}: the reference generate failed: {type(exc).__name__}: "
+                              f"{exc}")
+                continue
+            for row in rows:  # decode speed over the reference's, ms per token against ms
+                if row["model"] == name:
+                    row["x_reference"] = ref["ms_per_token"] / row["ms_per_token"]
             rows.append({"model": name, "dtype": args.dtype, "mode": "reference",
                          "schedule": f"reference generate (AR, {args.reference_tokens} new "
-                                     "tokens)", "tokens_per_s": rate,
-                         "ms_per_token": None, "roofline_fraction": None,
+                                     "tokens)", **ref, "roofline_fraction": None,
                          "speedup_vs_ar": None, "acceptance": None, "decode": "real"})
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s ({args.device}, {args.dtype}); medians of "
           f"{args.repeats}; context {args.context or 'code prompts'}, {args.new_tokens} new "
           "tokens\n")
+    against = any("x_reference" in r for r in rows)  # the target: ms per token over its
     print("| model | mode | schedule | tokens/s | ms/token | roofline | speedup vs AR | "
-          "acceptance | decode |\n|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        def fmt(value, spec: str, suffix: str = "") -> str:
-            return "" if value is None else f"{value:{spec}}{suffix}"
+          "acceptance | decode |" + (" decode x reference |" if against else "")
+          + "\n|---|---|---|---|---|---|---|---|---|" + ("---|" if against else ""))
 
+    def fmt(value, spec: str, suffix: str = "") -> str:
+        return "" if value is None else f"{value:{spec}}{suffix}"
+
+    for r in rows:
         print(f"| {r['model']} | {r['mode']} | {r['schedule']} | {r['tokens_per_s']:.1f} | "
               f"{fmt(r['ms_per_token'], '.2f')} | {fmt(r['roofline_fraction'], '.0%')} | "
               f"{fmt(r['speedup_vs_ar'], '.2f', 'x')} | {fmt(r['acceptance'], '.2f')} | "
-              f"{r['decode']} |")
+              f"{r['decode']} |" + (f" {fmt(r.get('x_reference'), '.2f', 'x')} |"
+                                    if against else ""))
     if args.out:
-        tmp = Path(f"{args.out}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"device": args.device, "bandwidth_bytes_per_s": bandwidth,
-                                   "rows": rows}, indent=2) + "\n")
-        tmp.replace(args.out)
+        atomic_write(args.out, json.dumps({"device": args.device, "bandwidth_bytes_per_s":
+                                           bandwidth, "rows": rows}, indent=2) + "\n")
+    if failed:  # after the table and its file: a baseline that failed costs only itself
+        raise SystemExit("\n".join(failed))
 
 
 @torch.inference_mode()

@@ -8,8 +8,8 @@
 #   MODES="graphs" BENCH=0 bash calibrate/gpu.sh   # calibrate in graphs mode only, no benchmark
 #   MACHINE_FROM=PROFILE bash calibrate/gpu.sh  # reuse a profile's machine measurements
 #   WHEELS=DIR bash calibrate/gpu.sh       # Python packages the machine lacks, as wheels
-#   REF_HUGINN=DIR REF_OURO=DIR bash calibrate/gpu.sh  # the reference implementations' generate
-#                                                      # as the benchmark's baseline
+#   REF_HUGINN=DIR REF_OURO=DIR REF_WHEELS=DIR bash calibrate/gpu.sh  # the reference
+#        implementations' generate as the benchmark's baseline, each family with its transformers
 #
 # Everything is written under RESULTS (default out/gpu-run) and packed at the end, whatever
 # failed, into one archive, ARCHIVE (default RESULTS.tar.gz): a lent machine hands back a few
@@ -27,9 +27,10 @@
 #    tokens (256), forced acceptance 0.9, draft depth 4 (Huginn) or 1 (Ouro):
 #    bench-FAMILY-DTYPE.md and .json. REF_HUGINN / REF_OURO: folders of the public modeling code
 #    (bench/reference_parity.py says which files); their generate needs the transformers they
-#    were written for, carried as wheels on PYTHONPATH: Huginn's raven_modeling_minimal.py runs
-#    under 4.53.3 (tokenizers 0.21, huggingface-hub < 1), ouro_rl's modeling_ouro.py under 4.57.6
-#    (tokenizers 0.22, huggingface-hub < 1), so run each family with its own PYTHONPATH.
+#    were written for: Huginn's raven_modeling_minimal.py runs under 4.53.3, ouro_rl's
+#    modeling_ouro.py under 4.57.6. REF_WHEELS/huginn and REF_WHEELS/ouro hold each one's wheels
+#    (calibrate/fetch-gpu-wheels.sh), unpacked first on the path of that family's bench alone.
+#    A reference that fails is named after the bench's table, which is kept.
 #    EXITS=1 (default), after stage 3: the same with adaptive depth, each token exiting at a
 #    depth drawn from EXITS_HUGINN / EXITS_OURO (forced exits; default a spread around R/2):
 #    bench-exits-FAMILY-DTYPE.md and .json, what `costmodel predict --exit-depths` prices.
@@ -62,9 +63,12 @@ mkdir -p "$RESULTS" "$(dirname "$ARCHIVE")"
 RESULTS=$(cd "$RESULTS" && pwd)
 LOG="$RESULTS/campaign.log"
 exec > >(tee -a "$LOG") 2> >(tee -a "$LOG" >&2)
-if [ -n "${WHEELS:-}" ]; then  # unpacked, not installed: the machine may have no pip
-  SITE=${SITE:-$(mktemp -d)}
-  "$PY" -c "import sys, zipfile, pathlib; [zipfile.ZipFile(w).extractall(sys.argv[2]) for w in sorted(pathlib.Path(sys.argv[1]).glob('*.whl'))]" "$WHEELS" "$SITE"
+unpack() {  # unpack DIR: its wheels into a new folder, printed (not installed: no pip needed)
+  local site; site=$(mktemp -d)
+  "$PY" -c "import sys, zipfile, pathlib; [zipfile.ZipFile(w).extractall(sys.argv[2]) for w in sorted(pathlib.Path(sys.argv[1]).glob('*.whl'))]" "$1" "$site" && echo "$site"
+}
+if [ -n "${WHEELS:-}" ]; then
+  SITE=$(unpack "$WHEELS") || exit 1
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -120,8 +124,12 @@ if [ "${BENCH:-1}" = "1" ]; then
     draft=$([ "$family" = huginn ] && echo 4 || echo 1)
     ref_var="REF_${family^^}"
     ref_flag=${!ref_var:+--reference-$family ${!ref_var}}
+    ref_site=""  # the reference's own transformers, first on the path for this step alone
+    if [ -n "$ref_flag" ] && [ -d "${REF_WHEELS:-/nonexistent}/$family" ]; then
+      ref_site=$(unpack "$REF_WHEELS/$family")
+    fi
     step "$family benchmark" "$RESULTS/bench-$family-$DTYPE.md" \
-      "$PY" bench/decode_speed.py schedules --models "$bench_model" --device "$DEVICE" \
+      env PYTHONPATH="${ref_site:+$ref_site:}$PYTHONPATH" "$PY" bench/decode_speed.py schedules --models "$bench_model" --device "$DEVICE" \
       --dtype "$DTYPE" --modes $BENCH_MODES --context "${BENCH_CONTEXT:-1024}" \
       --new-tokens "${BENCH_TOKENS:-256}" --repeats "${BENCH_REPEATS:-2}" --prompts 1 \
       --draft-depth "$draft" --block-lengths 2 4 8 --acceptance 0.9 $ref_flag \

@@ -468,7 +468,7 @@ def test_the_gpu_script_rehearsed_as_the_gpu_image_runs_it(tmp_path):
     env = {"DEVICE": "cpu", "DTYPE": "fp32", "QUICK": "1", "SIZES": "tiny",
            "RESULTS": str(results), "ARCHIVE": str(tmp_path / "back" / "campaign.tar.gz"),
            "PYTHON": str(python), "PYTHONPATH": str(visible), "WHEELS": str(wheels),
-           "SITE": str(tmp_path / "unpacked"), "FAMILIES": "ouro", "BENCH_CONTEXT": "16",
+           "FAMILIES": "ouro", "BENCH_CONTEXT": "16",
            "BENCH_TOKENS": "8", "BENCH_REPEATS": "1", "MACHINE_FROM": str(machine),
            "ACCEPTANCES": "0.6,0.9", "BATCH": "1", "BATCHES": "1 2", "BATCH_CONTEXT": "16",
            "BATCH_TOKENS": "8", "STEP_SECONDS": "400"}
@@ -510,6 +510,76 @@ def test_the_gpu_script_rehearsed_as_the_gpu_image_runs_it(tmp_path):
     assert profile.threads >= 1  # the CPU threads the decoder ran on
     assert profile.checks[0].startswith("machine: the measurements of cpu-ouro-fp32-quick")
     assert profile.hardware.cpu.matmul.seconds == load_profile(machine).hardware.cpu.matmul.seconds
+
+
+# A stand-in for the public reference code: loads the saved checkpoint with the decoder and
+# decodes with its AR, behind the reference's class and `generate`; it imports a module that only
+# the family's REF_WHEELS put on the path.
+FAKE_REFERENCE = """
+import torch
+import refmark  # noqa: F401
+from wfd.checkpoint import load_folder
+from wfd.generate import generate
+
+
+class OuroForCausalLM:
+    @classmethod
+    def from_pretrained(cls, folder, torch_dtype=None):
+        ref = cls()
+        ref.model = load_folder(folder, dtype=torch_dtype)
+        return ref
+
+    def to(self, device):
+        return self
+
+    def eval(self):
+        return self
+
+    def generate(self, x, max_new_tokens, **kw):
+        ids = x[0].tolist()
+        out = generate(self.model, ids, max_new_tokens=max_new_tokens, record=False)
+        return torch.tensor([ids + out.tokens])
+"""
+
+
+def test_gpu_script_times_the_reference_with_its_own_wheels_and_keeps_a_table_it_fails(
+        tmp_path):
+    """The reference baseline runs beside the decode bench with the family's wheels first on the
+    path of that step alone (the two references need two transformers); the table gains each
+    row's decode speed over the reference's. Without its wheels the reference fails: the step is
+    named as failed, and its table and JSON still hold the decoder's rows."""
+    import os
+    import zipfile
+
+    python, visible, wheels = image_like_interpreter(tmp_path)
+    reference = tmp_path / "ouro_ref"
+    reference.mkdir()
+    (reference / "__init__.py").write_text("")
+    (reference / "modeling_ouro.py").write_text(FAKE_REFERENCE)
+    (tmp_path / "refw" / "ouro").mkdir(parents=True)
+    with zipfile.ZipFile(tmp_path / "refw" / "ouro" / "refmark-0-py3-none-any.whl", "w") as z:
+        z.writestr("refmark.py", "")
+    for ref_wheels, code in ((tmp_path / "refw", 0), (tmp_path / "nowheels", 1)):
+        results = tmp_path / f"run{code}"
+        env = {"DEVICE": "cpu", "DTYPE": "fp32", "SIZES": "tiny", "RESULTS": str(results),
+               "PYTHON": str(python), "PYTHONPATH": str(visible), "WHEELS": str(wheels),
+               "FAMILIES": "ouro", "MODES": " ", "EXITS": "0", "BATCH": "0",
+               "BENCH_CONTEXT": "16", "BENCH_TOKENS": "8", "BENCH_REPEATS": "1",
+               "REF_OURO": str(reference), "REF_WHEELS": str(ref_wheels)}
+        out = subprocess.run(["bash", "calibrate/gpu.sh"], capture_output=True, text=True,
+                             timeout=600, env={**os.environ, **env})
+        assert out.returncode == code, out.stderr[-2000:]
+        rows = json.loads((results / "bench-ouro-fp32.json").read_text())["rows"]
+        assert {row["schedule"].split()[0] for row in rows} >= {"AR", "DtV", "WFD"}
+        if code == 0:
+            ref = rows[-1]
+            assert ref["mode"] == "reference" and ref["ms_per_token"] > 0
+            assert rows[0]["x_reference"] == pytest.approx(
+                ref["ms_per_token"] / rows[0]["ms_per_token"])
+            assert "decode x reference" in (results / "bench-ouro-fp32.md").read_text()
+        else:
+            assert "No module named 'refmark'" in out.stderr
+            assert "failed steps: ouro benchmark" in out.stderr
 
 
 def test_gpu_script_goes_on_past_a_failed_step_and_names_it(tmp_path):
