@@ -238,14 +238,18 @@ def test_prompts_file_bad_input_is_one_line(args, tmp_path):
     assert p.read_text() == json.dumps({"prompt": "hi"}) + "\n"
 
 
-def test_an_unreadable_prompts_file_is_named_in_one_line(tmp_path):
+def test_an_unreadable_prompts_file_says_why_in_words(tmp_path):
+    # it printed OSError's "[Errno 2] No such file or directory: '/path'" after the path (the
+    # command line's one line and exit 2: test_prompts_file_bad_input_is_one_line)
+    from wfd.prompts import read_prompts
+
     binary = tmp_path / "b.jsonl"
     binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff")
+    config = model_for("huginn", True).config
     for path, said in ((binary, "is not text"), (tmp_path / "gone.jsonl", "No such file")):
-        res = subprocess.run([*CLI, "generate", "--model", "huginn-tiny", "--prompts-file",
-                              str(path)], capture_output=True, text=True, timeout=120)
-        assert res.returncode == 2 and said in res.stderr and "Errno" not in res.stderr, \
-            res.stderr
+        with pytest.raises(ValueError, match=said) as caught:
+            read_prompts(path, None, config, 4)
+        assert "Errno" not in str(caught.value) and str(path) in str(caught.value)
 
 
 def test_one_sequence_batch_is_the_decoder():
