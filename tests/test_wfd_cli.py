@@ -68,7 +68,6 @@ def test_prompt_ids_without_tokenizer_prints_ids():
     ["--model", "huginn-tiny:random", "--prompt", "x", "--min-depth", "2"],
     ["--model", "huginn-tiny:random", "--prompt", "x", "--exit", "kl", "--schedule", "auto"],
     ["--model", "huginn-tiny:random", "--prompt", "x", "--stop-ids", "-5"],  # never decoded
-    ["--model", "huginn-tiny:random", "--prompt", "x", "--kv-sharing", "9"],  # R = 8
     # a depth trace under exits held short records that predict then indexed past
     ["--model", "huginn-tiny:random", "--prompt", "x", "--exit", "kl", "--depth-trace", "d.jsonl"],
 ])
