@@ -228,7 +228,7 @@ def schedules(args) -> None:
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s ({args.device}, {args.dtype}); medians of "
           f"{args.repeats}; context {args.context or 'code prompts'}, {args.new_tokens} new "
           "tokens\n")
-    against = any("x_reference" in r for r in rows)  # the target: ms per token over its
+    against = any("x_reference" in r for r in rows)  # a column only where a reference ran
     print("| model | mode | schedule | tokens/s | ms/token | roofline | speedup vs AR | "
           "acceptance | decode |" + (" decode x reference |" if against else "")
           + "\n|---|---|---|---|---|---|---|---|---|" + ("---|" if against else ""))
@@ -344,6 +344,8 @@ def main() -> None:
     args = parser.parse_args()
     if getattr(args, "repeats", 1) < 1:
         parser.error(f"--repeats must be at least 1, not {args.repeats}")
+    if getattr(args, "reference_tokens", 2) < 2:  # a decoded token beside the prefill's
+        parser.error(f"--reference-tokens must be at least 2, not {args.reference_tokens}")
     {"schedules": schedules, "block-calls": block_calls, "operations": operations}[args.what](args)
 
 

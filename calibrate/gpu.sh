@@ -129,7 +129,8 @@ if [ "${BENCH:-1}" = "1" ]; then
       ref_site=$(unpack "$REF_WHEELS/$family")
     fi
     step "$family benchmark" "$RESULTS/bench-$family-$DTYPE.md" \
-      env PYTHONPATH="${ref_site:+$ref_site:}$PYTHONPATH" "$PY" bench/decode_speed.py schedules --models "$bench_model" --device "$DEVICE" \
+      env PYTHONPATH="${ref_site:+$ref_site:}$PYTHONPATH" \
+      "$PY" bench/decode_speed.py schedules --models "$bench_model" --device "$DEVICE" \
       --dtype "$DTYPE" --modes $BENCH_MODES --context "${BENCH_CONTEXT:-1024}" \
       --new-tokens "${BENCH_TOKENS:-256}" --repeats "${BENCH_REPEATS:-2}" --prompts 1 \
       --draft-depth "$draft" --block-lengths 2 4 8 --acceptance 0.9 $ref_flag \
