@@ -1,13 +1,11 @@
 """Is a profile still this machine? Time a sample of the calls it was fitted and validated on.
 
-A CPU profile prices the machine it was measured on, in the state it was in: a shared VM can
-run the same calls 1.5x slower on another night, and the profile's machine name ("AMD EPYC, 2
-CPUs") cannot tell. The check times a few of the profile's own calls again, as the calibration
-timed them (each the faster median of two passes, with the canary product around it), and
-compares them with the times the profile stored: a median ratio near 1 says its predictions
-still hold here; far from 1, they are off by about that factor, and this machine should be
-calibrated again. Per model, the ratios say what changed: the tiny model's calls are host
-overhead, the large ones' are weight reads.
+A CPU profile prices its machine in the state it was in, which a shared VM changes from one
+night to the next and its name ("AMD EPYC, 2 CPUs") cannot tell. The check times a few of the
+profile's calls again as the calibration timed them and compares them with the stored times: a
+median ratio near 1 says its predictions hold; far from 1, they are off by about that factor.
+Per model the ratios say what moved: the tiny model's calls are host overhead, the large ones'
+weight reads.
 """
 
 from __future__ import annotations

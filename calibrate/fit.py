@@ -1,24 +1,12 @@
-"""Fit the cost model's coefficients to measured calls.
+"""Fit the cost model's coefficients to measured calls (docs/calibration.md, step 5).
 
-The fitted quantity is the cost model itself: ``costmodel.cost.call_cost`` with a hardware spec
-whose few coefficients are free: host overhead per call and per layer and per kernel, the
-achievable fractions of the measured peak bandwidth (for KV apart on a GPU) and flops (attention
-apart), and on a CPU the scale between the measured matrix-product curve and the products' cost in
-the decoder. Everything else is measured (peaks, the curve, kernel counts). Robust least squares
-(scipy.optimize.least_squares, soft-L1 loss) on log times, so every call weighs by its relative
-error; standard errors from the Jacobian at the optimum.
-
-Only what the calls determine is kept. After each fit, of the weak coefficients (in a direction
-the calls do not constrain, with a standard error above the value, or an overhead fitted at
-zero) the one whose absence the calls miss least (the lowest cost refitted without it) is taken
-out: an overhead term is dropped (0: the simpler structure), a fraction is held at its prior,
-and the rest are fitted again, until every fitted coefficient is determined.
-``FitResult.dropped`` says what was taken out and why.
-
-Observations may come from both of a GPU decoder's execution modes (``Observation.mode``): one
-hardware spec prices them all, each call in its own mode, so the device's coefficients are shared
-and each mode frees only its own host terms (``MODE_TERMS``); what one mode hides (an eager
-decoder's host-bound calls hide the device), the other determines (calibrate.modes).
+The fitted quantity is ``costmodel.cost.call_cost`` itself, with its few free coefficients (host
+overheads, achievable fractions of the measured peaks, a CPU's product-curve scale): robust least
+squares (soft-L1) on log times, so every call weighs by its relative error, with standard errors
+from the Jacobian. A coefficient the calls do not determine is taken out, the least missed
+first, and the rest fitted again (``FitResult.dropped`` says why). Observations from both of a
+GPU's modes share the device's coefficients; each mode frees only its own host terms
+(``MODE_TERMS``), so what one mode hides, the other determines.
 """
 
 from __future__ import annotations
@@ -199,13 +187,10 @@ def undetermined(hw: HardwareSpec, obs: Sequence[Observation], dtype: str,
                  parameters: Sequence[Parameter] | None = None, step: float = 0.1,
                  tolerance: float = 0.01) -> set[str]:
     """The coefficients (of ``parameters``; default: those a fit of ``hw`` frees) the training
-    calls do not determine. The Jacobian of the calls' log times in the coefficients' relative
-    changes (central differences of ``step``, within the bounds) is singular along some
-    directions (singular values under ``tolerance``: a change of 100% that way moves no time by
-    1%); a coefficient that lies mostly in them is not determined. On a GPU where the host's
-    launches hide the device's work (an eager decoder), flops are: no call
-    depends on them. The standard errors from the Jacobian's pseudo-inverse read near zero
-    there."""
+    calls do not determine: those lying mostly along directions where the Jacobian of the calls'
+    log times in their relative changes is singular (singular values under ``tolerance``: a 100%
+    change moves no time by 1%), such as flops under an eager GPU decoder's host-bound calls. The
+    Jacobian's standard errors read near zero there."""
     parameters = parameters_for(hw) if parameters is None else parameters
     # a coefficient the spec leaves unset (attention's efficiency: the projections') at its start
     hw = hw.with_terms(**{p.name: p.start for p in parameters if hw.term(p.name) is None})

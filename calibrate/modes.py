@@ -3,17 +3,10 @@
     costmodel join-modes gpu-huginn-bf16.json gpu-huginn-bf16-graphs.json \
         --out gpu-huginn-bf16-modes.json
 
-An eager decoder on a GPU is host-bound: its calls price the host's dispatch and hide the
-device. Replayed from CUDA graphs, the same calls price the device. Fitted together (one
-hardware spec pricing every call in the mode it ran in: the device's coefficients shared, each
-mode its own host terms, ``calibrate.fit.MODE_TERMS``), what one mode hides the other
-determines. The joint profile answers `costmodel predict --mode eager|graphs` from the same
-fit.
-
-Cross-mode validation is the held-out test of that split: the hardware fitted on one mode's calls
-alone (with the measured peaks; the other mode's host terms at their priors) prices the other
-mode's calls and runs. A device coefficient that one mode cannot see shows up there as an error,
-not as a fit.
+Eager calls price the host's dispatch and hide the device; replayed graphs price the device. One
+fit of both answers `costmodel predict --mode eager|graphs`. Cross-mode validation is its
+held-out test: fitted on one mode alone, the hardware prices the other mode's calls, so a device
+coefficient one mode cannot see shows up as an error, not as a fit (docs/calibration.md).
 """
 
 from __future__ import annotations

@@ -2,12 +2,10 @@
 
     costmodel refit data/profiles/gpu-huginn-bf16.json --out gpu-huginn-bf16.json
 
-A profile keeps every call it measured: the fit's training calls and the held-out calls and runs.
-When the cost model gains a term (a host cost the calls showed and the model did not price), a
-profile made before it can be fitted again from those calls: the measurements (peaks, kernel
-counts, a CPU's matrix-product curve) stay, every fitted coefficient starts again from its prior,
-and the held-out points are priced with the new fit. A profile of both execution modes refits
-both together and repeats its two cross-mode checks (calibrate.modes).
+When the cost model gains a term, a profile made before it is fitted again from the calls it
+kept: the measurements (peaks, kernel counts, a CPU's product curve) stay, every fitted
+coefficient restarts from its prior, and the held-out points are priced with the new fit (both
+modes together, with their cross-mode checks, for a joint profile).
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """A profile for a machine nobody calibrated, in seconds: a calibrated profile of the same device
 kind, its host and device times rescaled to this machine from a few of the decoded model's own
-calls timed here (what `wfd generate --schedule auto` needs to decide, where a calibration would
-take minutes).
+calls timed here (what `wfd generate --schedule auto` needs, where a calibration takes minutes).
 
-Each call is priced by the calibrated profile as host time (dispatch, overheads) plus device time
-(products, bytes, attention); the calls measured here give this machine's two factors,
-``measured = host_factor * host + device_factor * device``, by least squares over call shapes
-that weigh the two differently (one position and a wave, a block and a readout). The profile's
-hardware with its host slowed by ``host_factor`` and its device by ``device_factor`` is this
-machine's; the measured calls are kept as its validation points, so `costmodel check-profile`
-(and ``still_holds``) can time them again and tell when the machine has moved.
+The calibrated profile prices each call as host time plus device time; the calls timed here give
+``measured = host_factor * host + device_factor * device`` by least squares over shapes that weigh
+the two differently. The measured calls are kept as the profile's validation points, so
+`costmodel check-profile` can tell when the machine has moved.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
-"""Pricing adaptive depth (early exit): where exit depths come from, and the calls of AR, DtV
-and WFD per committed token when each position stops at its own depth.
+"""Pricing adaptive depth (early exit): the calls of AR, DtV and WFD per committed token when each
+position stops at its own depth, drawn from a distribution (``--exit-depths``, with acceptance
+alpha for drafts that go on) or from a depth trace under a rule (``--depth-trace FILE --exit
+RULE``: each position's exit depth and whether its draft equals its final readout, together).
 
-Exit depths come either from a distribution (``--exit-depths "4:0.3,6:0.5,8:0.2"``) with an
-acceptance alpha for the drafts of positions that go past the draft depth, or from a depth trace
-read under a rule (``--depth-trace FILE --exit RULE``): each decoded position's exit depth e and
-whether its draft y(p, d) equals its final readout y(p, e), drawn together.
-
-AR and DtV have closed forms (the positions of a DtV round exit independently: a continuation
-call at depth r holds Binomial(k + 1, P(e >= r)) positions). A wave's width and its flushes
-depend on the whole sequence of exits, so WFD is simulated call by call (``WFD_POSITIONS``
-positions, seeded), with the same plan the decoder runs. A position that exits by the draft depth
-drafts its final token, accepted for sure.
+AR and DtV have closed forms (a DtV continuation call at depth r holds Binomial(k + 1, P(e >= r))
+positions). A wave's width and flushes depend on the whole sequence of exits, so WFD is
+simulated call by call with the decoder's plan (``WFD_POSITIONS`` positions, seeded).
+docs/adaptive-depth.md says more.
 """
 
 from __future__ import annotations

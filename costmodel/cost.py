@@ -3,42 +3,11 @@
     t = t_host + layers * t_layer + n_kernels * (t_launch + t_kernel)
         + max(bytes / BW_eff, matmul flops / F_eff + attention flops / F_attention_eff)
 
-on a device that runs its own kernels. On a GPU, launches are asynchronous: the host's overhead
-(t_host + layers * t_layer + n_kernels * t_launch) overlaps the device's work (the roofline plus
-n_kernels * t_kernel, the device's floor per kernel) and a call costs the larger of the two
-(``overhead_overlaps``); the breakdown then shows the exposed overhead, the part not hidden
-behind the device's bytes and flops. The host's terms are the mode's: eager launches every
-kernel (per call, per layer, per kernel); a CUDA graph replays a call (per replay, per kernel
-replayed, no per-layer work), while t_kernel and the roofline are the device's in both.
-
-Kernels are the decoder's dispatched operations; where a GPU calibration counted them by class,
-the eager host pays each its class's time and views (no kernel) leave the kernels a graph
-replays and the device runs (``operations``).
-
-bytes = the part's weights (once per call) + the KV read (for each distinct slot, its context x
-KV bytes per token) + the KV written + activations. flops = 2 * matmul params * n + attention
-(4 * context * heads * head_dim per position per layer).
-
-A CPU with a measured matrix-product curve (``HardwareSpec.cpu``) runs its kernels one after
-another: the matrix products cost what the curve says for their sizes and rows in a working set
-of the part's weights (from a cache, or streamed from memory), times ``matmul_time_scale``; the
-per-kernel overhead leaves them out (the curve includes their dispatch); the rest of the call
-(norms, attention, activations, KV) costs its roofline:
-
-    t = overheads + scale * sum(curve(product, n)) + max(other bytes / BW_eff, attention / F_att)
-        + layers * heads * key sets * t_key_set
-
-The working set is the part's own weights when the call repeats its part (as a calibration times
-it, or as AR's R block calls run back to back) and the whole model's when it follows a call of
-another part (``after_other_part``): between two calls of the prelude, the block and the coda
-read theirs, and a prelude whose weights alone fit in the cache still reads them from memory.
-The products' one-row time is reported as weights, what more rows add as compute. The last term
-is the attention kernel's fixed cost per (key set, head) pair it works through, reported with
-the KV: a batch of B WFD waves of W positions reads B * W short key sets, and at B = 16, W = 8
-that cost was the largest part of what the rest left unpriced (docs/costmodel.md).
-
-Every argument may be a numpy array (they broadcast), so one formula serves single predictions,
-the event simulator and sweeps of 10^5 points.
+On a GPU the host's overhead overlaps the device's work and a call costs the larger of the two
+(``overhead_overlaps``); a CPU with a measured matrix-product curve prices its products by the
+curve and the rest of the call by its roofline. docs/costmodel.md ("One call") gives each term
+and why. Every argument may be a numpy array (they broadcast), so one formula serves single
+predictions, the event simulator and sweeps of 10^5 points.
 """
 
 from __future__ import annotations
@@ -210,13 +179,9 @@ def call_cost(
     context_sum_positions: sum over positions of the keys each attends to (attention flops).
     context_sum_slots: sum over distinct (sequence, slot) pairs of the slot's length (KV bytes).
     bandwidth_bytes_per_s: overrides the hardware's peak bandwidth (for sweeps).
-    key_sets: distinct (sequence, slot) pairs read, the attention call's batch (None: n_slots,
-        one sequence).
-    after_other_part: the call follows a call of another part, whose weights took this part's
-        out of a CPU's cache: its products read from a working set of the whole model's
-        weights (False: the call repeats its part's, as a calibration times it, or as AR's R
-        block calls run back to back).
-    """
+    key_sets: distinct (sequence, slot) pairs read (None: n_slots, one sequence).
+    after_other_part: the call follows another part's call, so a CPU's products read from a
+        working set of the whole model's weights (False: of this part's, as AR's block calls)."""
     width = DTYPE_BYTES[dtype]
     key_sets = n_slots if key_sets is None else key_sets
     roof = hw.roofline

@@ -1,26 +1,13 @@
 """Exit rules for adaptive depth, as data: which rule, its threshold, the shallowest exit depth,
 and the decision each makes from the quantities a depth trace records.
 
-A rule is checked after every step r >= the minimum depth, per position, against what it
-remembers from the check before (the first check compares with a fixed start, as the public
-Huginn code does):
-
-- ``kl``: KL(previous || current) of the next-token distributions, below the threshold; the
-  start is the uniform distribution.
-- ``entropy-diff``: |entropy - previous entropy| below the threshold; the start is 100 nats.
-- ``latent-diff``: |h_r - h_previous| / |h_r| of the recurrent state below the threshold; the
-  start is the initial state h_0.
-- ``argmax-stable``: the same top token at N successive checks (the threshold N counts the
-  checks after the first that agree with the one before).
-- ``gate`` (a model with an exit gate, Ouro): the gate's cumulative exit probability
-  1 - prod_{j <= r} (1 - lambda_j) reaches the threshold; the hazards of every step count,
-  checked or not.
-
-Defaults are the public code's: kl 1e-3, entropy-diff 1e-3, latent-diff 0.03,
-argmax-stable 5. The released Ouro configs set the gate's threshold to 1.0, which exits only at
-the last step; the default here is 0.5, the median of the gate's exit distribution.
-The decoder (wfd.exits) computes the quantities with tensors; the simulator reads them from a
-depth trace (``exit_depth``); both decide with ``ExitRule.fires``.
+A rule is checked per position after every step r >= the minimum depth, against what it
+remembers from the check before; the first check compares with a fixed start, as the public
+Huginn code does. docs/adaptive-depth.md lists the rules, their starts and their defaults: the
+public code's, but for ``gate``, whose 1.0 in the released Ouro configs exits only at the last
+step (0.5 here, the median of the gate's exit distribution). The decoder (wfd.exits) computes
+the quantities with tensors, the simulator reads them from a depth trace (``exit_depth``), and
+both decide with ``ExitRule.fires``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""Read a measured matrix-product curve (``specs.MatmulCurve``) at any size, row count and
-working set.
-
-Between the measured sizes, log time is interpolated linearly in log size; past the largest it
-follows the two largest sizes' slope, at least proportional to the size; below the smallest, it
-is the smallest's time (a small product's time is its dispatch). Between the measured row
-counts, time is linear in the rows; past the last, each added row costs what the last measured
-step added per row (a product's extra rows are compute). Between the measured working sets, log
-time is interpolated in log working set, from the sets that hold the matrix; from the first
-working set that copies at memory speed (``MatmulCurve.streamed_from_bytes``) on, the weights
-stream. A row count the curve did not measure costs the next multiple of its kernels' row block
-(``MatmulCurve.row_block``). A matrix that is not square takes its aspect's streamed time over
-the square one's (log time interpolated in log aspect, held at the measured extremes). Row
-counts broadcast, so the cost model's sweeps read it too.
+"""Read a measured matrix-product curve (``specs.MatmulCurve``) at any size, row count, working
+set and aspect: log time linear in log size (past the largest, the last slope; below the
+smallest, its time), time linear in the rows (past the last, the last step per row), log time
+linear in log working set (streamed from ``streamed_from_bytes`` on), row counts the curve did
+not measure rounded up to its row block. Row counts broadcast, so the cost model's sweeps read
+it too.
 """
 
 from __future__ import annotations
@@ -144,13 +136,10 @@ ROW_TABLE = 64  # whole row counts up to this are read from one table per call's
 
 def part_matmul_s(curve: MatmulCurve, matrices: list[tuple[tuple[int, int], int]], width: int,
                   n_rows, working_set_bytes: float | None):
-    """Seconds of a call's matrix products: ``matrices`` is ((out, in), how many) pairs. Whole
-    row counts up to ROW_TABLE are read from a table of the products' times at 1..ROW_TABLE rows,
-    made once per curve, products and working set (one vectorized pricing instead of one per row
-    count: ``--schedule auto``'s first decision prices some two hundred shapes); another scalar
-    row count, or a short vector of them (a simulation's shapes), is remembered per curve: a fit
-    prices the same calls hundreds of times. Their products' times do not depend on the
-    coefficients a fit moves. A sweep's long vectors are priced afresh rather than kept."""
+    """Seconds of a call's matrix products: ``matrices`` is ((out, in), how many) pairs. Row
+    counts up to ROW_TABLE are read from a table made once per curve, products and working set;
+    a scalar or short vector of other row counts is remembered per curve (a fit prices the same
+    calls hundreds of times); a sweep's long vectors are priced afresh."""
     if np.ndim(working_set_bytes) or np.size(n_rows) > _MEMO_MAX_ROWS:
         return _part_matmul_s(curve, matrices, width, n_rows, working_set_bytes)
     hit = _PARTS.get(id(curve))

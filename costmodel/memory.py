@@ -1,12 +1,10 @@
 """Memory fit: weights + KV cache + decode activations against the device's capacity.
 
-KV: every token of the sequence (prompt and generated) holds one entry per prelude layer, one per
-core layer and slot (R slots, or s when shared: depth r uses slot r mod s), and one per coda layer
-and readout depth (DtV and WFD read out at d and at R), for the sequence and the positions the
-schedule writes ahead of it (the decoder's static cache holds exactly these; in graphs mode
-rounded up to a whole static span). Activations: the
-decode workspace of the widest call (positions per call x (hidden activations + fp32 logits));
-prefill is assumed chunked.
+KV: every token of the sequence, and each position the schedule writes ahead of it, holds one
+entry per prelude layer, per core layer and slot (R, or s when shared) and per coda layer and
+readout depth, exactly as the decoder's static cache (in graphs mode rounded up to a whole
+static span). Activations: the widest call's workspace (hidden activations + fp32 logits per
+position); prefill is assumed chunked.
 """
 
 from __future__ import annotations

@@ -336,15 +336,10 @@ def sweep(
     block_lengths: range = range(1, MAX_BLOCK_LENGTH + 1),
 ) -> dict[str, np.ndarray]:
     """Vectorized predictions over broadcast arrays of width, acceptance, context, bandwidth and
-    batch. Returns per-token latencies of AR, DtV (best k per point) and WFD, the speedups, the
-    chosen k, and the draft depth. Memory fit is not checked here (see ``memory_report``).
-
-    A call's cost depends on the context, batch and bandwidth, never on the acceptance or the
-    width: the calls are priced once over those axes alone (or, where they vary point by point,
-    per draft depth over its points), each schedule's into one latency per basis
-    (``_Pricer.basis_latency``), and only then weighed by each point's acceptance, per draft
-    depth over the points that draft at it (DtV's best k from one running Horner sum of the
-    expected tokens per round)."""
+    batch: per-token latencies of AR, DtV (best k per point) and WFD, the speedups, the chosen k and
+    the draft depth (memory fit not checked: ``memory_report``). A call's cost depends on context,
+    batch and bandwidth, never on acceptance or width, so the calls are priced once over those axes
+    (``_Pricer.basis_latency``) and only then weighed by each point's acceptance."""
     spec, hw = resolve(model, hardware)
     depth = depth or spec.default_depth
     alpha = spec.default_acceptance if acceptance is None else acceptance

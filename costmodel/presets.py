@@ -1,13 +1,10 @@
-"""Model and hardware presets: data files in ``costmodel/data/models`` and
-``costmodel/data/hardware``, one JSON object per preset in the spec's own fields.
+"""Model and hardware presets: one JSON file per preset in ``costmodel/data/models`` and
+``costmodel/data/hardware``, in the spec's own fields; a new preset is a new file.
 
-A model file holds the architecture of a public release (parameter counts and KV bytes are
-derived by ``LoopedModelSpec`` and checked against the published figures in the tests) or a
-scaled-down shape of its family. A hardware file holds a device's datasheet figures (dense
-matrix flops) and says that a GPU launches asynchronously (its overheads overlap the device's
-work); its efficiencies and overheads are the spec's priors (70-93% of peak bandwidth is
-achievable; 4-6 us per launch on a fast host), which `costmodel calibrate` replaces with
-measured ones. A new preset is a new file.
+A model file holds a public release's architecture (its derived parameter counts and KV bytes
+are checked against the published figures in the tests) or a scaled-down shape of its family. A
+hardware file holds a device's datasheet figures; its efficiencies and overheads are the spec's
+priors, which `costmodel calibrate` replaces with measured ones.
 """
 
 from __future__ import annotations

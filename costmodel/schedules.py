@@ -1,27 +1,16 @@
 """Closed forms: the expected calls per committed token of AR, DtV(k, d) and WFD(d) under i.i.d.
-acceptance alpha, as a list of call groups (a call shape and its expected count per token).
+acceptance alpha, as a list of call groups (a call shape and its expected count per token),
+priced by ``cost.call_cost``. They are the independent check of the event simulator
+(simulate.py), which must agree with them on i.i.d. inputs; docs/costmodel.md ("Schedules")
+derives each.
 
-Pricing the groups with ``cost.call_cost`` gives the per-token latency; counting the block groups
-gives block calls per token. The event simulator (simulate.py) steps the same schedules call by
-call and must agree with these on i.i.d. inputs.
-
-AR: P, R block calls at one position, C.
-
-DtV(k, d), nested reuse: a round drafts positions t..t+k one after another at depth d (each: P,
-d block calls, a C readout at depth d; the readouts of t..t+k-1 are the k drafts, the last one only
-fills the depth-d coda KV), then continues all k+1 positions from d to R in R - d block calls at
-one slot, and reads them out at R in one C call. Accepting the longest matching prefix m commits
-m tokens plus the correction (m < k) or the bonus (m = k): E[tokens/round] = sum_{i<=k} alpha^i.
-
-WFD(d, cap W): position i of a wave enters at tick e_i (e_0 = 0 right after a flush or the
-prefill; e_i = max(e_{i-1} + d, e_{i-W} + R)) and is advanced at ticks e_i + 1 .. e_i + R. Its
-draft readout is at tick e_i + d, its verify readout at e_i + R. A wave ends at the first rejected
-verify. The tick structure (occupancy, slots, readouts) depends only on the ticks since the wave
-began, so by renewal-reward the expected cost per token is
+WFD(d, cap W): position i of a wave enters at tick e_i = max(e_{i-1} + d, e_{i-W} + R) and is
+advanced at ticks e_i + 1 .. e_i + R. The ticks depend only on the ticks since the wave began, so
+by renewal-reward the expected cost per token is
     (1 - alpha) * sum_{t <= R} cost(t)
       + sum_{t in the tail period} cost(t) * alpha^{n(t)} / sum_{v < V} alpha^v
 where n(t) counts verifies before tick t and the tail repeats every d ticks (V = 1 verify) or,
-under a binding cap, every R ticks (V = W verifies). Block calls per token: alpha d + (1-alpha) R.
+under a binding cap, every R ticks (V = W verifies).
 """
 
 from __future__ import annotations

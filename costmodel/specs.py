@@ -42,29 +42,16 @@ class Spec(BaseModel):
 
 
 class MatmulCurve(Spec):
-    """How long one matrix product takes on this machine, measured against its rows, its size
-    and the working set it runs in, instead of a formula for it: a CPU library runs a few rows
-    as vector products, splits products over its threads from some row count on, packs blocks,
-    and reads weights from whichever cache holds them, each with its own cost.
+    """How long one matrix product takes on this machine, measured against its rows, its size and
+    the working set it runs in, instead of a formula for it (docs/costmodel.md, "One call").
 
-    ``seconds[k][i][j]``: one product of a ``matrix_bytes[i]`` matrix over ``rows[j]`` rows,
-    timed in a chain of such products whose weights total ``working_sets_bytes[k]`` (None where
-    the matrix is larger than the working set). The last working set is beyond every cache: the
-    weights stream from memory. A call's products run in its part's working set (its weights).
-    Those matrices are square; ``aspect_seconds[a][i][j]`` times matrices ``aspects[a]`` times
-    as many outputs as inputs, streamed, and a product of another shape takes its aspect's
-    time over the square one's (a library runs wide and tall products at different speeds).
-
-    ``streamed_from_bytes``: the smallest working set that copies at memory speed (the copy
-    just past the measured cache knee). A working set from there on streams as the last one
-    does, where interpolating towards a streamed set several times larger would price it as
-    partly cached; None (profiles made before it was measured): the last working set.
-
-    ``row_block``: the rows a product's kernel computes together. A CPU library's kernels work
-    on blocks of rows (of 8, say: then 41 rows cost what 48 do); a row count
-    the curve did not measure is read at the next multiple of the block. 1 (profiles made
-    before it was measured): no blocks, time linear between the measured rows.
-    """
+    ``seconds[k][i][j]``: one product of a ``matrix_bytes[i]`` square matrix over ``rows[j]``
+    rows, in a chain of products whose weights total ``working_sets_bytes[k]`` (None where the
+    matrix is larger; the last set streams from memory). ``aspect_seconds[a][i][j]``: streamed
+    matrices with ``aspects[a]`` times as many outputs as inputs. ``streamed_from_bytes``: the
+    smallest working set that copies at memory speed. ``row_block``: the rows a product's kernel
+    computes together (a row count between blocks costs the next multiple). The last two are None
+    and 1 in profiles made before they were measured."""
 
     dtype: str
     rows: list[Annotated[int, Field(ge=1)]]

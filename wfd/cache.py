@@ -1,33 +1,20 @@
 """The KV cache of a looped LM: one slot per (depth, layer), position-indexed, static, with
 rollback, for one sequence or a batch of them (one region per sequence).
 
-Allocated once per run for its longest sequence (prompt + new tokens + the schedule's lookahead).
-Every attention layer owns K, V of shape [slots, kv_heads, max_len, head_dim]; a position's key
-lives at index = its absolute position, so positions at different depths are written in place, in
-one indexed store per layer and call, and read as views. Which slot a call uses:
+Every attention layer owns K, V of shape [slots, kv_heads, max_len, head_dim], allocated once
+per run; a position's key lives at index = its absolute position, so positions at different
+depths are written in place and read as views. Slots: one for the prelude; for the core, the
+step that brings a position to depth r uses slot r - 1, or (r - 1) mod s with KV sharing over s
+slots; for the coda (Huginn), one per readout depth, so draft readouts never touch the verify
+path. A position that exits at depth e copies its depth-e KV into the slots it skipped
+(``exit``); a slot keeps writes beyond its valid prefix, which join it once the gap is filled.
+Sequence b of a batch owns rows b * slots ... b * slots + slots - 1 (``flat``), handed to the
+next prompt when it finishes (``release``).
 
-- prelude layers: one slot;
-- core (block) layers: the step that brings a position to depth r uses slot r - 1, or with KV
-  sharing over s slots, (r - 1) mod s (s = 1: one slot per layer; past positions then contribute
-  whatever they wrote last into that slot, as in Huginn's compress-s cache);
-- coda layers (Huginn): one slot per readout depth, so draft readouts never touch the verify path.
-
-Adaptive depth: a position that exits at depth e never writes the slots of deeper depths; a later
-position attending at depth r > e reads its deepest written slot instead (``exit``: the depth-e
-KV copied into the slots of the depths it skipped, core and coda). Such a copy can land ahead of
-an older position still on its way to that depth (in a wave), so a slot also keeps the positions
-written beyond its valid prefix, which join the prefix once the gap before them is filled.
-
-A batch of B sequences gives each sequence a region of its own: the slots of sequence b are rows
-b * slots ... b * slots + slots - 1 of the same tensors (``flat`` slot indices), so one call can
-write and read the slots of many sequences, and a finished sequence's region is handed to the next
-prompt (``release``).
-
-The layers of a part see the same writes, so a part keeps one list of per-slot lengths (the valid
-prefix of each slot), checked and advanced once per call by ``claim``: a write must extend or
-overwrite the valid prefix (never leave a hole), and ``truncate`` rolls every slot back to a prefix
-of positions. The tensors themselves are never reallocated, so their shapes stay fixed for the
-whole run (what captured execution needs).
+A part keeps one list of per-slot lengths (the valid prefix of each slot), checked and advanced
+once per call by ``claim``: a write must extend or overwrite the valid prefix, never leave a
+hole, and ``truncate`` rolls back. The tensors are never reallocated, so their shapes stay fixed
+for the whole run (what captured execution needs).
 """
 
 from __future__ import annotations

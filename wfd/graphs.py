@@ -2,23 +2,10 @@
 graph and replayed (``--mode graphs``), or called on the same static buffers without capture
 (``--mode static``, any device: the code path the CPU tests exercise).
 
-A call's shape is its part, its slots (one per position, so the number of positions too) and its
-static span: attention reads the keys up to the span under a mask, the span rounded up to whole
-blocks of ``costmodel.plans.STATIC_SPAN_KEYS``, so a growing context changes the values in the
-buffers and, once per block, the span. The schedules use a bounded set of shapes per span, fixed
-by R, d and k.
-
-Graphs bake in the addresses of the tensors they read, the KV cache's among them, so a model's
-static cache and the shapes prepared on it live together in a ``Workspace`` that outlasts a run:
-every later run in the process with the same cache layout (a Python user's repeated ``generate``,
-a calibration's grid and held-out runs, a bench's repeats) reuses the cache and replays the
-shapes it already has. A run that needs a longer cache replaces the workspace (its shapes are
-captured again).
-
-A replay's host work is the copy-in: the call's positions (and a prelude's tokens) are written
-into the shape's host staging buffer (pinned on CUDA) and copied to the device in one transfer;
-the slots never change for a shape, so their device copy is made once, when the shape is
-prepared; device inputs are copied into the shape's buffers on the device.
+A shape is a call's part, its slots and its static span (the keys attention reads under a mask,
+rounded up to whole blocks of ``costmodel.plans.STATIC_SPAN_KEYS``). Graphs bake in the addresses
+they read, the KV cache's among them, so a model's static cache and its shapes live together in
+a ``Workspace`` that later runs in the process reuse (docs/decoding.md, "Execution modes").
 """
 
 from __future__ import annotations

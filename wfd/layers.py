@@ -122,20 +122,15 @@ def chosen_backend(model: nn.Module, kind: str, slots: list[int], span: int) -> 
 def slot_layout(slots: tuple[int, ...], progressions: bool = True
                 ) -> tuple[str, tuple | None, bool, int]:
     """How a call's positions read their slots, as (access, slot range, descending, queries per
-    group). Positions form groups: runs of equal slots, each run one group of queries over one key
-    set (AR and the prefill: one group; DtV's verification: one group per sequence; a WFD wave: one
-    position per group). When the groups' slots are distinct and the runs equally long, the key
-    sets are read as ("one", None, False, q) for a single group, ("range", (first, last, step),
-    descending, q) when the slots form an arithmetic progression (a strided view of the cache),
-    ("ranges", ((first group, groups, first slot, step, descending), ...), False, q) when they
-    form a few such progressions (a batch of WFD waves: one per sequence), read as one view and
-    one attention kernel each, or ("gather", None, False, q) otherwise (one gathered key set per
-    group); any other mix reads one gathered key set per position ("gather", None, False, 1).
-
-    Gathering copies every key set the call reads: on a CPU, for a batch of 16 waves of 8, the
-    copy's read and write cost more than attention itself, and more than a kernel per
-    progression. A GPU copies at its bandwidth but pays the host for each kernel it launches:
-    ``progressions=False`` (CallPlan on a GPU) gathers there instead."""
+    group). Positions form groups, runs of equal slots, each one group of queries over one key set
+    (AR: one group; DtV's verification: one per sequence; a WFD wave: one per position). Distinct
+    slots in equally long runs are read as ("one", None, False, q) for a single group, ("range",
+    (first, last, step), descending, q) for an arithmetic progression (a strided view), ("ranges",
+    ((first group, groups, first slot, step, descending), ...), False, q) for a few of them (a batch
+    of WFD waves), or ("gather", None, False, q) otherwise; any other mix gathers one key set per
+    position ("gather", None, False, 1). Gathering copies every key set read, which costs a CPU more
+    than a kernel per progression; a GPU pays the host per kernel instead, so ``progressions=False``
+    (CallPlan on a GPU) gathers there."""
     runs: list[list[int]] = []
     for slot in slots:
         if runs and runs[-1][0] == slot:
