@@ -67,6 +67,9 @@ def calibrate_cmd(
         help="the held-out DtV and WFD runs' forced acceptances, comma-separated, e.g. "
              "0.6,0.75,0.9 (default: 0.85 at two draft depths; a sweep runs the default "
              "draft depth at each)")] = None,
+    retries: Annotated[int | None, typer.Option(
+        help="times a measurement is taken again when the canary product around it ran slow "
+             "(another tenant's load; default 4 on a CPU, 0 on a GPU)")] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Measure the decoder on this machine, fit the cost model, validate on held-out points and
@@ -78,6 +81,8 @@ def calibrate_cmd(
     one_of("device", device.split(":")[0], ("cpu", "cuda"))
     if threads is not None and threads < 1:
         raise UserError(f"--threads must be at least 1, got {threads}")
+    if retries is not None and retries < 0:
+        raise UserError(f"--retries must be at least 0, got {retries}")
     if checkpoint is not None and not checkpoint.is_dir():
         raise UserError(f"checkpoint {checkpoint} is not a folder")
     alphas = parse_acceptances(acceptances) if acceptances is not None else None
@@ -98,7 +103,8 @@ def calibrate_cmd(
                             device=device, dtype=dtype, quick=quick, threads=threads,
                             fit_models=fit_models.split(",") if fit_models else None,
                             holdout_model=holdout_model, mode=mode, progress=progress,
-                            machine_from=machine_from, force=force, acceptances=alphas)
+                            machine_from=machine_from, force=force, acceptances=alphas,
+                            retries=retries)
     busy = too_busy(profile.load)
     if busy and not force:
         raise UserError(f"no profile written: {busy}")

@@ -144,10 +144,12 @@ for family in $FAMILIES; do
   for mode in $MODES; do
     name="gpu-$family-$DTYPE$([ "$mode" = graphs ] && echo -graphs || true)"
     # --force: an unattended run keeps its profile, flagged if the machine was busy (a GPU's
-    # never is; a CPU rehearsal beside other work can be), rather than lose the run
+    # never is; a CPU rehearsal beside other work can be), rather than lose the run; --retries 0:
+    # a GPU takes nothing again anyway, and a CPU rehearsal checks the steps, not the figures
     if ! step "$family $mode calibration" "$RESULTS/$name.validation.json" \
         "$PY" -m calibrate.cli calibrate --model "$family" --device "$DEVICE" --dtype "$DTYPE" \
         --mode "$mode" $QUICK_FLAG --fit-models "$fit" --holdout-model "$holdout" --force \
+        --retries 0 \
         ${MACHINE_FROM:+--machine-from "$MACHINE_FROM"} \
         --acceptances "${ACCEPTANCES:-0.6,0.75,0.9}" --out "$RESULTS/$name.json" --json; then
       continue

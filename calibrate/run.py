@@ -150,7 +150,8 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
               dtype: str = "fp32", quick: bool = False, threads: int | None = None,
               fit_models: list[str] | None = None, holdout_model: str | None = None,
               mode: str = "eager", progress=None, machine_from: Path | None = None,
-              force: bool = False, acceptances: list[float] | None = None) -> CalibrationProfile:
+              force: bool = False, acceptances: list[float] | None = None,
+              retries: int | None = None) -> CalibrationProfile:
     import torch
 
     from wfd.checkpoint import CheckpointError, load_model
@@ -170,7 +171,8 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
         loaded[role] = (name, model, spec_for(name, model))
     cuda = device.startswith("cuda")
     # a GPU is not shared: a slow canary there is launch jitter, not load, and is not retried
-    quiet = Quiet(device, retries=0 if cuda else 4, budget_s=60.0 if quick else 120.0)
+    quiet = Quiet(device, retries=(0 if cuda else 4) if retries is None else retries,
+                  budget_s=60.0 if quick else 120.0)
     if machine_from is not None:
         peaks = reused_peaks(machine_from, device, dtype, force)
     else:

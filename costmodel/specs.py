@@ -547,7 +547,7 @@ class Workload(Spec):
     depth_trace: str | None = None
     batch_size: Annotated[int, Field(ge=1)] = 1
     dtype: Dtype = "bf16"
-    # 0: recurrence-specific KV (one slot per depth); s in 1..R: s shared slots, depth r -> r mod s.
+    # 0: one KV slot per depth; s in 1..R: s shared slots, depth r in slot (r - 1) mod s
     kv_sharing: Annotated[int, Field(ge=0)] = 0
     # None: the model's default depth R.
     depth: Annotated[int, Field(ge=2)] | None = None

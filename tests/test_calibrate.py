@@ -386,7 +386,8 @@ def test_calibrate_rejects_bad_input(tmp_path):
                  ["--model", "ouro", "--checkpoint", str(tmp_path / "none")],
                  ["--model", "ouro", "--acceptances", "0.6,1.2"],
                  ["--model", "ouro", "--acceptances", "high"],
-                 ["--model", "ouro", "--threads", "0"]):  # 0 was taken as torch's default
+                 ["--model", "ouro", "--threads", "0"],  # 0 was taken as torch's default
+                 ["--model", "ouro", "--retries", "-1"]):
         out = subprocess.run([sys.executable, "-m", "costmodel", "calibrate", *args],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 2, (args, out.stderr)
@@ -547,6 +548,7 @@ def test_the_gpu_script_rehearsed_as_the_gpu_image_runs_it(tmp_path):
             } == {1, 2}
     profile = load_profile(back / "gpu-ouro-fp32.json")
     assert profile.validation and profile.fit_stats["train_points"] > 5
+    assert profile.load.retaken_fraction == 0  # gpu.sh's --retries 0: nothing taken again
     assert len(profile.training) == profile.fit_stats["train_points"]  # kept for refits
     report = json.loads((back / "gpu-ouro-fp32.validation.json").read_text())
     assert set(report["per_schedule"]) >= {"ar", "wfd", "dtv", "block"}
