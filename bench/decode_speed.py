@@ -4,7 +4,8 @@ block call vs the number of positions in it.
     python bench/decode_speed.py schedules [--models huginn-tiny ouro-tiny huginn-mid:random
         ouro-mid:random] [--modes eager static] [--device cpu] [--context 0] [--repeats 5]
         [--new-tokens 64] [--acceptance 0.9] [--threads 2] [--reference-huginn DIR]
-        [--reference-ouro DIR] [--exit-depths "16:0.5,32:0.5"] [--out FILE.json]
+        [--reference-ouro DIR] [--reference-seconds S] [--exit-depths "16:0.5,32:0.5"]
+        [--out FILE.json]
     python bench/decode_speed.py block-calls [--model huginn-mid:random] [--dtype fp32 bf16]
         [--threads 1 2]
     python bench/decode_speed.py operations [--models huginn-3.5b ouro-2.6b] [--dtypes fp32 bf16]
@@ -27,8 +28,8 @@ mode. Capture and warm-up time (static and graphs modes) is excluded. With --ref
 bench/reference_parity.py), the reference implementation's own cached `generate` runs on the same
 weights as the baseline (it needs its transformers in this environment), --repeats passes after
 the others, and the last column gives each row's decode speed over it (its ms per decoded token,
-the prefill taken out by a one-token run, over the row's). A reference that fails is named after
-the table, which is kept, and the script exits 1.
+the prefill taken out by a one-token run, over the row's). A reference that fails, or runs past
+--reference-seconds, is named after the table, which is kept, and the script exits 1.
 Prints a Markdown table for docs/ and, with --out, writes its rows as JSON.
 
 `operations` counts what the decoder dispatches per layer and per call of each part, by class, as
@@ -41,8 +42,10 @@ each family's counts by class, the table `costmodel` prices a preset's operation
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
+import signal
 import statistics
 import sys
 import tempfile
@@ -104,6 +107,26 @@ def decode_bytes_per_token(model, schedule: str, prompt: list[int], new_tokens: 
     dtype = DTYPE_NAMES[next(model.parameters()).dtype]
     return price_bytes(model.config, get_hardware("h200"), decode, dtype=dtype) / max(
         len(res.tokens) - 1, 1)
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None, what: str):
+    """Raise TimeoutError in this (the main) thread once ``seconds`` have passed (None: no
+    limit): a reference that loads or generates for ever must not cost a lent GPU its lease."""
+    if not seconds:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TimeoutError(f"{what} took more than {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def reference_rate(family: str, folder: str, model, prompts: list[list[int]], new_tokens: int,
@@ -211,9 +234,11 @@ def schedules(args) -> None:
         reference = {"huginn": args.reference_huginn, "ouro": args.reference_ouro}[
             model.config.family]
         if reference:
+            started = time.perf_counter()
             try:
-                ref = reference_rate(model.config.family, reference, model, prompts,
-                                     args.reference_tokens, args.repeats)
+                with time_limit(args.reference_seconds, "its load and runs"):
+                    ref = reference_rate(model.config.family, reference, model, prompts,
+                                         args.reference_tokens, args.repeats)
             except Exception as exc:  # noqa: BLE001 - the table above must survive its baseline
                 failed.append(f"{name}: the reference generate failed: {type(exc).__name__}: "
                               f"{exc}")
@@ -224,7 +249,8 @@ def schedules(args) -> None:
             rows.append({"model": name, "dtype": args.dtype, "mode": "reference",
                          "schedule": f"reference generate (AR, {args.reference_tokens} new "
                                      "tokens)", **ref, "roofline_fraction": None,
-                         "speedup_vs_ar": None, "acceptance": None, "decode": "real"})
+                         "speedup_vs_ar": None, "acceptance": None, "decode": "real",
+                         "reference_s": time.perf_counter() - started})
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s ({args.device}, {args.dtype}); medians of "
           f"{args.repeats}; context {args.context or 'code prompts'}, {args.new_tokens} new "
           "tokens\n")
@@ -326,6 +352,8 @@ def main() -> None:
     s.add_argument("--reference-ouro", default=None)
     s.add_argument("--reference-tokens", type=int, default=32,
                    help="new tokens per reference run (it is slow: tokens/s is what counts)")
+    s.add_argument("--reference-seconds", type=float, default=None,
+                   help="give up a reference (load and runs) after this long, the table kept")
     s.add_argument("--exit-depths", default=None,
                    help="forced exits: each token exits at a depth drawn from this distribution")
     s.add_argument("--out", default=None)
@@ -346,6 +374,8 @@ def main() -> None:
         parser.error(f"--repeats must be at least 1, not {args.repeats}")
     if getattr(args, "reference_tokens", 2) < 2:  # a decoded token beside the prefill's
         parser.error(f"--reference-tokens must be at least 2, not {args.reference_tokens}")
+    if getattr(args, "reference_seconds", None) is not None and args.reference_seconds <= 0:
+        parser.error(f"--reference-seconds must be positive, not {args.reference_seconds}")
     {"schedules": schedules, "block-calls": block_calls, "operations": operations}[args.what](args)
 
 

@@ -30,7 +30,8 @@
 #    were written for: Huginn's raven_modeling_minimal.py runs under 4.53.3, ouro_rl's
 #    modeling_ouro.py under 4.57.6. REF_WHEELS/huginn and REF_WHEELS/ouro hold each one's wheels
 #    (calibrate/fetch-gpu-wheels.sh), unpacked first on the path of that family's bench alone.
-#    A reference that fails is named after the bench's table, which is kept.
+#    A reference that fails, or loads and runs past REF_SECONDS (default 90), is named after
+#    the bench's table, which is kept.
 #    EXITS=1 (default), after stage 3: the same with adaptive depth, each token exiting at a
 #    depth drawn from EXITS_HUGINN / EXITS_OURO (forced exits; default a spread around R/2):
 #    bench-exits-FAMILY-DTYPE.md and .json, what `costmodel predict --exit-depths` prices.
@@ -123,7 +124,7 @@ if [ "${BENCH:-1}" = "1" ]; then
     read -r _ _ bench_model <<< "$(models "$family")"
     draft=$([ "$family" = huginn ] && echo 4 || echo 1)
     ref_var="REF_${family^^}"
-    ref_flag=${!ref_var:+--reference-$family ${!ref_var}}
+    ref_flag=${!ref_var:+--reference-$family ${!ref_var} --reference-seconds ${REF_SECONDS:-90}}
     ref_site=""  # the reference's own transformers, first on the path for this step alone
     if [ -n "$ref_flag" ] && [ -d "${REF_WHEELS:-/nonexistent}/$family" ]; then
       ref_site=$(unpack "$REF_WHEELS/$family")

@@ -4,6 +4,7 @@ clearly, and the whole pipeline runs end to end on tiny models."""
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -585,6 +586,32 @@ def test_a_reference_that_fails_costs_the_gpu_script_only_itself(tmp_path):
     rows = json.loads((results / "bench-ouro-fp32.json").read_text())["rows"]
     assert {row["schedule"].split()[0] for row in rows} == {"AR", "DtV", "WFD"}
     assert "| ouro-tiny:random | eager | AR |" in (results / "bench-ouro-fp32.md").read_text()
+
+
+def test_a_reference_past_its_time_is_given_up_and_the_table_kept(tmp_path, monkeypatch, capsys):
+    """A reference that loads for ever (a lent GPU's transformers at the real size) is given up
+    after --reference-seconds: named as failed, the decoder's rows printed and written."""
+    slow = tmp_path / "slow_ouro_ref"
+    slow.mkdir()
+    (slow / "__init__.py").write_text("")
+    (slow / "modeling_ouro.py").write_text(
+        "import time\n\nclass OuroForCausalLM:\n    @classmethod\n"
+        "    def from_pretrained(cls, folder, torch_dtype=None):\n        time.sleep(60)\n")
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))
+    import decode_speed
+
+    out = tmp_path / "bench.json"
+    monkeypatch.setattr(sys, "argv", [
+        "decode_speed.py", "schedules", "--models", "ouro-tiny:random", "--context", "8",
+        "--prompts", "1", "--new-tokens", "4", "--repeats", "1", "--block-lengths", "2",
+        "--reference-ouro", str(slow), "--reference-seconds", "0.5", "--out", str(out)])
+    started = time.perf_counter()
+    with pytest.raises(SystemExit, match="TimeoutError: its load and runs took more than 0.5 s"):
+        decode_speed.main()
+    assert time.perf_counter() - started < 30
+    assert "| ouro-tiny:random | eager | AR |" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert {row["schedule"].split()[0] for row in rows} == {"AR", "DtV", "WFD"}
 
 
 def test_gpu_script_goes_on_past_a_failed_step_and_names_it(tmp_path):
