@@ -580,8 +580,9 @@ class Workload(Spec):
             raise ValueError("a run of prompts is priced at fixed depth only; leave out "
                              "--prompts to price exits")
         if self.prompts is not None and self.prompts < self.batch_size:
-            raise ValueError(f"{self.prompts} prompts cannot fill a batch of "
-                             f"{self.batch_size}: give at least as many prompts as the batch")
+            raise ValueError(f"{self.prompts} prompt{'s' * (self.prompts > 1)} cannot fill a "
+                             f"batch of {self.batch_size}: give at least as many prompts as "
+                             "the batch")
         if self.prompts is not None and self.new_tokens < 2:
             raise ValueError("a run of prompts decodes at least 2 new tokens each (the "
                              "prefill commits the first)")

@@ -62,7 +62,7 @@ def _parse_scaled(text: str | float, kind: str, pattern: re.Pattern[str], exampl
     m = pattern.match(stripped)
     if not m or (rate is not None and bool(m.groupdict().get("rate")) != rate):
         raise UnitError(f"cannot read {kind} {text!r}; expected e.g. {examples}")
-    return _positive(float(_number(m, text) * _scale(m.group("prefix"))), kind)
+    return _positive(float(_number(m, text) * _scale(m.group("prefix"))), kind, repr(text))
 
 
 def parse_bandwidth(text: str | float) -> float:
@@ -96,11 +96,12 @@ def parse_duration(text: str | float) -> float:
     return value
 
 
-def _positive(value: float, kind: str) -> float:
+def _positive(value: float, kind: str, shown: str | None = None) -> float:
+    """``value``, or a UnitError naming it as the user wrote it (``shown``)."""
     if not math.isfinite(value):
-        raise UnitError(f"{kind} must be finite, got {value}")
+        raise UnitError(f"{kind} must be finite, got {shown or value}")
     if not value > 0:
-        raise UnitError(f"{kind} must be positive, got {value}")
+        raise UnitError(f"{kind} must be positive, got {shown or value}")
     return value
 
 

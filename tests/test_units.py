@@ -42,7 +42,7 @@ def test_flops_and_durations():
      (parse_duration, "5 parsecs"), (parse_duration, "-5us"), (parse_bandwidth, "1e400GB/s")],
 )
 def test_malformed_quantities_are_rejected(parser, text):
-    with pytest.raises(UnitError):
+    with pytest.raises(UnitError, match=f"'{text}'" if text else "empty"):  # as the user wrote it
         parser(text)
 
 
