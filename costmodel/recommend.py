@@ -82,12 +82,15 @@ def parse_acceptance_by_depth(text: str) -> dict[int, float]:
     for item in (part.strip() for part in text.split(",") if part.strip()):
         depth, sep, value = item.partition(":")
         try:
-            out[int(depth)] = float(value)
+            d, alpha = int(depth), float(value)
         except ValueError:
             raise ValueError(f"acceptance by depth takes DEPTH:ACCEPTANCE pairs such as "
                              f"1:0.6,4:0.9; got {item!r}") from None
         if not sep:
             raise ValueError(f"acceptance by depth: {item!r} has no ':'")
+        if d in out:
+            raise ValueError(f"acceptance by depth gives depth {d} twice")
+        out[d] = alpha
     return out
 
 

@@ -11,7 +11,7 @@ from conftest import model_for, tiny_model
 
 from costmodel import Workload, get_hardware, get_model, predict, recommend, simulate
 from costmodel.profile import load_profile
-from costmodel.recommend import QUICK_DEPTHS
+from costmodel.recommend import QUICK_DEPTHS, parse_acceptance_by_depth
 from costmodel.trace import DepthRecord, TraceHeader, write_jsonl
 from wfd.generate import GenerationError, generate
 
@@ -86,6 +86,13 @@ def test_cli_json_and_bad_input(tmp_path):
         out = _cli(*args)
         assert out.returncode == 2, (args, out.stdout)
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_a_depth_given_twice_is_refused():
+    # the last of the two was taken without a word
+    assert parse_acceptance_by_depth("1:0.6, 4:0.9") == {1: 0.6, 4: 0.9}
+    with pytest.raises(ValueError, match="gives depth 1 twice"):
+        parse_acceptance_by_depth("1:0.6,4:0.9,1:0.7")
 
 
 def test_a_context_that_does_not_fit_is_predict_s_verdict_and_exit_code():
