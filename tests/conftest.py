@@ -1,10 +1,16 @@
+import os
+
 import pytest
 import torch
 
 from wfd.checkpoint import build, init_random
 from wfd.config import ModelConfig
 
-torch.set_num_threads(1)  # the suite runs two workers on two cores
+# The suite runs two workers on two cores: one thread each, in the processes they start too (a
+# process with a thread per core spins against the other worker's; vLLM's engines take the
+# same through VLLM_CPU_OMP_THREADS_BIND=nobind in tests/test_serving.py)
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 TINY_CONFIGS = {
     "huginn": ModelConfig(family="huginn", hidden_size=64, num_heads=4, num_kv_heads=4,

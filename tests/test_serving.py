@@ -33,6 +33,10 @@ CODE = ["import os\nimport sys\n\n\ndef main(argv):\n    ", "class Node:\n    de
         "for i in range(", "    return ", "def parse(text):\n    ", "# sort the list\n",
         "if __name__ == '__main__':\n    ", "x = [i * i for i in "]
 NEW_TOKENS = 20
+# one rank's engine with the suite's one thread (conftest), not pinned to both cores: vLLM binds
+# a thread to every core of the node, which spins against the other test worker (two ranks keep
+# wfd.serving.offline's binding, one core each)
+UNBOUND = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
 def vllm_job(tmp_path: Path, model: Path, runs: list[dict], overrides: dict | None = None,
@@ -44,7 +48,8 @@ def vllm_job(tmp_path: Path, model: Path, runs: list[dict], overrides: dict | No
                                "tensor_parallel": tensor_parallel,
                                "in_process": tensor_parallel == 1}))
     done = subprocess.run([sys.executable, "-m", "wfd.serving.offline", str(job), str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env=UNBOUND if tensor_parallel == 1 else None)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -144,7 +149,7 @@ def test_vllm_serve_answers_completions_and_refuses_a_prompt_too_long(tmp_path):
         shutil.copy(ROOT / "wfd" / "models" / name / file, model)
     write_byte_tokenizer(model, max_length=256)
     port = free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    env = {**UNBOUND, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     # what `vllm serve PATH` runs; the CPU build's `vllm` command itself stops at reading the
     # version of a package named vllm (it is installed as vllm-cpu)
     server = subprocess.Popen(
@@ -190,7 +195,7 @@ def test_the_kernel_table_is_what_vllm_runs(tmp_path):
     here until the table is regenerated (the command it names)."""
     out = tmp_path / "counted.json"
     done = subprocess.run([sys.executable, "-m", "wfd.serving.kernels", "--write", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=UNBOUND)
     assert done.returncode == 0, done.stderr[-3000:]
     committed = json.loads((ROOT / "costmodel" / "data" / "vllm_operations.json").read_text())
     assert json.loads(out.read_text())["families"] == committed["families"]
