@@ -349,16 +349,6 @@ class HardwareSpec(Spec):
                              f"{', '.join(sorted(peaks))})")
         return peaks[dtype] * self.roofline.flops_efficiency
 
-    @property
-    def weight_bandwidth_bytes_per_s(self) -> float:
-        return self.roofline.memory_bandwidth_bytes_per_s * self.roofline.bandwidth_efficiency
-
-    @property
-    def kv_bandwidth_bytes_per_s(self) -> float:
-        r = self.roofline
-        return r.memory_bandwidth_bytes_per_s * (r.kv_bandwidth_efficiency
-                                                 or r.bandwidth_efficiency)
-
 
 class PartSpec(Spec):
     """One of P, B, C: its transformer layers plus the extra matrices it multiplies once a call."""

@@ -45,9 +45,11 @@ def test_a_bandwidth_bound_call_costs_its_bytes_and_bytes_are_derived():
     c = _block("huginn-3.5b", "a6000", 1, 1, 1000)
     # one position: the weights and the KV stream at the achievable bandwidths, the launches
     # hide behind them (a GPU), and nothing is compute
-    streamed = (float(c.weight_bytes) + float(c.activation_bytes)) / \
-        hw.weight_bandwidth_bytes_per_s + (float(c.kv_read_bytes) + float(c.kv_write_bytes)) \
-        / hw.kv_bandwidth_bytes_per_s
+    r = hw.roofline
+    streamed = ((float(c.weight_bytes) + float(c.activation_bytes)) / r.bandwidth_efficiency
+                + (float(c.kv_read_bytes) + float(c.kv_write_bytes))
+                / (r.kv_bandwidth_efficiency or r.bandwidth_efficiency)
+                ) / r.memory_bandwidth_bytes_per_s
     assert float(c.time_s) == pytest.approx(streamed, rel=1e-9)
     assert float(c.compute_s) == 0 and float(c.overhead_s) == 0
     assert float(c.weight_bytes) == m.part("block").weight_params * 2

@@ -113,13 +113,3 @@ class OuroModel(nn.Module):
     def exit_lambda(self, state: torch.Tensor) -> torch.Tensor:
         """The gate's per-step exit hazard lambda_t = sigmoid(gate(h_t)): [n]."""
         return torch.sigmoid(self.model.early_exit_gate(state)).squeeze(-1).float()
-
-
-def exit_distribution(lambdas: torch.Tensor) -> torch.Tensor:
-    """p(t) over steps from the hazards [n, T]: lambda_t prod_{j<t}(1 - lambda_j); the last step
-    takes the remaining mass."""
-    survive = torch.cumprod(1 - lambdas, dim=-1)
-    before = torch.cat([torch.ones_like(survive[:, :1]), survive[:, :-1]], dim=-1)
-    probs = lambdas * before
-    probs[:, -1] = before[:, -1]
-    return probs
