@@ -593,6 +593,3 @@ class WFD(Spec):
     kind: Literal["wfd"] = "wfd"
     draft_depth: Annotated[int, Field(ge=1)]
     width_cap: Annotated[int, Field(ge=1)] | None = None
-
-
-Schedule = Annotated[AR | DtV | WFD, Field(discriminator="kind")]

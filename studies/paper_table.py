@@ -26,9 +26,6 @@ REPORTED_WFD = {"huginn-3.5b": 3.54, "ouro-2.6b": 2.42}
 AR_ROOFLINE = {"huginn-3.5b": 0.74, "ouro-2.6b": 0.18}
 OURO_AR_IDLE = 0.65
 PROMPT, OUTPUT = 512, 512
-KERNEL_FIELDS = ("kernels_per_layer", "attention_kernels_per_slot", "attention_split_by_slot",
-                 "part_extra_kernels", "layer_operations", "part_extra_operations",
-                 "operation_host_weights")
 # The hardware presets' kernels before they counted this decoder's: a kernel count per layer,
 # two attention kernels per KV slot read.
 PRIOR_KERNELS = {"kernels_per_layer": 14, "attention_kernels_per_slot": 2,
