@@ -125,7 +125,7 @@ def contexts_for(model, grid: Grid) -> list[int]:
     return [c for c in grid.contexts if c <= room] or [min(grid.contexts)]
 
 
-def call_grid(name: str, model, grid: Grid) -> list[tuple[str, int, int, int]]:
+def call_grid(model, grid: Grid) -> list[tuple[str, int, int, int]]:
     depth = model.config.depth
     points = []
     # longest context first: its cache serves the shorter ones, so static and graphs modes

@@ -217,7 +217,7 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
     for role in roles:
         name, model, _ = loaded[role]
         warm_up(model, name, max(grid.positions), max(contexts_for(model, grid)), mode)
-        plan += [(role, point) for point in call_grid(name, model, grid)]
+        plan += [(role, point) for point in call_grid(model, grid)]
     held_name, held, held_spec = loaded["holdout"]
     depth = held.config.depth
     prompt = [32 + (i * 7) % 90 for i in range(64)]
