@@ -13,7 +13,6 @@ from .clitools import DTYPES, UserError, one_of, print_json, run, spinner, text_
 from .engines import ENGINES, VLLM_SOURCE, for_engine
 from .errors import ProfileError, TraceError
 from .memory import DoesNotFit, does_not_fit
-from .plans import check_kv_sharing
 from .predict import Prediction, predict
 from .presets import UnknownPresetError, get_hardware, get_model
 from .specs import EAGER_HOST_SOURCE, HardwareSpec, Workload
@@ -225,7 +224,6 @@ def predict_cmd(
     spec = get_model(model)
     base = for_engine(engine, base, spec)
     hw = _override(base, bandwidth, flops, memory, launch_overhead, dtype, mode, host_speed)
-    check_kv_sharing(kv_sharing, depth or spec.default_depth)
     exits = _exit_options(exit_rule, min_depth, exit_depths, depth or spec.default_depth)
     if exit_rule is not None and exit_depths is None and depth_trace is None:
         raise UserError("--exit is priced from the exit depths a --depth-trace gives under it "
