@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from costmodel.cli import JsonOption, app, load_profile, run_app, save_profile, undetermined
+from costmodel.cli import JsonOption, app, run_app, undetermined
 from costmodel.clitools import (
     DTYPES,
     UserError,
@@ -21,6 +21,7 @@ from costmodel.clitools import (
     text_table,
 )
 from costmodel.figures import NO_PLOTS
+from costmodel.profile import load_profile, save_profile
 
 
 def fit_json(profile) -> dict:

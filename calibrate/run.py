@@ -55,8 +55,6 @@ DEFAULT_ACCEPTANCE = 0.85
 # shared machine's sustained work sits well above it in any hour, so the level cannot tell a
 # busy machine from a steady one (the sustained-calibration record in docs/results/).
 BUSY_SPREAD = 1.8
-# profiles made before the spread was kept: the level they were judged by
-BUSY_CANARY = 1.5
 
 
 def starting_terms(cuda: bool, replay: dict[str, float]) -> dict[str, float]:
@@ -75,14 +73,6 @@ def too_busy(load: LoadReport | None) -> str | None:
     """Why a calibration's figures are meaningless, or None."""
     if load is None:
         return None
-    advice = ("calibrate on a quiet machine, or pass --force to write the profile anyway "
-              "(flagged)")
-    if load.canary_p10 is None:
-        if load.canary_median <= BUSY_CANARY:
-            return None
-        return (f"the machine was busy while it was measured: half the measurements ran with "
-                f"the canary product at least {load.canary_median:.2f}x slower than its "
-                f"fastest; {advice}")
     spread = load.canary_p90 / load.canary_p10
     if spread <= BUSY_SPREAD:
         return None
@@ -90,7 +80,8 @@ def too_busy(load: LoadReport | None) -> str | None:
             f"ran {spread:.2f}x slower at its 90th percentile than at its 10th (more than "
             f"{BUSY_SPREAD}x; median {load.canary_median:.2f}x its fastest, "
             f"{load.loaded_fraction:.0%} of measurements over {load.canary_tolerance}x after "
-            f"taking {load.retaken_fraction:.0%} again); {advice}")
+            f"taking {load.retaken_fraction:.0%} again); calibrate on a quiet machine, or pass "
+            "--force to write the profile anyway (flagged)")
 
 
 def default_models(family: str, checkpoint: str | None) -> tuple[list[str], str]:

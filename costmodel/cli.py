@@ -38,20 +38,6 @@ DtypeOption = Annotated[str | None, typer.Option(
 JsonOption = Annotated[bool, typer.Option("--json", help="print one JSON object")]
 
 
-def load_profile(path: Path):
-    """costmodel.profile.load_profile, imported when a command reads a profile (a plain predict
-    starts without the profile and trace models)."""
-    from .profile import load_profile as load
-
-    return load(path)
-
-
-def save_profile(profile, path: Path) -> None:
-    from .profile import save_profile as save
-
-    save(profile, path)
-
-
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
                   help="Predict and explain the decoding speed of looped language models.")
 
@@ -93,8 +79,11 @@ def _at_least_one(**values: int | None) -> None:
 def _hardware(profile: Path | None, hardware: str, dtype: str | None):
     """(the profile or None, its fitted hardware or the preset, the dtype: given, the
     profile's, or bf16)."""
-    prof = load_profile(profile) if profile is not None else None
-    if prof is not None:
+    prof = None
+    if profile is not None:  # a plain predict starts without the profile and trace models
+        from .profile import load_profile
+
+        prof = load_profile(profile)
         note_machine(prof, profile)
     dtype = one_of("dtype", dtype or (prof.dtype if prof is not None else "bf16"), DTYPES)
     return prof, prof.hardware if prof is not None else get_hardware(hardware), dtype

@@ -13,11 +13,10 @@ from pydantic import ValidationError
 from .errors import validation_message
 
 try:  # typer >= 0.20 vendors its own copy of click
-    from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError
 except ImportError:  # pragma: no cover - older typer on the real click
-    from click.exceptions import ClickException, UsageError
-
-    NoArgsIsHelpError = UsageError
+    from click.exceptions import ClickException
+    from click.exceptions import UsageError as NoArgsIsHelpError
 
 
 class UserError(Exception):
@@ -65,10 +64,7 @@ def run(app: typer.Typer, user_errors: tuple[type[BaseException], ...] = ()) -> 
         except NoArgsIsHelpError as exc:
             typer.echo(exc.format_message(), err=True)
             sys.exit(2)
-        except UsageError as exc:
-            typer.echo(f"error: {exc.format_message()}", err=True)
-            sys.exit(2)
-        except ClickException as exc:
+        except ClickException as exc:  # a usage error's code is 2
             typer.echo(f"error: {exc.format_message()}", err=True)
             sys.exit(exc.exit_code)
         except ValidationError as exc:

@@ -12,11 +12,9 @@ from costmodel.specs import HardwareSpec
 
 from .common import StudyResult, write_outputs
 
-STUDIES = {
-    "paper-table": "paper_table", "dtv-block-length": "dtv_block_length", "width": "width",
-    "hardware": "hardware", "context": "context", "batch": "batch", "memory": "memory",
-    "overhead": "overhead", "recommend": "recommend", "adaptive-depth": "adaptive_depth",
-}
+# each study's module: its name with "_" for "-"
+STUDIES = ("paper-table", "dtv-block-length", "width", "hardware", "context", "batch", "memory",
+           "overhead", "recommend", "adaptive-depth")
 
 
 def run(name: str, *, profile: HardwareSpec | None = None, out: str | Path | None = None,
@@ -24,7 +22,7 @@ def run(name: str, *, profile: HardwareSpec | None = None, out: str | Path | Non
     """Run study ``name``; write its outputs into ``out`` when given."""
     if name not in STUDIES:
         raise ValueError(f"unknown study {name!r}; known: {', '.join(STUDIES)}")
-    module = import_module(f".{STUDIES[name]}", __name__)
+    module = import_module(f".{name.replace('-', '_')}", __name__)
     gpu_only = getattr(module, "GPU_ONLY", None)  # what the study prices that a CPU has not
     if gpu_only and profile is not None and profile.cpu is not None:
         raise ValueError(f"study {name} prices {gpu_only}, and {profile.name} is a CPU: give "

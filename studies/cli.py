@@ -8,9 +8,10 @@ from typing import Annotated
 
 import typer
 
-from costmodel.cli import JsonOption, load_profile, note_machine, note_undetermined, undetermined
+from costmodel.cli import JsonOption, note_machine, note_undetermined, undetermined
 from costmodel.clitools import UserError, print_json, spinner, text_table
 from costmodel.figures import NO_PLOTS
+from costmodel.profile import load_profile
 
 from . import STUDIES, run
 from .common import cell, columns
@@ -36,7 +37,7 @@ def study_cmd(
         else:
             typer.echo("\n".join(STUDIES))
         return
-    if name not in STUDIES:
+    if name not in STUDIES:  # before the spinner: the error's line alone on stderr
         raise UserError(f"unknown study {name!r}; known: {', '.join(STUDIES)}")
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; the study writes its table and figure into a "

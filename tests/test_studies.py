@@ -223,7 +223,7 @@ def test_a_cpu_profile_is_studied_in_its_own_dtype_or_refused(name):
     """A CPU calibration prices fp32 (its flops) and runs eagerly: a study prices it so, and one
     about a GPU's launches or the paper's GPU setting says it cannot, in one line."""
     cpu = load_profile(PROFILES / "cpu-huginn-fp32-quick.json").hardware
-    module = importlib.import_module(f"studies.{studies.STUDIES[name]}")
+    module = importlib.import_module(f"studies.{name.replace('-', '_')}")
     if getattr(module, "GPU_ONLY", None):
         with pytest.raises(ValueError, match="is a CPU"):
             studies.run(name, profile=cpu, small=True)

@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from costmodel.batching import PREFILL, Lane, merged_call, run_batch
-from costmodel.plans import Plan
 from costmodel.trace import CallRecord
 
 from .generate import Decoder, RunSetup
@@ -133,11 +132,7 @@ def decode_batch(model: nn.Module, requests: Sequence[Request], *, schedule: str
     setup = RunSetup.of(model, schedule, depth, draft_depth, block_length, width_cap, exit_rule,
                         draft_rule)
     depth, draft_depth = setup.depth, setup.draft_depth
-
-    def plan_for(req: Request) -> Plan:
-        return setup.plan(len(req.prompt))
-
-    probe = plan_for(requests[0])
+    probe = setup.plan(len(requests[0].prompt))
     regions = min(batch_size, len(requests))
     longest = max(range(len(requests)),
                   key=lambda i: len(requests[i].prompt) + requests[i].max_new_tokens)
@@ -158,7 +153,7 @@ def decode_batch(model: nn.Module, requests: Sequence[Request], *, schedule: str
         decoder = BatchDecoder(runner, req.prompt, max_new_tokens=req.max_new_tokens,
                                sampling=sampling, verifier=verifier, stop_tokens=stop_tokens,
                                sequence=region, exit_rule=exit_rule, draft_rule=draft_rule)
-        return decoder, plan_for(req)
+        return decoder, setup.plan(len(req.prompt))
 
     results: list[SequenceResult] = []
     prefill_s, blocks = 0.0, []  # blocks: positions per block call
