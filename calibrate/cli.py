@@ -166,7 +166,7 @@ def _print_validation(profile, rep, path: Path, plot_path: Path | None, as_json:
                    + (f", spread {load.canary_p90 / load.canary_p10:.2f}x: 90th over 10th"
                       if load.canary_p10 else "") + ")"
                    + (": written with --force, too busy to trust" if load.forced else ""))
-    from calibrate.validate import FIGURE_POINTS, FIGURES
+    from calibrate.validate import FIGURES
 
     def errors(group: str, points: int, stats) -> list[str]:
         return [group, str(points), f"{stats['median_rel_error']:.1%}",
@@ -177,12 +177,12 @@ def _print_validation(profile, rep, path: Path, plot_path: Path | None, as_json:
     rows.append(errors("all", len(rep.points), {"median_rel_error": rep.median_rel_error,
                                                 "max_rel_error": rep.max_rel_error}))
     # the calibration targets' two figures: per call, and per decoded token of the runs
-    rows += [errors(FIGURE_POINTS[figure] + (", per token" if figure == "per_token" else ""),
+    rows += [errors(f"{kind}s" + (", per token" if kind == "run" else ""),
                     int(stats["points"]), stats)
-             for figure, _ in FIGURES if (stats := getattr(rep, figure))]
+             for figure, kind in FIGURES if (stats := getattr(rep, figure))]
     typer.echo(text_table(["group", "points", "median |rel. error|", "max |rel. error|"], rows,
                           title="held-out validation"))
-    spreads = [(FIGURE_POINTS[figure], s) for figure, _ in FIGURES
+    spreads = [(f"{kind}s", s) for figure, kind in FIGURES
                if (s := rep.repeat_spread.get(figure))]
     if spreads:
         typer.echo("each held-out point measured again: its slowest over its fastest "

@@ -89,12 +89,11 @@ def transplant(base: CalibrationProfile, model, name: str, machine: str) -> Cali
     check = (f"transplanted: {base.machine}'s profile ({base.created[:10]}) with its host "
              f"{host:.2f}x and its device {device:.2f}x as slow, from {len(points)} calls of "
              f"{name} timed here")
-    profile = base.model_copy(update={
+    return base.model_copy(update={
         "hardware": hardware, "machine": machine,
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "models": [name], "training": [], "validation": points, "cross_mode": [],
         "checks": [check, *base.checks]})
-    return profile
 
 
 def still_holds(profile: CalibrationProfile, model, name: str) -> bool:

@@ -80,10 +80,8 @@ class ValidationReport(BaseModel):
     points: list[dict]
 
 
-# the targets' two figures and the kind of point each is taken over
+# the targets' two figures and the kind of point each is taken over ("calls", "runs" in a report)
 FIGURES = (("per_call", "call"), ("per_token", "run"))
-# what a report calls the points each figure is taken over
-FIGURE_POINTS = {"per_call": "calls", "per_token": "runs"}
 
 
 def _summary(values: list[float], name: str = "rel_error") -> dict[str, float | int] | None:

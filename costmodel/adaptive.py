@@ -113,10 +113,8 @@ def ar_exit_groups(profile: ExitProfile) -> list[CallGroup]:
     for r in range(2, depth + 1):
         groups.append(CallGroup("block", 1, 1, profile.at_least(r),
                                 after_other_part=read_at(r - 1)))
-    if profile.exits.every_depth:
-        readouts = sum(profile.at_least(r) for r in range(1, depth + 1) if read_at(r))
-    else:
-        readouts = 1.0
+    readouts = sum(profile.at_least(r) for r in range(1, depth + 1) if read_at(r)) \
+        if profile.exits.every_depth else 1.0
     groups.append(CallGroup("coda", 1, 1, readouts))
     return groups
 
@@ -133,10 +131,9 @@ def dtv_exit_groups(schedule: DtV, profile: ExitProfile) -> list[CallGroup]:
     for r in range(2, d + 1):
         groups.append(CallGroup("block", 1, 1, drafted * profile.at_least(r), per_round,
                                 after_other_part=read_at(r - 1)))
-    if profile.exits.every_depth:
-        readouts = sum(profile.at_least(r) for r in range(1, d + 1) if read_at(r))
-    else:
-        readouts = 1.0  # one readout per draft: at d, or where it exits before d
+    # without every depth's readouts, one per draft: at d, or where it exits before d
+    readouts = sum(profile.at_least(r) for r in range(1, d + 1) if read_at(r)) \
+        if profile.exits.every_depth else 1.0
     groups.append(CallGroup("coda", 1, 1, drafted * readouts, per_round))
     for r in range(d + 1, depth + 1):
         going = _binomial(drafted, profile.at_least(r))
@@ -154,10 +151,8 @@ def dtv_exit_groups(schedule: DtV, profile: ExitProfile) -> list[CallGroup]:
                 groups.append(CallGroup("block", n, 1, going[n] * after_coda[n], per_round))
                 groups.append(CallGroup("block", n, 1, going[n] * (1 - after_coda[n]),
                                         per_round, after_other_part=False))
-        if read_at(r):
-            reading = going
-        else:  # only the positions exiting at r are read out
-            reading = _binomial(drafted, profile.probs[r - 1])
+        # read out: every position going, or only those exiting at r
+        reading = going if read_at(r) else _binomial(drafted, profile.probs[r - 1])
         for n in range(1, drafted + 1):
             if reading[n] > 0:
                 groups.append(CallGroup("coda", n, 1, reading[n], per_round))

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .memory import DoesNotFit, does_not_fit, memory_report
 from .plans import check_kv_sharing, lookahead, wave_width
-from .predict import MAX_BLOCK_LENGTH, _bound, _Pricer, decode_keys
+from .predict import _TERMS, MAX_BLOCK_LENGTH, _bound, _Pricer, decode_keys
 from .presets import resolve
 from .schedules import call_groups
 from .simulate import simulate
@@ -55,14 +55,11 @@ class Choice(BaseModel):
     @property
     def flags(self) -> str:
         """The `wfd generate` options that run this configuration."""
-        out = f"--schedule {self.schedule}"
-        if self.draft_depth is not None:
-            out += f" --draft-depth {self.draft_depth}"
-        if self.block_length is not None:
-            out += f" --block-length {self.block_length}"
-        if self.width_cap is not None:
-            out += f" --width-cap {self.width_cap}"
-        return out
+        return " ".join([f"--schedule {self.schedule}"] + [
+            f"--{flag} {value}" for flag, value in (("draft-depth", self.draft_depth),
+                                                    ("block-length", self.block_length),
+                                                    ("width-cap", self.width_cap))
+            if value is not None])
 
     def schedule_spec(self) -> AR | DtV | WFD:
         return _schedule(self.model_dump())
@@ -146,10 +143,9 @@ def recommend(model: str | LoopedModelSpec, hardware: str | HardwareSpec,
         totals = pricer.per_token(call_groups(_schedule(choice), depth, wl.kv_sharing),
                                   np.asarray(alpha))
         latency = float(totals["latency_s"])
-        bound = _bound({k: float(totals[k]) for k in ("weights_s", "kv_s", "compute_s",
-                                                        "overhead_s")})
         return Choice(**choice, latency_per_token_s=latency,
-                      tokens_per_s=wl.batch_size / latency, bound=bound)
+                      tokens_per_s=wl.batch_size / latency,
+                      bound=_bound({k: float(totals[k]) for k in _TERMS}))
 
     candidates = [ar := priced({"schedule": "ar"}, 0.0)]
     for d, alpha in sorted(acceptance.items()):

@@ -126,10 +126,8 @@ class _Simulator(Executor):
     def verify(self, position: int) -> bool:
         ok = bool(self.accept[position - self.start])
         self.result.committed_tokens += 1
-        if ok:
-            self.result.accepted += 1
-        else:
-            self.result.rejected += 1
+        self.result.accepted += ok
+        self.result.rejected += not ok
         return ok
 
     def bonus(self, position: int) -> None:

@@ -115,14 +115,9 @@ class DepthTrace(BaseModel):
     def exit_pairs(self, rule, draft_depth: int) -> list[tuple[int, bool]]:
         """Per decoded position under ``rule``: its exit depth e, and whether its draft at
         ``draft_depth`` equals its final readout y(p, e)."""
-        depth = self.header.depth
-        out = []
-        for rec in self.records:
-            if rec.position >= self.header.prompt_length:
-                e = rule.exit_depth(rec, depth)
-                out.append((e, rec.predictions[min(draft_depth, e) - 1]
-                            == rec.predictions[e - 1]))
-        return out
+        decoded = [rec for rec in self.records if rec.position >= self.header.prompt_length]
+        return [(e, rec.predictions[min(draft_depth, e) - 1] == rec.predictions[e - 1])
+                for rec, e in zip(decoded, self.exit_depths(rule), strict=True)]
 
     def acceptance(self, draft_depth: int) -> float:
         seq = self.acceptance_sequence(draft_depth)

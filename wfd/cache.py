@@ -156,14 +156,10 @@ class KVCache:
         self.sequences = sequences
         slots = part_slots(depth, kv_sharing, readout_depths)
         self.coda_slot_of = {r: i for i, r in enumerate(sorted(set(readout_depths)))}
-        tail = (kv_heads, max_len, head_dim)
-        self.parts = {
-            "prelude": PartKV(prelude_layers, slots["prelude"], False, tail, dtype, device,
-                              sequences),
-            "block": PartKV(core_layers, slots["block"], kv_sharing > 0, tail, dtype, device,
-                            sequences),
-            "coda": PartKV(coda_layers, slots["coda"], False, tail, dtype, device, sequences),
-        }
+        self.parts = {kind: PartKV(layers, slots[kind], kind == "block" and kv_sharing > 0,
+                                   (kv_heads, max_len, head_dim), dtype, device, sequences)
+                      for kind, layers in (("prelude", prelude_layers), ("block", core_layers),
+                                           ("coda", coda_layers))}
         self.prelude = self.parts["prelude"].layers
         self.core = self.parts["block"].layers
         self.coda = self.parts["coda"].layers
@@ -247,8 +243,5 @@ class KVCache:
 
     def used_bytes(self) -> int:
         """Bytes of the valid entries (what a cache grown on demand would hold)."""
-        total = 0
-        for layer in self.layers():
-            per_position = 2 * layer.keys.shape[1] * layer.keys.shape[3] * layer.keys.element_size()
-            total += sum(layer.lengths) * per_position
-        return total
+        return sum(2 * sum(layer.lengths) * layer.keys[0, :, 0].numel()
+                   * layer.keys.element_size() for layer in self.layers())

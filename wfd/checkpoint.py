@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from costmodel.presets import MODELS
+from costmodel.trace import atomic_write
 
 from .config import ConfigError, ModelConfig
 from .huginn import HuginnModel
@@ -79,11 +80,9 @@ def save(model: nn.Module, folder: str | Path, *, dtype: str | None = None) -> P
     tmp = folder / ".model.safetensors.tmp"
     save_file(state, str(tmp), metadata={"format": "pt"})
     tmp.replace(folder / "model.safetensors")
-    config = model.config.to_hf()
-    config["torch_dtype"] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[
-        dtype or "fp32"]
-    (folder / ".config.json.tmp").write_text(json.dumps(config, indent=2) + "\n")
-    (folder / ".config.json.tmp").replace(folder / "config.json")
+    config = {**model.config.to_hf(),
+              "torch_dtype": str(DTYPES[dtype or "fp32"]).removeprefix("torch.")}
+    atomic_write(folder / "config.json", json.dumps(config, indent=2) + "\n")
     return folder
 
 
@@ -158,18 +157,13 @@ def load_folder(folder: str | Path, *, device: str | torch.device = "cpu",
             raise CheckpointError(f"{folder}: {head_key} differs from {embed_key} in a model "
                                   "with tied embeddings")
         expected.pop(head_key, None)
-    unexpected = sorted(set(state) - set(expected) - _OPTIONAL)
-    missing = sorted(set(expected) - set(state))
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing {', '.join(missing[:5])}" + (" ..." if len(missing) > 5
-                                                                 else ""))
-        if unexpected:
-            parts.append(f"unexpected {', '.join(unexpected[:5])}" + (
-                " ..." if len(unexpected) > 5 else ""))
+    differ = [(what, sorted(names)) for what, names in (
+        ("missing", set(expected) - set(state)), ("unexpected", set(state) - set(expected)
+                                                  - _OPTIONAL)) if names]
+    if differ:  # the first five names of each
         raise CheckpointError(f"{folder} does not match a {cfg.family} model of its config: "
-                              + "; ".join(parts))
+                              + "; ".join(f"{what} {', '.join(names[:5])}"
+                                          + (" ..." * (len(names) > 5)) for what, names in differ))
     wrong = [f"{k} {tuple(state[k].shape)} (expected {tuple(shape)})"
              for k, shape in expected.items() if state[k].shape != shape]
     if wrong:

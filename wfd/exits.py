@@ -19,19 +19,15 @@ from .sampling import GenerationError
 
 
 def check_rule(rule: ExitRule, model: nn.Module, depth: int) -> None:
-    """A rule this model and depth can run; one line otherwise."""
-    if rule.name == "forced":
-        try:
-            rule.for_plan(False, depth)
-        except ValueError as exc:
-            raise GenerationError(str(exc)) from None
-        return
+    """A rule this model and depth can run; one line otherwise (a minimum depth below 1: the
+    plan's)."""
     if rule.name == "gate" and not hasattr(model, "exit_lambda"):
         raise GenerationError(f"the gate rule needs a model with an exit gate; "
                               f"{model.family} has none")
-    if not 1 <= rule.min_depth <= depth:
-        raise GenerationError(f"the minimum exit depth must be in 1..{depth}, "
-                              f"got {rule.min_depth}")
+    try:
+        rule.for_plan(False, depth)  # a minimum depth or a forced depth past R
+    except ValueError as exc:
+        raise GenerationError(str(exc)) from None
 
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:

@@ -91,9 +91,7 @@ class Verifier:
         self.first_position = first_position
         self.verified = 0
         self.outcomes: dict[int, bool] = {}  # position -> whether its draft was accepted
-        self.accepted = 0
-        self.corrections = 0
-        self.bonus = 0
+        self.accepted = self.corrections = self.bonus = 0
 
     def draft(self, logits: torch.Tensor, position: int) -> Proposal:
         """The token drafted from ``position``'s shallow readout (for position + 1)."""
@@ -129,10 +127,8 @@ class Verifier:
                     residual = p
                 token = self.sampling.draw(residual / residual.sum(), position, RESIDUAL_STREAM)
         self.outcomes[position] = ok
-        if ok:
-            self.accepted += 1
-        else:
-            self.corrections += 1
+        self.accepted += ok
+        self.corrections += not ok
         return ok, token
 
     def stats(self) -> dict[str, float | int | bool | None]:
