@@ -13,14 +13,8 @@ from decimal import Decimal, InvalidOperation
 
 _SI = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
-_TIME = {
-    "s": Decimal(1),
-    "ms": Decimal("1e-3"),
-    "us": Decimal("1e-6"),
-    "µs": Decimal("1e-6"),
-    "μs": Decimal("1e-6"),
-    "ns": Decimal("1e-9"),
-}
+_TIME = {"s": Decimal(1), "ms": Decimal("1e-3"), "us": Decimal("1e-6"), "µs": Decimal("1e-6"),
+         "μs": Decimal("1e-6"), "ns": Decimal("1e-9")}
 
 _NUMBER = r"(?P<num>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*"
 _BYTES_RE = re.compile(_NUMBER + r"(?P<prefix>Ki|Mi|Gi|Ti|Pi|[kKMGTP]?)(?P<unit>B)(?P<rate>/s)?$")

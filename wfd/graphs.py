@@ -150,9 +150,7 @@ class Workspace:
 def workspaces(model: torch.nn.Module) -> dict[tuple, Workspace]:
     """The model's workspaces by (mode, cache layout). Kept on the model, so they last as long
     as it does (the graphs hold the model's parts)."""
-    if "_workspaces" not in model.__dict__:
-        model.__dict__["_workspaces"] = {}
-    return model.__dict__["_workspaces"]
+    return model.__dict__.setdefault("_workspaces", {})
 
 
 def drop_workspaces(model: torch.nn.Module, layouts: list[tuple] | None = None) -> None:
