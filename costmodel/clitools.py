@@ -146,9 +146,11 @@ def spinner(description: str, disable: bool = False) -> Iterator[None]:
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    # on stderr: stdout carries the command's output, which a spinner must not touch
+    # on stderr: stdout carries the command's output, which a spinner must not touch; off a
+    # terminal nothing is drawn (rich would leave a blank line before an error's one line)
+    console = Console(stderr=True)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                  transient=True, console=Console(stderr=True)) as progress:
+                  transient=True, console=console, disable=not console.is_terminal) as progress:
         progress.add_task(description, total=None)
         yield
 

@@ -37,8 +37,6 @@ def study_cmd(
         else:
             typer.echo("\n".join(STUDIES))
         return
-    if name not in STUDIES:  # before the spinner: the error's line alone on stderr
-        raise UserError(f"unknown study {name!r}; known: {', '.join(STUDIES)}")
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; the study writes its table and figure into a "
                         "folder")

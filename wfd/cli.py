@@ -296,9 +296,10 @@ def _generate_file(net, tok, prompts_file: Path, out: Path | None, *, model: str
     stream = out.open("w") if out is not None else sys.stdout
     writer = OrderedWriter(lines, stream, tok)
     tokens = 0
+    console = Console(stderr=True)  # drawn on a terminal only (as costmodel's spinner)
     progress = Progress(TextColumn("prompts"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[rate]}"), console=Console(stderr=True),
-                        transient=True)
+                        TextColumn("{task.fields[rate]}"), console=console, transient=True,
+                        disable=not console.is_terminal)
     task = progress.add_task("decode", total=len(requests), rate="")
     started = time.perf_counter()
 
