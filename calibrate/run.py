@@ -70,7 +70,8 @@ def starting_terms(cuda: bool, replay: dict[str, float]) -> dict[str, float]:
 
 
 def too_busy(load: LoadReport | None) -> str | None:
-    """Why a calibration's figures are meaningless, or None."""
+    """Why a fresh calibration's figures are meaningless (its load report has the canary's
+    spread), or None."""
     if load is None:
         return None
     spread = load.canary_p90 / load.canary_p10

@@ -74,7 +74,8 @@ def test_sharded_checkpoint(tmp_path):
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda s: s.update({"transformer.core_block.0.attn.Wqx.weight":
                          s.pop("transformer.core_block.0.attn.Wqkv.weight")}),
-     "transformer.core_block.0.attn.Wqkv.weight"),
+     "missing transformer.core_block.0.attn.Wqkv.weight; "
+     "unexpected transformer.core_block.0.attn.Wqx.weight"),
     (lambda s: s.update({"transformer.adapter.weight": torch.zeros(3, 3)}),
      "transformer.adapter.weight"),
     (lambda s: s.update({"transformer.extra.weight": torch.zeros(3)}), "transformer.extra"),

@@ -243,5 +243,5 @@ class KVCache:
 
     def used_bytes(self) -> int:
         """Bytes of the valid entries (what a cache grown on demand would hold)."""
-        return sum(2 * sum(layer.lengths) * layer.keys[0, :, 0].numel()
+        return sum(2 * sum(layer.lengths) * layer.keys.shape[1] * layer.keys.shape[3]
                    * layer.keys.element_size() for layer in self.layers())

@@ -157,13 +157,13 @@ def load_folder(folder: str | Path, *, device: str | torch.device = "cpu",
             raise CheckpointError(f"{folder}: {head_key} differs from {embed_key} in a model "
                                   "with tied embeddings")
         expected.pop(head_key, None)
-    differ = [(what, sorted(names)) for what, names in (
-        ("missing", set(expected) - set(state)), ("unexpected", set(state) - set(expected)
-                                                  - _OPTIONAL)) if names]
-    if differ:  # the first five names of each
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected) - _OPTIONAL)
+    differ = [f"{what} {', '.join(names[:5])}" + " ..." * (len(names) > 5)
+              for what, names in (("missing", missing), ("unexpected", unexpected)) if names]
+    if differ:
         raise CheckpointError(f"{folder} does not match a {cfg.family} model of its config: "
-                              + "; ".join(f"{what} {', '.join(names[:5])}"
-                                          + (" ..." * (len(names) > 5)) for what, names in differ))
+                              + "; ".join(differ))
     wrong = [f"{k} {tuple(state[k].shape)} (expected {tuple(shape)})"
              for k, shape in expected.items() if state[k].shape != shape]
     if wrong:

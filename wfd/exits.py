@@ -19,8 +19,7 @@ from .sampling import GenerationError
 
 
 def check_rule(rule: ExitRule, model: nn.Module, depth: int) -> None:
-    """A rule this model and depth can run; one line otherwise (a minimum depth below 1: the
-    plan's)."""
+    """A rule this model and depth can run, or a GenerationError in one line."""
     if rule.name == "gate" and not hasattr(model, "exit_lambda"):
         raise GenerationError(f"the gate rule needs a model with an exit gate; "
                               f"{model.family} has none")
