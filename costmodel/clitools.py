@@ -136,6 +136,17 @@ def text_table(headers: list[str], rows: list[list[str]], left: tuple[int, ...] 
     return "\n".join(([title] if title else []) + body)
 
 
+def stderr_progress(*columns):
+    """A transient rich progress display of ``columns`` on stderr (stdout carries the command's
+    output), drawn on a terminal only: elsewhere rich would leave a blank line before an error's
+    one line."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    console = Console(stderr=True)
+    return Progress(*columns, console=console, transient=True, disable=not console.is_terminal)
+
+
 @contextmanager
 def spinner(description: str, disable: bool = False) -> Iterator[None]:
     """A transient spinner with the elapsed time, for a step that takes seconds and has no
@@ -143,14 +154,10 @@ def spinner(description: str, disable: bool = False) -> Iterator[None]:
     if disable:
         yield
         return
-    from rich.console import Console
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    # on stderr: stdout carries the command's output, which a spinner must not touch; off a
-    # terminal nothing is drawn (rich would leave a blank line before an error's one line)
-    console = Console(stderr=True)
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                  transient=True, console=console, disable=not console.is_terminal) as progress:
+    with stderr_progress(SpinnerColumn(), TextColumn("{task.description}"),
+                         TimeElapsedColumn()) as progress:
         progress.add_task(description, total=None)
         yield
 

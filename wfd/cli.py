@@ -278,9 +278,9 @@ def _generate_file(net, tok, prompts_file: Path, out: Path | None, *, model: str
     result written as it finishes; bad lines are reported by number and skipped."""
     import sys
 
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
 
+    from costmodel.clitools import stderr_progress
     from costmodel.trace import TraceHeader, current_commit, write_jsonl
 
     from .batch import decode_batch
@@ -296,10 +296,8 @@ def _generate_file(net, tok, prompts_file: Path, out: Path | None, *, model: str
     stream = out.open("w") if out is not None else sys.stdout
     writer = OrderedWriter(lines, stream, tok)
     tokens = 0
-    console = Console(stderr=True)  # drawn on a terminal only (as costmodel's spinner)
-    progress = Progress(TextColumn("prompts"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[rate]}"), console=console, transient=True,
-                        disable=not console.is_terminal)
+    progress = stderr_progress(TextColumn("prompts"), BarColumn(), MofNCompleteColumn(),
+                               TextColumn("{task.fields[rate]}"))
     task = progress.add_task("decode", total=len(requests), rate="")
     started = time.perf_counter()
 
