@@ -18,6 +18,7 @@ from costmodel.clitools import (
     error_summary,
     one_of,
     print_json,
+    stderr_progress,
     text_table,
 )
 from costmodel.figures import NO_PLOTS
@@ -93,13 +94,13 @@ def calibrate_cmd(
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"device {device!r} is not available (torch sees no CUDA device)")
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 
     from calibrate.run import calibrate, too_busy
     from calibrate.validate import report
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                  transient=True, disable=as_json) as progress:  # a CheckpointError: run's line
+    with stderr_progress(TextColumn("{task.description}"), BarColumn(),
+                         TimeElapsedColumn()) as progress:  # a CheckpointError: run's line
         profile = calibrate(model, checkpoint=str(checkpoint) if checkpoint else None,
                             device=device, dtype=dtype, quick=quick, threads=threads,
                             fit_models=fit_models.split(",") if fit_models else None,
@@ -242,7 +243,7 @@ def check_profile_cmd(
         if not torch.cuda.is_available():
             raise UserError(f"profile {profile} was measured on {prof.device} "
                             f"({prof.machine}); this machine has no CUDA device")
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 
     from calibrate.check import call_points, check_profile
     from wfd.checkpoint import CheckpointError
@@ -251,8 +252,8 @@ def check_profile_cmd(
     if not points:
         raise UserError(f"profile {profile} holds no calls to time again")
     try:
-        with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                      transient=True, disable=as_json) as progress:
+        with stderr_progress(TextColumn("{task.description}"), BarColumn(),
+                             TimeElapsedColumn()) as progress:
             check = check_profile(prof, calls, progress)
     except CheckpointError as exc:
         raise UserError(f"profile {profile}: {exc}") from None

@@ -4,6 +4,7 @@
 #
 #   bash calibrate/gpu.sh                  # cuda, bf16, real Huginn-3.5B and Ouro-2.6B sizes
 #   DEVICE=cpu DTYPE=fp32 QUICK=1 SIZES=tiny bash calibrate/gpu.sh   # the same script, tiny, CPU
+#   SIZES=smallest ...   # tiny, the tiny model held out too: every step, its figures meaningless
 #   FAMILIES=ouro bash calibrate/gpu.sh    # one family
 #   MODES="graphs" BENCH=0 bash calibrate/gpu.sh   # calibrate in graphs mode only, no benchmark
 #   MACHINE_FROM=PROFILE bash calibrate/gpu.sh  # reuse a profile's machine measurements
@@ -113,6 +114,8 @@ models() {  # models FAMILY: "fit-models holdout-model bench-model"
   if [ "$SIZES" = "real" ]; then
     local big=$([ "$1" = huginn ] && echo huginn-3.5b || echo ouro-2.6b)
     echo "$1-small:random,$1-mid:random,$big:random $1-base:random $big:random"
+  elif [ "$SIZES" = "smallest" ]; then  # a rehearsal of the steps: nothing really held out
+    echo "$1-tiny:random $1-tiny:random $1-tiny:random"
   else
     echo "$1-tiny:random $1-small:random $1-tiny:random"
   fi

@@ -9,7 +9,17 @@ from typing import Annotated
 
 import typer
 
-from .clitools import DTYPES, UserError, one_of, print_json, run, spinner, text_table
+from .clitools import (
+    DTYPES,
+    UserError,
+    flush_notes,
+    note,
+    one_of,
+    print_json,
+    run,
+    spinner,
+    text_table,
+)
 from .engines import ENGINES, VLLM_SOURCE, for_engine
 from .errors import ProfileError, TraceError
 from .memory import DoesNotFit, does_not_fit
@@ -226,6 +236,7 @@ def predict_cmd(
                  "DtV and WFD", disable=as_json or prompts is None):
         result = predict(spec, hw, workload, width=width, draft_depth=draft_depth,
                          block_length=block_length)
+    flush_notes()  # the input priced: the notes on how it was priced
     loose = undetermined(prof) if prof is not None else []
     host = _host_source(result.hardware, launch_overhead, host_speed)
     if engine == "vllm":
@@ -293,7 +304,9 @@ def recommend_cmd(
                         dtype=dtype)
     try:
         choices = recommend(spec, hw, acceptance, workload, top=top)
+        flush_notes()
     except DoesNotFit as exc:  # an answer, as predict gives it: exit 1, not bad input's 2
+        flush_notes()
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
     if as_json:
@@ -342,9 +355,8 @@ def note_machine(profile, path: Path) -> None:
 
     here = cpu_machine_name()
     if profile.device == "cpu" and profile.machine != here:
-        typer.echo(f"note: profile {path} was measured on {profile.machine!r}, not this machine "
-                   f"({here!r}): it predicts that one; calibrate here with `costmodel calibrate`",
-                   err=True)
+        note(f"note: profile {path} was measured on {profile.machine!r}, not this machine "
+             f"({here!r}): it predicts that one; calibrate here with `costmodel calibrate`")
 
 
 @functools.cache  # once per process: main() may run more than once (tests)

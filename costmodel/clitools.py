@@ -50,35 +50,60 @@ def missing_extra(exc: ModuleNotFoundError) -> str | None:
             f"pip install 'looped-decoding[{extra}]'")
 
 
+_NOTES: list[str] = []
+
+
+def note(line: str) -> None:
+    """A note on stderr about how the command runs (a profile made on another machine, one
+    rescaled to this one): held until the command has checked its input and goes on
+    (``flush_notes``, or its end), dropped if it refuses the input, whose one line then stands
+    alone."""
+    _NOTES.append(line)
+
+
+def flush_notes() -> None:
+    """Print the notes held so far: the command has checked its input and goes on."""
+    while _NOTES:
+        typer.echo(_NOTES.pop(0), err=True)
+
+
 def run(app: typer.Typer, user_errors: tuple[type[BaseException], ...] = ()) -> Callable[[], None]:
-    """Entry point for ``app`` that turns usage errors and bad input into one line and exit 2."""
+    """Entry point for ``app`` that turns usage errors and bad input into one line and exit 2
+    (the notes held then dropped: ``note``)."""
 
     def main() -> None:
+        _NOTES.clear()
+        code = outcome()
+        if code == 2:  # refused: its one line alone
+            _NOTES.clear()
+        flush_notes()
+        sys.exit(code)
+
+    def outcome() -> int:
+        """The command's exit code, its error's one line printed."""
         try:
             code = app(standalone_mode=False)
-            sys.exit(code if isinstance(code, int) else 0)
+            return code if isinstance(code, int) else 0
         except typer.Exit as exc:
-            sys.exit(exc.exit_code)
+            return exc.exit_code
         except typer.Abort:
-            sys.exit(130)
+            return 130
         except NoArgsIsHelpError as exc:
             typer.echo(exc.format_message(), err=True)
-            sys.exit(2)
+            return 2
         except ClickException as exc:  # a usage error's code is 2
             typer.echo(f"error: {exc.format_message()}", err=True)
-            sys.exit(exc.exit_code)
+            return exc.exit_code
         except ValidationError as exc:
-            typer.echo(f"error: {validation_message(exc)}", err=True)
-            sys.exit(2)
+            message = validation_message(exc)
         except ModuleNotFoundError as exc:
             message = missing_extra(exc)
             if message is None:
                 raise
-            typer.echo(f"error: {message}", err=True)
-            sys.exit(2)
         except (UserError, ValueError, OSError, *user_errors) as exc:
-            typer.echo(f"error: {error_text(exc)}", err=True)
-            sys.exit(2)
+            message = error_text(exc)
+        typer.echo(f"error: {message}", err=True)
+        return 2
 
     return main
 

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from costmodel.cli import JsonOption, note_machine, note_undetermined, undetermined
-from costmodel.clitools import UserError, print_json, spinner, text_table
+from costmodel.clitools import UserError, flush_notes, print_json, spinner, text_table
 from costmodel.figures import NO_PLOTS
 from costmodel.profile import load_profile
 
@@ -47,6 +47,7 @@ def study_cmd(
     loose = undetermined(prof) if prof is not None else []
     with spinner(f"study {name}", disable=as_json):
         result, paths = run(name, profile=hw, out=out)
+    flush_notes()
     if as_json:
         print_json({"name": name, "outputs": paths, "rows": result.rows, **result.summary,
                     "profile_undetermined": loose})

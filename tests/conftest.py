@@ -12,6 +12,23 @@ from wfd.config import ModelConfig
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Back to one thread after a test that ran a script's main in process (it sets its own)."""
+    yield
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(items):
+    """The slow tests first: pytest-xdist hands tests out in order, so the two workers share the
+    long ones and the short ones fill in behind them, instead of a long one running alone at the
+    end while the other worker idles."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 TINY_CONFIGS = {
     "huginn": ModelConfig(family="huginn", hidden_size=64, num_heads=4, num_kv_heads=4,
                           head_dim=16, mlp_size=96, vocab_size=64, prelude_layers=1,

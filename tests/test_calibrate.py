@@ -2,6 +2,7 @@
 clearly, and the whole pipeline runs end to end on tiny models."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -284,7 +285,9 @@ def test_bad_profiles_fail_clearly(tmp_path, content, message):
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
 
 
-def test_predict_with_a_profile(tmp_path):
+def test_predict_with_a_profile(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOOPED_DECODING_MACHINE", "Some CPU, 2 CPUs")  # this machine's name
+    assert cpu_machine_name() == "Some CPU, 2 CPUs"
     path = tmp_path / "p.json"
     save_profile(_profile(), path)
     out = subprocess.run([sys.executable, "-m", "costmodel", "predict", "--profile", str(path),
@@ -293,12 +296,19 @@ def test_predict_with_a_profile(tmp_path):
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["hardware"] == "synthetic cpu"
     # measured on another machine ("test"): said once, on stderr
-    assert "was measured on 'test', not this machine" in out.stderr
-    here = _profile(machine=cpu_machine_name())
-    save_profile(here, path)
+    assert "was measured on 'test', not this machine ('Some CPU, 2 CPUs')" in out.stderr
+    save_profile(_profile(machine="Some CPU, 2 CPUs"), path)
     out = subprocess.run([sys.executable, "-m", "costmodel", "predict", "--profile", str(path),
                           "--model", "huginn-tiny"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "measured on" not in out.stderr
+
+
+def test_the_machine_is_named_from_its_cpu_or_as_the_environment_says(monkeypatch):
+    monkeypatch.delenv("LOOPED_DECODING_MACHINE", raising=False)
+    own = cpu_machine_name()
+    assert own.endswith(f"{len(os.sched_getaffinity(0))} CPUs") and len(own) > len(" CPUs")
+    monkeypatch.setenv("LOOPED_DECODING_MACHINE", "  ")  # blank: the CPU's own
+    assert cpu_machine_name() == own
 
 
 SCHEMA3 = Path(__file__).parent / "data" / "gpu-ouro-bf16-schema3.json"
@@ -495,6 +505,7 @@ def stand_in_reference(tmp_path: Path) -> tuple[Path, Path]:
     return reference, tmp_path / "refw"
 
 
+@pytest.mark.slow
 def test_the_gpu_script_rehearsed_as_the_gpu_image_runs_it(tmp_path):
     """The campaign from a checkout the interpreter cannot import (no install, no pydantic: its
     wheels unpacked by the script), at tiny size on the CPU, one family: every file it makes is
@@ -510,7 +521,7 @@ def test_the_gpu_script_rehearsed_as_the_gpu_image_runs_it(tmp_path):
     # the machine's measurements come from a shipped profile (their own test measures them)
     machine = Path(__file__).parents[1] / "data" / "profiles" / "cpu-ouro-fp32-quick.json"
     results = tmp_path / "run"
-    env = {"DEVICE": "cpu", "DTYPE": "fp32", "QUICK": "1", "SIZES": "tiny",
+    env = {"DEVICE": "cpu", "DTYPE": "fp32", "QUICK": "1", "SIZES": "smallest",
            "RESULTS": str(results), "ARCHIVE": str(tmp_path / "back" / "campaign.tar.gz"),
            "PYTHON": str(python), "PYTHONPATH": str(visible), "WHEELS": str(wheels),
            "FAMILIES": "ouro", "BENCH_CONTEXT": "16",
@@ -563,37 +574,33 @@ def test_the_gpu_script_rehearsed_as_the_gpu_image_runs_it(tmp_path):
     assert profile.hardware.cpu.matmul.seconds == load_profile(machine).hardware.cpu.matmul.seconds
 
 
-def test_a_reference_that_fails_costs_the_gpu_script_only_itself(tmp_path):
-    """Without its wheels the reference's import fails: the bench step is named as failed, and
-    its table and JSON still hold the decoder's rows (the campaign's headline figures)."""
-    import os
-
-    python, visible, wheels = image_like_interpreter(tmp_path)
-    reference, _ = stand_in_reference(tmp_path)
-    results = tmp_path / "run"
-    env = {"DEVICE": "cpu", "DTYPE": "fp32", "SIZES": "tiny", "RESULTS": str(results),
-           "PYTHON": str(python), "PYTHONPATH": str(visible), "WHEELS": str(wheels),
-           "FAMILIES": "ouro", "MODES": " ", "EXITS": "0", "BATCH": "0", "BENCH_CONTEXT": "16",
-           "BENCH_TOKENS": "8", "BENCH_REPEATS": "1", "REF_OURO": str(reference)}
-    out = subprocess.run(["bash", "calibrate/gpu.sh"], capture_output=True, text=True,
-                         timeout=600, env={**os.environ, **env})
-    assert out.returncode == 1, out.stderr[-2000:]
-    assert "No module named 'refmark'" in out.stderr
-    assert "failed steps: ouro benchmark" in out.stderr
-    rows = json.loads((results / "bench-ouro-fp32.json").read_text())["rows"]
-    assert {row["schedule"].split()[0] for row in rows} == {"AR", "DtV", "WFD"}
-    assert "| ouro-tiny:random | eager | AR |" in (results / "bench-ouro-fp32.md").read_text()
+SLOW_REFERENCE = """
+import time
 
 
-def test_a_reference_past_its_time_is_given_up_and_the_table_kept(tmp_path, monkeypatch, capsys):
-    """A reference that loads for ever (a lent GPU's transformers at the real size) is given up
-    after --reference-seconds: named as failed, the decoder's rows printed and written."""
-    slow = tmp_path / "slow_ouro_ref"
-    slow.mkdir()
-    (slow / "__init__.py").write_text("")
-    (slow / "modeling_ouro.py").write_text(
-        "import time\n\nclass OuroForCausalLM:\n    @classmethod\n"
-        "    def from_pretrained(cls, folder, torch_dtype=None):\n        time.sleep(60)\n")
+class OuroForCausalLM:
+    @classmethod
+    def from_pretrained(cls, folder, torch_dtype=None):
+        time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("package, code, seconds, failure", [
+    # without its wheels the reference's import fails (gpu.sh puts them on its bench's path)
+    ("ouro_ref", FAKE_REFERENCE, "60", "ModuleNotFoundError: No module named 'refmark'"),
+    # one that loads for ever (a lent GPU's transformers at the real size) is given up
+    ("slow_ouro_ref", SLOW_REFERENCE, "0.5",
+     "TimeoutError: its load and runs took more than 0.5 s")],
+    ids=["import fails", "too slow"])  # a package each: the bench imports it by its name
+def test_a_reference_that_fails_costs_the_bench_only_itself(tmp_path, monkeypatch, capsys,
+                                                            package, code, seconds, failure):
+    """The reference is the campaign's baseline, not its headline: one that fails or runs past
+    --reference-seconds is named as failed (exit 1, which gpu.sh names as the failed step), and
+    the decoder's rows are printed and written."""
+    reference = tmp_path / package
+    reference.mkdir()
+    (reference / "__init__.py").write_text("")
+    (reference / "modeling_ouro.py").write_text(code)
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))
     import decode_speed
 
@@ -601,9 +608,10 @@ def test_a_reference_past_its_time_is_given_up_and_the_table_kept(tmp_path, monk
     monkeypatch.setattr(sys, "argv", [
         "decode_speed.py", "schedules", "--models", "ouro-tiny:random", "--context", "8",
         "--prompts", "1", "--new-tokens", "4", "--repeats", "1", "--block-lengths", "2",
-        "--reference-ouro", str(slow), "--reference-seconds", "0.5", "--out", str(out)])
+        "--reference-ouro", str(reference), "--reference-seconds", seconds, "--out", str(out),
+        "--threads", "1"])
     started = time.perf_counter()
-    with pytest.raises(SystemExit, match="TimeoutError: its load and runs took more than 0.5 s"):
+    with pytest.raises(SystemExit, match=failure):
         decode_speed.main()
     assert time.perf_counter() - started < 30
     assert "| ouro-tiny:random | eager | AR |" in capsys.readouterr().out
@@ -618,7 +626,7 @@ def test_gpu_script_goes_on_past_a_failed_step_and_names_it(tmp_path):
     import os
     import tarfile
 
-    env = {"DEVICE": "cpu", "DTYPE": "fp32", "QUICK": "1", "SIZES": "tiny",
+    env = {"DEVICE": "cpu", "DTYPE": "fp32", "QUICK": "1", "SIZES": "smallest",
            "RESULTS": str(tmp_path / "run"), "PYTHON": sys.executable, "FAMILIES": "ouro",
            "BENCH": "0", "MACHINE_FROM": str(tmp_path / "missing.json")}
     out = subprocess.run(["bash", "calibrate/gpu.sh"], capture_output=True, text=True,
@@ -717,15 +725,24 @@ def test_operation_classes_host_weights_are_measured():
     assert weights["view"] < weights["matmul"] and weights["view"] < weights["attention"]
 
 
+@pytest.mark.slow
 def test_machine_peaks_are_plausible(monkeypatch):
     import calibrate.curve
-    from calibrate.curve import CURVE_SIZES_BYTES
+    import calibrate.machine
     from calibrate.machine import measure_peaks
     from calibrate.timing import Quiet
 
     rows = [1, 2, 4]  # a short curve in one pass (no waiting out load): the test's time
     # the row block read from one small shape (its staircase: a test of its own), not four
     monkeypatch.setattr(calibrate.curve, "ROW_BLOCK_SHAPES", [(512, 512)])
+    # a small grid, the same on every machine: copies up to 4 MiB, so the products stream in
+    # a working set of 16 MiB whatever cache this CPU has (a 300 MiB cache streams at 1.2 GiB)
+    mib = 2.0**20
+    monkeypatch.setattr(calibrate.machine, "COPY_WORKING_SETS_BYTES", [mib / 2, mib, 4 * mib])
+    monkeypatch.setattr(calibrate.curve, "CURVE_WORKING_SETS_BYTES", [mib])
+    monkeypatch.setattr(calibrate.curve, "STREAMED_WORKING_SET_BYTES", 16 * mib)
+    sizes = [16 * 1024.0, mib / 4, 4 * mib]
+    monkeypatch.setattr(calibrate.curve, "CURVE_SIZES_BYTES", sizes)
     peaks = measure_peaks("cpu", "fp32", quiet=Quiet("cpu", retries=0), curve_rows=rows,
                           curve_passes=1)
     assert peaks.flops_per_s > 1e9 and peaks.bandwidth_bytes_per_s > 1e9
@@ -736,13 +753,14 @@ def test_machine_peaks_are_plausible(monkeypatch):
         assert peaks.matmul.streamed_from_bytes == (min(larger) if larger else None)
     assert peaks.checks[0].startswith("cache:")
     curve = peaks.matmul
-    assert curve.rows == rows and curve.matrix_bytes == CURVE_SIZES_BYTES
+    assert curve.rows == rows and curve.matrix_bytes == sizes
+    assert curve.working_sets_bytes == [mib, 16 * mib]
     streamed = curve.seconds[-1]
     for line in streamed:  # within what physics allows: no faster than a row, nor a row each
         assert all(0.9 * line[0] <= t <= 1.2 * n * line[0] for n, t in zip(rows, line,
                                                                            strict=True))
     assert len(curve.aspect_seconds) == len(curve.aspects) == 2
-    assert streamed[-1][0] > 10 * streamed[0][0]  # a 64 MiB product against a 16 KiB one
+    assert streamed[-1][0] > 10 * streamed[0][0]  # a 4 MiB product against a 16 KiB one
     # the kernels' row block (read from a staircase: test_the_row_block_is_read_from_a_
     # staircase_of_times) is said
     assert any(check.startswith("matrix products: ") and "rows" in check
@@ -903,6 +921,7 @@ def test_a_profile_holds_while_its_calls_run_near_their_stored_times():
     assert check(1.2, 1.3, 0.5).median_ratio == 1.2
 
 
+@pytest.mark.slow
 def test_checking_a_profile_on_a_machine_that_is_not_its_own(tmp_path):
     """Stored times a thousand times too short: no machine runs them, the check says the
     profile does not hold (exit 1), by about that factor, and says how to fix it."""

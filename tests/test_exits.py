@@ -220,6 +220,7 @@ def closed_form(model, profile, groups, alpha):
     return float(totals["latency_s"]), float(block_calls_per_token(groups, np.asarray(alpha)))
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None, derandomize=True)
 @given(st.dictionaries(st.integers(1, 32), st.floats(0.05, 1.0), min_size=1, max_size=4),
        st.floats(0.0, 1.0), st.booleans(), st.integers(1, 8), st.integers(1, 31),

@@ -141,6 +141,7 @@ def _profile(mode: str, seed: int) -> CalibrationProfile:
         validation=[point(o) for o in obs if o not in train] + runs)
 
 
+@pytest.mark.slow
 def test_joined_profiles_validate_per_mode_and_across_modes(tmp_path):
     eager, graphs = tmp_path / "eager.json", tmp_path / "graphs.json"
     save_profile(_profile("eager", 0), eager)

@@ -137,7 +137,7 @@ def test_this_machines_profile_is_found_or_the_error_says_how_to_make_one(monkey
         profile_for(huginn, "tiny", "cpu")  # nothing of this device kind to start from
     shutil.copy(CPU_PROFILE, tmp_path / "cpu-huginn-fp32.json")
     here = load_profile(CPU_PROFILE).machine  # as if this were the profile's machine
-    monkeypatch.setattr(runtime, "machine_name", lambda device: here)
+    monkeypatch.setenv("LOOPED_DECODING_MACHINE", here)
     said = []
     path, profile = profile_for(huginn, "tiny", "cpu", say=said.append)
     assert Path(path).name == "cpu-huginn-fp32.json" and profile.device == "cpu"

@@ -2,7 +2,7 @@
 the shipped tiny models and on random checkpoints of both families, one request at a time and
 eight together, at two depths and with shared KV slots, and over two tensor-parallel ranks;
 `vllm serve` end to end. Each test starts its own engine in a process of its own (a few
-seconds; the server and two ranks, 20-30 s)."""
+seconds; the server and two ranks, 20-30 s): no two tests run the same engine."""
 
 import importlib.util
 import json
@@ -24,18 +24,18 @@ from wfd.checkpoint import build, init_random, load_model, save
 from wfd.generate import generate
 from wfd.tokenizer import ByteTokenizer, write_byte_tokenizer
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
-    reason="vLLM is not installed: the plugin's tests need the serve-cpu extra (README)")
+    reason="vLLM is not installed: the plugin's tests need the serve-cpu extra (README)"),
+    pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 CODE = ["import os\nimport sys\n\n\ndef main(argv):\n    ", "class Node:\n    def __init__(self",
         "for i in range(", "    return ", "def parse(text):\n    ", "# sort the list\n",
         "if __name__ == '__main__':\n    ", "x = [i * i for i in "]
 NEW_TOKENS = 20
-# one rank's engine with the suite's one thread (conftest), not pinned to both cores: vLLM binds
-# a thread to every core of the node, which spins against the other test worker (two ranks keep
-# wfd.serving.offline's binding, one core each)
+# an engine with the suite's one thread per rank (conftest), not pinned: vLLM binds a thread to
+# every core of the node (two ranks: one core each), which spins against the other test worker
 UNBOUND = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
@@ -49,7 +49,7 @@ def vllm_job(tmp_path: Path, model: Path, runs: list[dict], overrides: dict | No
                                "in_process": tensor_parallel == 1}))
     done = subprocess.run([sys.executable, "-m", "wfd.serving.offline", str(job), str(out)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                          env=UNBOUND if tensor_parallel == 1 else None)
+                          env=UNBOUND)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -101,11 +101,12 @@ def test_a_shipped_model_decodes_on_vllm_as_wfd_ar_does(tmp_path, name):
 
 
 @pytest.mark.parametrize("family", ["huginn", "ouro"])
-def test_random_sharded_checkpoints_decode_as_wfd_ar_at_two_depths_with_shared_slots_on_two_ranks(
+def test_random_sharded_checkpoints_decode_as_wfd_ar_at_another_depth_on_two_ranks(
         tmp_path, family):
-    """One request at a time and four together; then another depth and shared KV slots over two
-    tensor-parallel ranks (vLLM's CPU build splits the heads, projections and head, one core
-    each): the same tokens as wfd's AR with the same options."""
+    """One request at a time and four together, at another depth than the checkpoint's and with
+    shared KV slots, over two tensor-parallel ranks (vLLM's CPU build splits the heads,
+    projections and head, one core each): the same tokens as wfd's AR with the same options.
+    One engine: the shipped models check one rank at the checkpoint's depth."""
     # vLLM's CPU attention takes head sizes of 32 and up; damped: fp32 rounding flips no token
     cfg = TINY_CONFIGS[family].model_copy(update={"hidden_size": 128, "head_dim": 32})
     model = damped(init_random(build(cfg)))
@@ -115,12 +116,10 @@ def test_random_sharded_checkpoints_decode_as_wfd_ar_at_two_depths_with_shared_s
     prompts = [torch.randint(vocab, (n,), generator=gen).tolist() for n in (3, 9, 17, 30)]
     depth = model.config.depth - 1
     runs = [{"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": b} for b in (1, 4)]
-    one, four = vllm_tokens(tmp_path, folder, runs)
-    assert one == four == ar_tokens(model, prompts)
-    (other,) = vllm_tokens(tmp_path, folder, runs[1:], tensor_parallel=2,
-                           overrides={"recurrence_depth": depth, "kv_sharing": 2})
-    assert other == ar_tokens(model, prompts, depth=depth, kv_sharing=2)
-    assert other != one  # the depth is the engine's, not the checkpoint's
+    one, four = vllm_tokens(tmp_path, folder, runs, tensor_parallel=2,
+                            overrides={"recurrence_depth": depth, "kv_sharing": 2})
+    assert one == four == ar_tokens(model, prompts, depth=depth, kv_sharing=2)
+    assert one != ar_tokens(model, prompts)  # the depth is the engine's, not the checkpoint's
 
 
 def free_port() -> int:

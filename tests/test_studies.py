@@ -249,7 +249,8 @@ def test_a_table_whose_rows_leave_columns_out_keeps_them_all(tmp_path):
     out = subprocess.run([sys.executable, "-m", "costmodel", "study", "paper-table", "--profile",
                           str(PROFILES / "cpu-ouro-fp32-quick.json")],
                          capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith("error: study")
+    assert out.returncode == 2 and out.stderr.splitlines() == [out.stderr.strip()]
+    assert out.stderr.startswith("error: study")
 
 
 def test_a_figure_that_cannot_be_written_names_the_file(tmp_path):

@@ -20,9 +20,7 @@ PROFILES = Path(__file__).parents[1] / "data" / "profiles"
 @pytest.fixture
 def elsewhere(tmp_path, monkeypatch):
     """This process on a machine of another name, its cache in a folder of the test's."""
-    import wfd.runtime
-
-    monkeypatch.setattr(wfd.runtime, "machine_name", lambda device: "Another CPU, 2 CPUs")
+    monkeypatch.setenv("LOOPED_DECODING_MACHINE", "Another CPU, 2 CPUs")
     monkeypatch.setenv("LOOPED_DECODING_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache"
 

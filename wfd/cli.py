@@ -8,7 +8,16 @@ from typing import Annotated
 
 import typer
 
-from costmodel.clitools import DTYPES, UserError, check_writable, one_of, print_json, run
+from costmodel.clitools import (
+    DTYPES,
+    UserError,
+    check_writable,
+    flush_notes,
+    note,
+    one_of,
+    print_json,
+    run,
+)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
                   help="Decode looped language models (Huginn, Ouro) with AR, DtV or WFD.")
@@ -112,6 +121,8 @@ def generate(
     elif out is not None or batch_size != 8:
         raise UserError("--out and --batch-size go with --prompts-file")
     one_of("schedule", schedule, ("ar", "dtv", "wfd", "auto"))
+    if depth_trace is not None and schedule != "ar":
+        raise UserError("--depth-trace is recorded by an AR run (--schedule ar)")
     if width is not None and draft_depth is not None:
         raise UserError("give either --width or --draft-depth, not both")
     if force_acceptance is not None and not 0 <= force_acceptance <= 1:
@@ -215,12 +226,9 @@ def generate(
         else:  # this machine's calibration, or one made here in about a second
             from calibrate.transplant import profile_for
 
-            chosen, calibrated = profile_for(net, model, device,
-                                             say=lambda line: typer.echo(line, err=True))
+            chosen, calibrated = profile_for(net, model, device, say=note)
         hardware = calibrated.hardware
-        typer.echo(f"auto: deciding with {chosen}", err=True)
-    if depth_trace is not None and schedule != "ar":
-        raise UserError("--depth-trace is recorded by an AR run (--schedule ar)")
+        note(f"auto: deciding with {chosen}")
     result = generate(net, ids, schedule=schedule, max_new_tokens=max_new_tokens,
                       depth=run_depth, kv_sharing=kv_sharing,
                       sampling=Sampling(temperature, top_p, seed), stop_tokens=stops,
@@ -228,6 +236,7 @@ def generate(
                       block_length=block_length, width_cap=width_cap,
                       force_acceptance=force_acceptance, seed=seed, hardware=hardware,
                       mode=mode, exit_rule=rule, draft_rule=draft_rule)
+    flush_notes()
 
     header = dict(source="measured", model=model, device=str(device), dtype=dtype,
                   commit=current_commit(), depth=run_depth, prompt_length=len(ids),
