@@ -56,9 +56,9 @@ import torch
 
 from costmodel.clitools import script_main
 from costmodel.exits import ForcedExits
-from costmodel.plans import wave_width
 from costmodel.predict import resolve_draft_depth
 from costmodel.presets import get_hardware
+from costmodel.schedules import wave_width
 from costmodel.simulate import price_bytes
 from costmodel.trace import atomic_write
 from wfd.checkpoint import DTYPE_NAMES, DTYPES, load_model

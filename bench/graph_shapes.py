@@ -16,7 +16,6 @@ import argparse
 from costmodel import AR, WFD, DtV, Workload, get_hardware, get_model, simulate
 from costmodel.clitools import script_main
 from costmodel.memory import kv_cache_bytes
-from costmodel.plans import lookahead, wave_width
 
 
 def main() -> None:
@@ -44,8 +43,7 @@ def main() -> None:
             decode = [r for r in run.records if max(r.positions) >= args.context]
             shapes = {(r.kind, tuple(r.slots), r.contexts[0]) for r in decode}
             spans = sorted({span for *_, span in shapes})
-            ahead = lookahead(schedule.kind, block_length=getattr(schedule, "block_length", 0),
-                              width=wave_width(model.default_depth, d))
+            ahead = schedule.lookahead(model.default_depth)
             kv = kv_cache_bytes(model, Workload(context_length=args.context,
                                                 new_tokens=args.new_tokens),
                                 depth=model.default_depth,

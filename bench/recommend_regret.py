@@ -24,8 +24,8 @@ from decode_speed import PROMPTS, prompts_for, time_schedule
 
 from costmodel import Workload, recommend
 from costmodel.clitools import script_main
-from costmodel.plans import wave_width
 from costmodel.profile import load_profile
+from costmodel.schedules import wave_width
 from costmodel.trace import atomic_write
 from studies.recommend import acceptance_curve
 from wfd.checkpoint import load_model

@@ -17,8 +17,8 @@ import numpy as np
 
 from costmodel import WFD, DtV, get_hardware, get_model, simulate
 from costmodel.clitools import script_main
+from costmodel.groups import block_calls_per_token
 from costmodel.predict import _Pricer
-from costmodel.schedules import block_calls_per_token, call_groups
 
 A6000 = get_hardware("a6000")
 
@@ -26,7 +26,7 @@ A6000 = get_hardware("a6000")
 def closed_form(model, schedule, alpha: float, context: int, new_tokens: int, sharing: int):
     pricer = _Pricer(model, A6000, "bf16", np.asarray(context + (new_tokens - 2) / 2),
                      np.asarray(1.0), None)
-    groups = call_groups(schedule, model.default_depth, sharing)
+    groups = schedule.call_groups(model.default_depth, sharing)
     return (float(pricer.per_token(groups, np.asarray(alpha))["latency_s"]),
             float(block_calls_per_token(groups, np.asarray(alpha))))
 

@@ -29,8 +29,8 @@ if __package__ in (None, ""):  # run as a script from a checkout: the repository
 import torch
 import torch.nn.functional as F
 
-from costmodel.plans import STATIC_SPAN_KEYS
 from costmodel.presets import MODELS
+from costmodel.slots import STATIC_SPAN_KEYS
 from costmodel.trace import atomic_write
 from wfd.checkpoint import DTYPES, load_model
 from wfd.generate import full_forward, generate

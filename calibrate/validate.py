@@ -17,8 +17,9 @@ from pydantic import BaseModel
 
 from costmodel.figures import save_figure
 from costmodel.profile import ValidationPoint
+from costmodel.schedules import get
 from costmodel.simulate import price_records, simulate
-from costmodel.specs import AR, WFD, DtV, HardwareSpec, LoopedModelSpec
+from costmodel.specs import HardwareSpec, LoopedModelSpec
 
 
 def predict_point(point: ValidationPoint, hw: HardwareSpec, dtype: str) -> float:
@@ -27,9 +28,9 @@ def predict_point(point: ValidationPoint, hw: HardwareSpec, dtype: str) -> float
         record = point.record.model_copy()
         price_records(point.spec, hw, [record], dtype=dtype)
         return record.wall_s
-    schedule = {"ar": AR(), "dtv": DtV(block_length=point.block_length or 1,
-                                       draft_depth=point.draft_depth or 1),
-                "wfd": WFD(draft_depth=point.draft_depth or 1)}[point.group]
+    kind = get(point.group)
+    schedule = kind.of(point.draft_depth or 1, point.block_length or 1) if kind.drafts \
+        else kind()
     res = simulate(point.spec, hw, schedule, context_length=point.prompt_length,
                    new_tokens=point.tokens, accept_sequence=point.accept, depth=point.depth,
                    dtype=dtype)

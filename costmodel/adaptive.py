@@ -1,29 +1,24 @@
-"""Pricing adaptive depth (early exit): the calls of AR, DtV and WFD per committed token when each
-position stops at its own depth, drawn from a distribution (``--exit-depths``, with acceptance
-alpha for drafts that go on) or from a depth trace under a rule (``--depth-trace FILE --exit
-RULE``: each position's exit depth and whether its draft equals its final readout, together).
-
-AR and DtV have closed forms (a DtV continuation call at depth r holds Binomial(k + 1, P(e >= r))
-positions). A wave's width and flushes depend on the whole sequence of exits, so WFD is
-simulated call by call with the decoder's plan (``WFD_POSITIONS`` positions, seeded).
+"""Pricing adaptive depth (early exit): the exit depths each position stops at, drawn from a
+distribution (``--exit-depths``, with acceptance alpha for drafts that go on) or from a depth
+trace under a rule (``--depth-trace FILE --exit RULE``: each position's exit depth and whether its
+draft equals its final readout, together), as the schedules' exit-aware closed forms read them
+(``Schedule.exit_groups``: AR's and DtV's, where a DtV continuation call at depth r holds
+Binomial(k + 1, P(e >= r)) positions). A wave's width and flushes depend on the whole sequence of
+exits, so WFD is simulated call by call with the decoder's plan (``simulate.simulate_exits``).
 docs/adaptive-depth.md says more.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache, cached_property
+from functools import cached_property
 
 import numpy as np
 
 from .exits import ExitRule, check_exit_depths
-from .plans import EarlyExit, make_plan
-from .schedules import CallGroup
-from .specs import WFD, DtV, HardwareSpec, LoopedModelSpec, Workload
-
-WFD_POSITIONS = 2048  # simulated per WFD prediction: a wave's mean cost to about 2%
+from .plans import EarlyExit
+from .specs import LoopedModelSpec, Workload
 
 
 @dataclass(frozen=True)
@@ -97,78 +92,11 @@ class ExitProfile:
         accept = rng.random(count) < np.asarray(self.accept_given_exit)[depths - 1]
         return [int(e) for e in depths], [bool(a) for a in accept]
 
-    def reads(self, schedule: str = "ar", draft_depth: int | None = None):
-        """Whether the schedule's plan reads a position still going out after its step r
-        (before knowing whether it exits there): the plan's own rule (``Plan.read_at``)."""
-        plan = make_plan(schedule, 1, self.depth, coda_attends=False, draft_depth=draft_depth,
-                         exits=self.exits)
-        return plan.read_at
-
-
-def ar_exit_groups(profile: ExitProfile) -> list[CallGroup]:
-    """AR with exits, per token: P, a block call at each depth the position reaches, and its
-    readouts (every checked depth, or the exit depth only)."""
-    depth, read_at = profile.depth, profile.reads()
-    groups = [CallGroup("prelude", 1, 1, 1), CallGroup("block", 1, 1, 1)]
-    for r in range(2, depth + 1):
-        groups.append(CallGroup("block", 1, 1, profile.at_least(r),
-                                after_other_part=read_at(r - 1)))
-    readouts = sum(profile.at_least(r) for r in range(1, depth + 1) if read_at(r)) \
-        if profile.exits.every_depth else 1.0
-    groups.append(CallGroup("coda", 1, 1, readouts))
-    return groups
-
-
-def dtv_exit_groups(schedule: DtV, profile: ExitProfile) -> list[CallGroup]:
-    """DtV(k, d) with exits, per round (basis ("dtv", k)): k + 1 drafts of up to d steps each,
-    then continuation calls over the positions still going."""
-    k, d, depth = schedule.block_length, schedule.draft_depth, profile.depth
-    read_at = profile.reads("dtv", d)
-    drafted = k + 1
-    per_round = ("dtv", k)
-    groups = [CallGroup("prelude", 1, 1, drafted, per_round),
-              CallGroup("block", 1, 1, drafted, per_round)]
-    for r in range(2, d + 1):
-        groups.append(CallGroup("block", 1, 1, drafted * profile.at_least(r), per_round,
-                                after_other_part=read_at(r - 1)))
-    # without every depth's readouts, one per draft: at d, or where it exits before d
-    readouts = sum(profile.at_least(r) for r in range(1, d + 1) if read_at(r)) \
-        if profile.exits.every_depth else 1.0
-    groups.append(CallGroup("coda", 1, 1, drafted * readouts, per_round))
-    for r in range(d + 1, depth + 1):
-        going = _binomial(drafted, profile.at_least(r))
-        # the call after a depth with readouts follows the coda: with every-depth readouts, or
-        # (state rules) when a position exited at r - 1; r = d + 1 follows the drafts' readouts
-        if r == d + 1 or read_at(r - 1):
-            after_coda = np.ones(drafted + 1)
-        else:
-            stopped = profile.at_least(r - 1) - profile.at_least(r)
-            rest = 1.0 - profile.at_least(r)  # exited before r
-            share = stopped / rest if rest > 0 else 0.0
-            after_coda = 1.0 - (1.0 - share) ** (drafted - np.arange(drafted + 1))
-        for n in range(1, drafted + 1):
-            if going[n] > 0:
-                groups.append(CallGroup("block", n, 1, going[n] * after_coda[n], per_round))
-                groups.append(CallGroup("block", n, 1, going[n] * (1 - after_coda[n]),
-                                        per_round, after_other_part=False))
-        # read out: every position going, or only those exiting at r
-        reading = going if read_at(r) else _binomial(drafted, profile.probs[r - 1])
-        for n in range(1, drafted + 1):
-            if reading[n] > 0:
-                groups.append(CallGroup("coda", n, 1, reading[n], per_round))
-    return groups
-
-
-def _binomial(n: int, p: float) -> np.ndarray:
-    """P(X = i), i = 0..n, X ~ Binomial(n, p)."""
-    p = min(max(p, 0.0), 1.0)
-    i = np.arange(n + 1)
-    return _combinations(n) * p**i * (1 - p) ** (n - i)
-
-
-@cache
-def _combinations(n: int) -> np.ndarray:
-    return np.array([math.comb(n, i) for i in range(n + 1)], dtype=float)
+    def reads(self, schedule):
+        """Whether the schedule's plan (a costmodel.schedules.Schedule's) reads a position still
+        going out after its step r (before knowing whether it exits there): the plan's own rule
+        (``Plan.read_at``)."""
+        return schedule.plan(1, self.depth, coda_attends=False, exits=self.exits).read_at
 
 
 def exit_profile(model: LoopedModelSpec, workload: Workload, depth: int, draft_depth: int
@@ -195,26 +123,3 @@ def exit_profile(model: LoopedModelSpec, workload: Workload, depth: int, draft_d
                          f"prediction is for R = {depth}")
     return ExitProfile.from_pairs(trace.exit_pairs(rule, draft_depth), depth,
                                   rule.for_plan(coda_attends, depth))
-
-
-def simulate_wfd(model: LoopedModelSpec, hw: HardwareSpec, schedule: WFD, workload: Workload,
-                 depth: int, profile: ExitProfile):
-    """WFD with exits: runs of the workload's length, seeded 0, 1, ... until ``WFD_POSITIONS``
-    positions are decoded; their summed latency, breakdown, ideal time, block calls and
-    tokens."""
-    from .simulate import simulate
-
-    runs, decoded, seed = [], 0, 0
-    tokens = max(workload.new_tokens, 2)
-    while decoded < WFD_POSITIONS:
-        depths, accept = profile.draws(tokens + 64, seed)
-        runs.append(simulate(model, hw, schedule, context_length=workload.context_length,
-                             new_tokens=tokens, accept_sequence=accept, depth=depth,
-                             kv_sharing=workload.kv_sharing, dtype=workload.dtype,
-                             batch_size=workload.batch_size, records=False,
-                             exits=profile.exits, exit_depths=depths))
-        decoded += runs[-1].committed_tokens
-        seed += 1
-    breakdown = {k: sum(r.breakdown_s[k] for r in runs) for k in runs[0].breakdown_s}
-    return (sum(r.latency_s for r in runs), breakdown, sum(r.ideal_s for r in runs),
-            sum(r.block_calls for r in runs), decoded)

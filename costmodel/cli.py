@@ -25,6 +25,7 @@ from .errors import ProfileError, TraceError
 from .memory import DoesNotFit, does_not_fit
 from .predict import Prediction, predict
 from .presets import UnknownPresetError, get_hardware, get_model
+from .schedules import get as get_schedule
 from .specs import EAGER_HOST_SOURCE, HardwareSpec, Workload
 from .units import (
     UnitError,
@@ -119,7 +120,8 @@ def _print_table(p: Prediction) -> None:
         + (f", acceptance {alpha:.2f}" if alpha is not None else "")
         + (", CUDA graphs" if hw.graphs.cuda_graphs else "")
         + (f", exits at mean depth {p.schedules['ar'].mean_exit_depth:.2f} (WFD simulated)"
-           if "ar" in p.schedules and p.schedules["ar"].mean_exit_depth is not None else ""))
+           if p.schedules and next(iter(p.schedules.values())).mean_exit_depth is not None
+           else ""))
     fit = "fits" if mem.fits else "DOES NOT FIT"
     typer.echo(
         f"memory: {fit}: weights {format_bytes(mem.weights_bytes)} + KV "
@@ -131,8 +133,7 @@ def _print_table(p: Prediction) -> None:
         return
     rows = []
     for key, r in p.schedules.items():
-        label = {"ar": "AR", "dtv": f"DtV k={r.block_length} d={r.draft_depth}",
-                 "wfd": f"WFD d={r.draft_depth} W={r.width}"}[key]
+        label = get_schedule(key).label(r.draft_depth, r.block_length, r.width, r.width_cap)
         b = r.breakdown
         rows.append([label, f"{r.latency_per_token_s * 1e3:.2f}", f"{r.tokens_per_s:.1f}",
                      f"{r.speedup_vs_ar:.2f}x", f"{r.block_calls_per_token:.2f}",

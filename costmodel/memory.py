@@ -12,7 +12,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 from .cost import activation_elements_per_position
-from .plans import static_span
+from .slots import static_span
 from .specs import DTYPE_BYTES, HardwareSpec, LoopedModelSpec, Workload
 from .units import format_bytes
 

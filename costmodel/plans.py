@@ -19,81 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from itertools import count
 from typing import Literal
-
-
-def core_slot(depth: int, kv_sharing: int) -> int:
-    """The KV slot written and read by the step that brings a position to ``depth`` (1-based):
-    one slot per depth, or with s shared slots (depth - 1) mod s."""
-    return (depth - 1) % kv_sharing if kv_sharing else depth - 1
-
-
-def call_slots(kind: str, depths: Sequence[int], kv_sharing: int) -> list[int]:
-    """The KV slot each position of a call reads and writes, as the call trace records it: 0 in
-    the prelude, the core slot of its depth in the block, its readout depth in the coda."""
-    if kind == "block":
-        return [core_slot(r, kv_sharing) for r in depths]
-    return [0] * len(depths) if kind == "prelude" else list(depths)
-
-
-# A static call (graphs mode) attends over a fixed span of keys under a mask, rounded up to a
-# multiple of this: a shape captured once serves every position of its bucket, at most this many
-# keys are read past a position, and the captures grow with the context's length over the block,
-# not with its tokens. The extra keys matter only where the KV is a large share of a call, that is
-# at long contexts, where a fixed block is a small fraction of them (powers of two would read up
-# to twice the keys there).
-STATIC_SPAN_KEYS = 256
-
-
-def static_span(keys: int) -> int:
-    """The keys a static call reads when its latest position attends over ``keys``."""
-    return -(-keys // STATIC_SPAN_KEYS) * STATIC_SPAN_KEYS
-
-
-def keys_read(positions: Sequence[int], static: bool) -> list[int]:
-    """The keys each position of a call attends over, as the call trace records them: its own
-    prefix (p + 1) in eager mode; the call's static span in static and graphs modes."""
-    if static:
-        return [static_span(max(positions) + 1)] * len(positions)
-    return [p + 1 for p in positions]
-
-
-def in_prefill(positions: Sequence[int], prompt_length: int) -> bool:
-    """Whether a call belongs to the prompt's prefill (decoding's calls hold a position past the
-    prompt): a prefill call runs eagerly in every mode, so it reads its own prefix of keys."""
-    return max(positions) < prompt_length
-
-
-def mean_decode_keys(context, new_tokens, static: bool):
-    """The keys a decode step attends over, on average over contexts L .. L + N - 1 (numbers or
-    numpy arrays): L + (N - 1) / 2, or in static mode the mean of their static spans."""
-    if not static:
-        return context + (new_tokens - 1) / 2
-
-    def spans_up_to(x):  # sum of static_span(c) for c = 1..x, in closed form
-        q, r = x // STATIC_SPAN_KEYS, x % STATIC_SPAN_KEYS
-        return STATIC_SPAN_KEYS * (STATIC_SPAN_KEYS * q * (q + 1) / 2 + r * (q + 1))
-
-    return (spans_up_to(context + new_tokens - 1) - spans_up_to(context - 1)) / new_tokens
-
-
-def wave_width(depth: int, draft_depth: int, width_cap: int | None = None) -> int:
-    """Positions in flight in a full WFD wave: ceil(R / d), or the cap if smaller."""
-    natural = -(-depth // draft_depth)
-    return natural if width_cap is None else min(natural, width_cap)
 
 
 def default_draft_depth(depth: int) -> int:
     """ceil(R / 8) below R: Huginn at R = 32 drafts at 4, Ouro at R = 4 at 1."""
     return max(1, min(depth - 1, -(-depth // 8)))
-
-
-def lookahead(schedule: str, *, block_length: int = 0, width: int = 0) -> int:
-    """Positions past the committed ones a schedule may write: DtV's k drafts and its bonus
-    position, WFD's wave and the position after it. The decoder's static KV cache holds them
-    beside the sequence, and the memory model counts them."""
-    return {"ar": 0, "dtv": block_length + 1, "wfd": width + 1}[schedule]
 
 
 @dataclass(frozen=True)
@@ -162,8 +93,6 @@ class Plan:
     drafting, DtV and WFD), a position drafts at the first depth below d its draft rule fires,
     or at d; its draft-rule readouts below d use the depth-d coda slot (drafts are proposals:
     what they attend over does not touch the tokens)."""
-
-    kind = "ar"
 
     def __init__(self, prompt_length: int, depth: int, *, coda_attends: bool,
                  readout_depths: Sequence[int] = (), prefill: bool = True,
@@ -250,168 +179,8 @@ class Plan:
         return set(exited) | {p for p, r in pairs if r == self.depth}
 
     def decode(self) -> Steps:
-        """AR: per token P, then block calls at one position (read out at each readout depth)
-        until it exits or reaches R, then commit its final readout."""
-        for p in count(self.prompt_length):
-            self.rounds += 1
-            yield Call("prelude", (p,), (0,))
-            for r in range(1, self.depth + 1):
-                yield Call("block", (p,), (r,))
-                if p in (yield from self.after_block((p,), (r,))):
-                    break
-            yield Bonus(p)
-
-
-class DtVPlan(Plan):
-    """DtV(k, d), nested reuse: draft k + 1 positions one by one at depth d, continue them all
-    from d to R in R - d batched calls, verify the k drafts in order, commit the correction at
-    the first mismatch or the bonus token when all match, roll back the rest. With exits a
-    position that exits by d drafts its final token (committed as is), and the others leave the
-    batched calls as they exit. With adaptive drafts each position drafts where its draft rule
-    fires, never deeper than the one before, and they continue together each from its own depth
-    (the older never shallower, as in a wave)."""
-
-    kind = "dtv"
-
-    def __init__(self, prompt_length: int, depth: int, *, block_length: int, draft_depth: int,
-                 **common):
-        super().__init__(prompt_length, depth, readout_depths=(draft_depth,), **common)
-        check_draft_depth(draft_depth, depth)
-        if block_length < 1:
-            raise ValueError(f"block length must be at least 1, got {block_length}")
-        self.block_length, self.draft_depth = block_length, draft_depth
-        self.lookahead = lookahead("dtv", block_length=block_length)
-
-    def decode(self) -> Steps:
-        k, d = self.block_length, self.draft_depth
-        cur = self.prompt_length  # the position holding the newest committed token
-        while True:
-            self.rounds += 1
-            drafted = tuple(range(cur, cur + k + 1))
-            settled: set[int] = set()  # exited by d: the draft is the final token
-            at: dict[int, int] = {}  # the depth each drafted position stopped drafting at
-            limit = d  # adaptive drafts never go deeper than the one before (exactness)
-            for p in drafted:
-                yield Call("prelude", (p,), (0,))
-                for r in range(1, limit + 1):  # the last one's readout only fills the coda's KV
-                    yield Call("block", (p,), (r,))
-                    at[p] = r
-                    if p in (yield from self.after_block((p,), (r,))):
-                        settled.add(p)  # its KV stands in for every deeper depth: no limit
-                        break
-                    if r == limit:  # below d: where the one before drafted; read out here
-                        if not self.read_at(r):
-                            yield Call("coda", (p,), (d,))
-                        break
-                    if (yield from self.draft_check(p, r, d)):
-                        limit = r
-                        break
-                if p < cur + k:
-                    yield Draft(p, final=p in settled)
-            # the rest continue together, each a step per call from where it drafted (the older
-            # never shallower), leaving as they exit or reach R
-            going = [p for p in drafted if p not in settled]
-            while going:
-                for p in going:
-                    at[p] += 1
-                yield Call("block", tuple(going), tuple(at[p] for p in going))
-                done = yield from self.after_block(going, [at[p] for p in going])
-                going = [p for p in going if p not in done]
-            accepted = 0
-            while accepted < k:
-                p = cur + accepted
-                if p in settled:
-                    yield Bonus(p)
-                elif not (yield Verify(p)):
-                    break
-                accepted += 1
-            if accepted == k:
-                yield Bonus(cur + k)
-            cur += accepted + 1
-            yield Rollback(cur)
-
-
-class WFDPlan(Plan):
-    """WFD(d, cap): each tick is one block call advancing every in-flight position one step, each
-    at its own depth. The newest position reaching d drafts (its token enters next tick, when
-    the cap allows); the oldest reaching R verifies, in the same coda call. A rejection commits
-    the correction, flushes every younger position and re-enters the correction at depth 0.
-    With exits a position leaves the wave at its exit depth and waits, out of the calls, until
-    every older one is committed; one that exits by d drafts its final token. With adaptive
-    drafts the newest drafts where its draft rule fires (by d), and the next enters sooner."""
-
-    kind = "wfd"
-
-    def __init__(self, prompt_length: int, depth: int, *, draft_depth: int,
-                 width_cap: int | None = None, **common):
-        super().__init__(prompt_length, depth, readout_depths=(draft_depth,), **common)
-        check_draft_depth(draft_depth, depth)
-        if width_cap is not None and width_cap < 1:
-            raise ValueError(f"width cap must be at least 1, got {width_cap}")
-        self.draft_depth, self.width_cap = draft_depth, width_cap
-        # adaptive drafts may come as shallow as the draft rule's first depth: a wider wave
-        shallowest = min(draft_depth, self.drafts.min_depth) if self.drafts else draft_depth
-        self.width = wave_width(depth, shallowest, width_cap)
-        self.lookahead = lookahead("wfd", width=self.width)
-
-    def decode(self) -> Steps:
-        d, cap = self.draft_depth, self.width_cap
-        # [position, depth, final, drafted: 0 not yet, 1 a proposal, 2 its final token], oldest
-        # first
-        wave: list[list[int]] = []
-        waiting: int | None = self.prompt_length  # the position whose token waits to enter
-        while True:
-            self.rounds += 1  # a tick: its prelude call (if a token enters), B, its coda call
-            going = [entry for entry in wave if not entry[2]]
-            if waiting is not None and (cap is None or len(going) < cap):
-                yield Call("prelude", (waiting,), (0,))
-                wave.append([waiting, 0, False, 0])
-                going.append(wave[-1])
-                waiting = None
-            for entry in going:
-                entry[1] += 1
-            yield Call("block", tuple(e[0] for e in going), tuple(e[1] for e in going))
-            newest = wave[-1]
-            # newest first: the draft's readout, then the verify's
-            done = yield from self.after_block([e[0] for e in reversed(going)],
-                                               [e[1] for e in reversed(going)])
-            for entry in going:
-                entry[2] = entry[0] in done
-            p, r, final, drafted = newest
-            if newest in going and not drafted and (
-                    r == d or final or (yield from self.draft_check(p, r, d))):
-                yield Draft(p, final=bool(final))
-                newest[3] = 2 if final else 1
-                waiting = p + 1
-            while wave and wave[0][2]:
-                p, _, _, drafted = wave.pop(0)
-                if drafted == 2:
-                    yield Bonus(p)
-                elif not (yield Verify(p)):
-                    self.flushed += len(wave)
-                    yield Rollback(p + 1, flushed=len(wave))
-                    wave.clear()
-                    waiting = p + 1  # the correction re-enters at depth 0
-
-
-def make_plan(schedule: str, prompt_length: int, depth: int, *, coda_attends: bool,
-              draft_depth: int | None = None, block_length: int = 4,
-              width_cap: int | None = None, readout_depths: Sequence[int] = (),
-              prefill: bool = True, exits: EarlyExit | None = None,
-              drafts: EarlyExit | None = None) -> Plan:
-    """A plan by name: "ar" (with extra readout depths, for a depth trace), "dtv" or "wfd";
-    ``exits``: adaptive depth; ``drafts``: adaptive drafting (DtV, WFD)."""
-    if drafts is not None and schedule == "ar":
-        raise ValueError("adaptive drafting goes with dtv or wfd")
-    common = dict(coda_attends=coda_attends, prefill=prefill, exits=exits, drafts=drafts)
-    if schedule == "ar":
-        return Plan(prompt_length, depth, readout_depths=readout_depths, **common)
-    d = default_draft_depth(depth) if draft_depth is None else draft_depth
-    if schedule == "dtv":
-        return DtVPlan(prompt_length, depth, block_length=block_length, draft_depth=d, **common)
-    if schedule == "wfd":
-        return WFDPlan(prompt_length, depth, draft_depth=d, width_cap=width_cap, **common)
-    raise ValueError(f"unknown schedule {schedule!r}; use ar, dtv or wfd")
+        """Decoding without end: each schedule's own (costmodel.schedules)."""
+        raise NotImplementedError
 
 
 class Executor:
@@ -470,9 +239,3 @@ def check_draft_depth(draft_depth: int, depth: int) -> None:
     if not 1 <= draft_depth < depth:
         raise ValueError(f"draft depth must be in 1..{depth - 1} (below R = {depth}), "
                          f"got {draft_depth}")
-
-
-def check_kv_sharing(kv_sharing: int, depth: int) -> None:
-    if not 0 <= kv_sharing <= depth:
-        raise ValueError(f"KV sharing is 0 (a slot per depth) or at most R = {depth} slots, got "
-                         f"{kv_sharing}")

@@ -16,19 +16,15 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from .cost import call_cost
+from .groups import CallGroup, basis_value, block_calls_per_token, merge_groups
 from .memory import MemoryReport, kv_cache_bytes, memory_report
-from .plans import check_draft_depth, check_kv_sharing, lookahead, mean_decode_keys, wave_width
+from .plans import check_draft_depth
 from .presets import resolve
-from .schedules import (
-    CallGroup,
-    basis_value,
-    block_calls_per_token,
-    call_groups,
-    merge_groups,
-)
-from .specs import AR, DTYPE_BYTES, WFD, DtV, HardwareSpec, LoopedModelSpec, Workload
+from .schedules import AR, SCHEDULES, WFD, DtV, Schedule
+from .schedules.dtv import MAX_BLOCK_LENGTH
+from .slots import check_kv_sharing, mean_decode_keys
+from .specs import DTYPE_BYTES, HardwareSpec, LoopedModelSpec, Workload
 
-MAX_BLOCK_LENGTH = 32
 # the most tokens a finite run may simulate (prompts x new tokens), for the three schedules: a
 # minute or two on a laptop's CPU; a run longer than this is near enough its steady state
 MAX_SIMULATED_TOKENS = 100_000
@@ -45,7 +41,7 @@ class Breakdown(BaseModel):
 
 class ScheduleResult(BaseModel):
     model_config = ConfigDict(extra="forbid", defer_build=True)
-    schedule: Literal["ar", "dtv", "wfd"]
+    schedule: str  # its name in the registry (costmodel.schedules)
     latency_per_token_s: float
     tokens_per_s: float
     speedup_vs_ar: float
@@ -194,7 +190,8 @@ def predict(
     block_length: int | None = None,
     width_cap: int | None = None,
 ) -> Prediction:
-    """Predict AR, DtV and WFD per-token latency for one model, hardware and workload.
+    """Predict each registered schedule's per-token latency (AR, DtV, WFD) for one model,
+    hardware and workload, each at its best variant (``Schedule.variants``).
 
     width W means draft depth ceil(R / W). block_length None picks DtV's best k in 1..32.
     """
@@ -212,25 +209,23 @@ def predict(
                          f"{wl.prompts * wl.new_tokens:,} tokens to simulate, more than "
                          f"{MAX_SIMULATED_TOKENS:,}; a run this long is the steady state (leave "
                          "out the prompts)")
-    if wl.adaptive:  # the exits' closed forms and wave simulation, imported when asked for
-        from .adaptive import ar_exit_groups, dtv_exit_groups, exit_profile, simulate_wfd
+    if wl.adaptive:  # the exits' distribution and wave simulation, imported when asked for
+        from .adaptive import exit_profile
+        from .simulate import simulate_exits
 
     exits = exit_profile(spec, wl, depth, d) if wl.adaptive else None
     alpha = np.asarray(acceptance_for(spec, wl, depth, d) if exits is None
                        else exits.acceptance(d))
     hw.achievable_flops_per_s(wl.dtype)  # an unknown dtype fails here with a clear message
-    # coda readout depths (coda KV slots, prefill readouts): R, d, and with exits every depth a
-    # token may stop at
+    # coda readout depths (coda KV slots, prefill readouts): R, d for a schedule that drafts,
+    # and with exits every depth a token may stop at
     exit_reads = set(range(exits.exits.min_depth, depth + 1)) if exits else set()
-    readout_count = {"ar": len({depth} | exit_reads), "spec": len({depth, d} | exit_reads)}
-
-    wfd = WFD(draft_depth=d, width_cap=width_cap)
-    width_used = wave_width(depth, d, width_cap)
-    ks = [block_length] if block_length else list(range(1, MAX_BLOCK_LENGTH + 1))
-    memory = memory_report(spec, hw, wl, depth=depth, readout_depths=readout_count["spec"],
-                           positions_per_call=max(width_used, max(ks) + 1),
-                           lookahead=max(lookahead("wfd", width=width_used),
-                                         lookahead("dtv", block_length=max(ks))))
+    variants = {name: cls.variants(d, depth, block_length=block_length, width_cap=width_cap)
+                for name, cls in SCHEDULES.items()}
+    every = [s for found in variants.values() for s in found]
+    memory = memory_report(spec, hw, wl, depth=depth, readout_depths=len({depth, d} | exit_reads),
+                           positions_per_call=max(s.positions_per_call(depth) for s in every),
+                           lookahead=max(s.lookahead(depth) for s in every))
 
     pricer = _Pricer(spec, hw, wl.dtype, np.asarray(decode_keys(wl, hw)),
                      np.asarray(float(wl.batch_size)), None)
@@ -238,14 +233,30 @@ def predict(
     if not memory.fits:
         return Prediction(model=spec.name, hardware=hw, workload=wl, depth=depth, memory=memory,
                           schedules=results)
+    # the acceptance the verifier sees: of the drafts of positions that go past d
+    seen = float(alpha) if exits is None else exits.draft_acceptance(d)
 
-    def result(kind, groups, totals, **fields) -> ScheduleResult:
+    def priced(schedule: Schedule) -> tuple[list[CallGroup], dict]:
+        """Its call groups (none where it is simulated) and their totals per token."""
+        groups = schedule.call_groups(depth, wl.kv_sharing) if exits is None \
+            else schedule.exit_groups(exits)
+        if groups is not None:
+            return groups, pricer.per_token(groups, alpha)
+        latency, breakdown, ideal, blocks, decoded = simulate_exits(spec, hw, schedule, wl, depth,
+                                                                    exits)
+        return [], {**{key: v / decoded for key, v in breakdown.items()},
+                    "latency_s": latency / decoded, "ideal_s": ideal / decoded,
+                    "block_calls": blocks / decoded}
+
+    chosen: dict[str, Schedule] = {}
+    for name, found in variants.items():
+        best = min(((s, *priced(s)) for s in found), key=lambda f: float(f[2]["latency_s"]))
+        schedule, groups, totals = best
+        chosen[name] = schedule
         latency = float(totals["latency_s"])
-        readouts = readout_count["ar" if kind == "ar" else "spec"]
-        ahead = lookahead(kind, block_length=fields["block_length"] or 0,
-                          width=fields["width"] or 0)
-        return ScheduleResult(
-            schedule=kind, latency_per_token_s=latency,
+        readouts = len({depth} | exit_reads | ({d} if schedule.drafts else set()))
+        results[name] = ScheduleResult(
+            schedule=name, latency_per_token_s=latency,
             tokens_per_s=wl.batch_size / latency,
             speedup_vs_ar=1.0,
             block_calls_per_token=float(block_calls_per_token(groups, alpha)) if groups
@@ -255,56 +266,28 @@ def predict(
             bound=_bound({k: float(totals[k]) for k in _TERMS}),
             prefill_s=prefill_time_s(spec, hw, wl, depth, readouts),
             kv_bytes=kv_cache_bytes(spec, wl, depth=depth, readout_depths=readouts,
-                                    lookahead=ahead, static=hw.graphs.cuda_graphs),
-            mean_exit_depth=exits.mean_depth if exits else None, **fields)
-
-    ar_groups = call_groups(AR(), depth) if exits is None else ar_exit_groups(exits)
-    results["ar"] = result("ar", ar_groups, pricer.per_token(ar_groups, alpha),
-                           draft_depth=None, width=None, block_length=None, acceptance=None)
-    best = None
-    for k in ks:
-        dtv = DtV(block_length=k, draft_depth=d)
-        groups = call_groups(dtv, depth) if exits is None else dtv_exit_groups(dtv, exits)
-        totals = pricer.per_token(groups, alpha)
-        if best is None or float(totals["latency_s"]) < float(best[2]["latency_s"]):
-            best = (k, groups, totals)
-    k, groups, totals = best
-    # the acceptance the verifier sees: of the drafts of positions that go past d
-    seen = float(alpha) if exits is None else exits.draft_acceptance(d)
-    results["dtv"] = result("dtv", groups, totals, draft_depth=d, width=k + 1, block_length=k,
-                            acceptance=seen)
-    if exits is None:
-        groups = call_groups(wfd, depth, wl.kv_sharing)
-        totals = pricer.per_token(groups, alpha)
-    else:  # a wave with exits is simulated (costmodel.adaptive)
-        latency, breakdown, ideal, blocks, decoded = simulate_wfd(spec, hw, wfd, wl, depth,
-                                                                  exits)
-        groups = []
-        totals = {**{key: v / decoded for key, v in breakdown.items()},
-                  "latency_s": latency / decoded, "ideal_s": ideal / decoded,
-                  "block_calls": blocks / decoded}
-    results["wfd"] = result("wfd", groups, totals, draft_depth=d,
-                            width=width_used, width_cap=width_cap, block_length=None,
-                            acceptance=seen)
+                                    lookahead=schedule.lookahead(depth),
+                                    static=hw.graphs.cuda_graphs),
+            mean_exit_depth=exits.mean_depth if exits else None,
+            acceptance=seen if schedule.drafts else None, **schedule.fields(depth))
     if wl.prompts is not None:
-        for kind, schedule in (("ar", AR()),
-                               ("dtv", DtV(block_length=k, draft_depth=d)), ("wfd", wfd)):
-            _finite_run(spec, hw, wl, depth, schedule, float(alpha), results[kind])
-    ar_latency = results["ar"].latency_per_token_s
+        for name, schedule in chosen.items():
+            _finite_run(spec, hw, wl, depth, schedule, float(alpha), results[name])
+    baseline = results[AR.name].latency_per_token_s
     for r in results.values():
-        r.speedup_vs_ar = ar_latency / r.latency_per_token_s
+        r.speedup_vs_ar = baseline / r.latency_per_token_s
     return Prediction(model=spec.name, hardware=hw, workload=wl, depth=depth, memory=memory,
                       schedules=results)
 
 
 def _finite_run(spec: LoopedModelSpec, hw: HardwareSpec, wl: Workload, depth: int,
-                schedule: AR | DtV | WFD, alpha: float, result: ScheduleResult) -> None:
+                schedule: Schedule, alpha: float, result: ScheduleResult) -> None:
     """Replace a schedule's steady-state figures with those of the workload's finite run of
     prompts, simulated call by call (DtV at the steady state's best k)."""
     from .simulate import acceptance_draws, simulate_batch
 
     sequences = [(wl.context_length, wl.new_tokens,
-                  None if schedule.kind == "ar" else acceptance_draws(alpha, wl.new_tokens + 1, i))
+                  acceptance_draws(alpha, wl.new_tokens + 1, i) if schedule.drafts else None)
                  for i in range(wl.prompts)]
     run = simulate_batch(spec, hw, schedule, sequences, batch_size=wl.batch_size, depth=depth,
                          kv_sharing=wl.kv_sharing, dtype=wl.dtype)
@@ -394,7 +377,7 @@ def sweep(
         pricer = _Pricer(spec, hw, dtype, on_points(keys), on_points(b), on_points(bwa)) \
             if per_point else shared
         out["ar_latency_s"][sel] = priced(sum(pricer.basis_latency(
-            call_groups(AR(), depth)).values()))
+            AR().call_groups(depth)).values()))
         best = np.full(alpha_sel.shape, np.inf)
         best_k = np.zeros(alpha_sel.shape)
         tokens = np.ones_like(alpha_sel)  # expected tokens per round: sum_{i <= k} alpha^i
@@ -403,14 +386,14 @@ def sweep(
             if k not in block_lengths:
                 continue
             (per_round,) = pricer.basis_latency(
-                call_groups(DtV(block_length=k, draft_depth=int(dv)), depth)).values()
+                DtV(block_length=k, draft_depth=int(dv)).call_groups(depth)).values()
             latency = priced(per_round) / tokens
             better = latency < best
             best = np.where(better, latency, best)
             best_k = np.where(better, k, best_k)
         out["dtv_latency_s"][sel] = best
         out["dtv_block_length"][sel] = best_k
-        wfd = pricer.basis_latency(call_groups(WFD(draft_depth=int(dv)), depth, kv_sharing))
+        wfd = pricer.basis_latency(WFD(draft_depth=int(dv)).call_groups(depth, kv_sharing))
         out["wfd_latency_s"][sel] = sum(priced(cost) * basis_value(basis, alpha_sel)
                                         for basis, cost in wfd.items())
     out["draft_depth"] = np.broadcast_to(d, shape).copy()

@@ -16,12 +16,12 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from .memory import DoesNotFit, does_not_fit, memory_report
-from .plans import check_kv_sharing, lookahead, wave_width
-from .predict import _TERMS, MAX_BLOCK_LENGTH, _bound, _Pricer, decode_keys
+from .predict import _TERMS, _bound, _Pricer, decode_keys
 from .presets import resolve
-from .schedules import call_groups
+from .schedules import AR, SCHEDULES, Schedule, get
 from .simulate import simulate
-from .specs import AR, WFD, DtV, HardwareSpec, LoopedModelSpec, Workload
+from .slots import check_kv_sharing
+from .specs import HardwareSpec, LoopedModelSpec, Workload
 
 FINALISTS = 5  # configurations re-priced by the simulator
 QUICK_FINALISTS = 2
@@ -32,7 +32,7 @@ CAP_RANGE = 1.5
 
 class Choice(BaseModel):
     model_config = ConfigDict(extra="forbid", defer_build=True)
-    schedule: Literal["ar", "dtv", "wfd"]
+    schedule: str  # its name in the registry (costmodel.schedules)
     draft_depth: int | None = None
     block_length: int | None = None
     width_cap: int | None = None
@@ -45,32 +45,16 @@ class Choice(BaseModel):
 
     @property
     def label(self) -> str:
-        if self.schedule == "ar":
-            return "AR"
-        if self.schedule == "dtv":
-            return f"DtV k={self.block_length} d={self.draft_depth}"
-        width = f"cap={self.width_cap}" if self.width_cap else f"W={self.width}"
-        return f"WFD d={self.draft_depth} {width}"
+        return get(self.schedule).label(self.draft_depth, self.block_length, self.width,
+                                        self.width_cap)
 
     @property
     def flags(self) -> str:
         """The `wfd generate` options that run this configuration."""
-        return " ".join([f"--schedule {self.schedule}"] + [
-            f"--{flag} {value}" for flag, value in (("draft-depth", self.draft_depth),
-                                                    ("block-length", self.block_length),
-                                                    ("width-cap", self.width_cap))
-            if value is not None])
+        return self.schedule_spec().flags()
 
-    def schedule_spec(self) -> AR | DtV | WFD:
-        return _schedule(self.model_dump())
-
-
-def _schedule(fields: dict) -> AR | DtV | WFD:
-    if fields["schedule"] == "ar":
-        return AR()
-    if fields["schedule"] == "dtv":
-        return DtV(block_length=fields["block_length"], draft_depth=fields["draft_depth"])
-    return WFD(draft_depth=fields["draft_depth"], width_cap=fields.get("width_cap"))
+    def schedule_spec(self) -> Schedule:
+        return get(self.schedule).of(self.draft_depth, self.block_length, self.width_cap)
 
 
 def parse_acceptance_by_depth(text: str) -> dict[int, float]:
@@ -104,10 +88,10 @@ def check_acceptance(acceptance: dict[int, float], depth: int) -> None:
 
 
 # The quick search (``wfd generate --schedule auto``, which must cost little beside the run it
-# chooses for) tries these draft depths and block lengths only, and no width cap (a capped
+# chooses for) tries these draft depths only (and each schedule's quick variants: DtV's
+# QUICK_BLOCK_LENGTHS), and no width cap (a capped
 # wave's closed form is the costliest to build, and a cap rarely pays: docs/recommend.md).
 QUICK_DEPTHS = (1, 2, 3, 4, 8, 16)
-QUICK_BLOCK_LENGTHS = (1, 2, 4, 8, 16, 32)
 
 
 def recommend(model: str | LoopedModelSpec, hardware: str | HardwareSpec,
@@ -116,7 +100,7 @@ def recommend(model: str | LoopedModelSpec, hardware: str | HardwareSpec,
     """The ``top`` configurations by predicted tokens/s, best first; speedups are over AR's
     predicted latency for the same workload. The search tries every draft depth given, every
     block length in 1..32 and every width cap, then re-prices the finalists with the simulator;
-    ``quick`` tries QUICK_DEPTHS and QUICK_BLOCK_LENGTHS and no cap, and simulates the best
+    ``quick`` tries QUICK_DEPTHS and DtV's QUICK_BLOCK_LENGTHS and no cap, and simulates the best
     QUICK_FINALISTS only."""
     spec, hw = resolve(model, hardware)
     wl = Workload.model_validate(workload or {})  # a Workload, or its fields as a dict
@@ -129,44 +113,42 @@ def recommend(model: str | LoopedModelSpec, hardware: str | HardwareSpec,
     check_kv_sharing(wl.kv_sharing, depth)
     check_acceptance(acceptance, depth)
     hw.achievable_flops_per_s(wl.dtype)  # an unknown dtype fails here with a clear message
-    # what predict allocates for the widest wave and the longest DtV block: the same verdict
+    # what predict allocates for every schedule's widest variant: the same verdict
+    every = [s for cls in SCHEDULES.values() for s in cls.variants(1, depth)]
     memory = memory_report(spec, hw, wl, depth=depth, readout_depths=2,
-                           positions_per_call=max(depth, MAX_BLOCK_LENGTH + 1),
-                           lookahead=max(lookahead("wfd", width=depth),
-                                         lookahead("dtv", block_length=MAX_BLOCK_LENGTH)))
+                           positions_per_call=max(s.positions_per_call(depth) for s in every),
+                           lookahead=max(s.lookahead(depth) for s in every))
     if not memory.fits:
         raise DoesNotFit(f"on {hw.name}: {does_not_fit(memory, wl)}")
     pricer = _Pricer(spec, hw, wl.dtype, np.asarray(decode_keys(wl, hw)),
                      np.asarray(float(wl.batch_size)), None)
 
-    def priced(choice: dict, alpha: float) -> Choice:
-        totals = pricer.per_token(call_groups(_schedule(choice), depth, wl.kv_sharing),
-                                  np.asarray(alpha))
+    def priced(schedule: Schedule, alpha: float | None) -> Choice:
+        totals = pricer.per_token(schedule.call_groups(depth, wl.kv_sharing),
+                                  np.asarray(alpha or 0.0))
         latency = float(totals["latency_s"])
-        return Choice(**choice, latency_per_token_s=latency,
-                      tokens_per_s=wl.batch_size / latency,
+        fields = {"width_cap": None, **schedule.fields(depth)}
+        return Choice(schedule=schedule.name, **fields, acceptance=alpha,
+                      latency_per_token_s=latency, tokens_per_s=wl.batch_size / latency,
                       bound=_bound({k: float(totals[k]) for k in _TERMS}))
 
-    candidates = [ar := priced({"schedule": "ar"}, 0.0)]
+    # the baseline once; each schedule that drafts at every draft depth given, at its acceptance
+    candidates = [ar := priced(AR(), None)]
     for d, alpha in sorted(acceptance.items()):
         if quick and d not in QUICK_DEPTHS:
             continue
-        common = {"draft_depth": d, "acceptance": alpha}
-        lengths = QUICK_BLOCK_LENGTHS if quick else range(1, MAX_BLOCK_LENGTH + 1)
-        candidates += [priced({"schedule": "dtv", "block_length": k, "width": k + 1, **common},
-                              alpha) for k in lengths]
-        candidates.append(priced({"schedule": "wfd", "width": wave_width(depth, d), **common},
-                                 alpha))
-    # width caps: for the draft depths whose uncapped wave is within CAP_RANGE of the best one
-    # (a cap trades wider calls for more of them: it moves a wave's cost by far less than that)
-    waves = sorted((c for c in candidates if c.schedule == "wfd"),
-                   key=lambda c: c.latency_per_token_s)
-    best = waves[0].latency_per_token_s if waves else 0.0
-    for wave in [] if quick else [w for w in waves if w.latency_per_token_s <= CAP_RANGE * best]:
-        d, alpha = wave.draft_depth, wave.acceptance
-        candidates += [priced({"schedule": "wfd", "width_cap": cap, "draft_depth": d,
-                               "width": cap, "acceptance": alpha}, alpha)
-                       for cap in range(1, wave.width)]
+        candidates += [priced(s, alpha) for cls in SCHEDULES.values() if cls.drafts
+                       for s in cls.variants(d, depth, quick=quick)]
+    # refinements (WFD's width caps): for the configurations within CAP_RANGE of the best of
+    # their schedule (a cap trades wider calls for more of them: it moves a wave's cost by far
+    # less than that)
+    if not quick:
+        for name in SCHEDULES:
+            own = [c for c in candidates if c.schedule == name]
+            best = min((c.latency_per_token_s for c in own), default=0.0)
+            candidates += [priced(s, c.acceptance) for c in own
+                           if c.latency_per_token_s <= CAP_RANGE * best
+                           for s in c.schedule_spec().refinements(depth)]
     candidates.sort(key=lambda c: c.latency_per_token_s)
     finalists = candidates[:max(QUICK_FINALISTS if quick else FINALISTS, top)]
     finalists += [] if ar in finalists else [ar]

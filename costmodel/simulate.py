@@ -13,23 +13,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .cost import call_cost
-from .plans import (
-    Call,
-    EarlyExit,
-    Executor,
-    Plan,
-    call_slots,
-    in_prefill,
-    keys_read,
-    make_plan,
-)
+from .plans import Call, EarlyExit, Executor, Plan
 from .presets import resolve
-from .specs import AR, WFD, DtV, HardwareSpec, LoopedModelSpec
+from .schedules.base import Schedule
+from .slots import call_slots, in_prefill, keys_read
+from .specs import HardwareSpec, LoopedModelSpec, Workload
 from .trace import CallRecord, slot_lengths
+
+if TYPE_CHECKING:
+    from .adaptive import ExitProfile
 
 
 @dataclass
@@ -137,15 +134,16 @@ class _Simulator(Executor):
 
 
 def check_schedule(schedule: object) -> None:
-    if not isinstance(schedule, AR | DtV | WFD):  # a name leaves out DtV's and WFD's parameters
-        raise TypeError(f"schedule must be AR(), DtV(block_length=K, draft_depth=D) or "
-                        f"WFD(draft_depth=D) (costmodel.specs), got {schedule!r}")
+    if not isinstance(schedule, Schedule):  # a name leaves out DtV's and WFD's parameters
+        raise TypeError(f"schedule must be a Schedule such as AR(), DtV(block_length=K, "
+                        f"draft_depth=D) or WFD(draft_depth=D) (costmodel.schedules), got "
+                        f"{schedule!r}")
 
 
 def simulate(
     model: str | LoopedModelSpec,
     hw: str | HardwareSpec,
-    schedule: AR | DtV | WFD,
+    schedule: Schedule,
     *,
     context_length: int,
     new_tokens: int,
@@ -189,11 +187,8 @@ def simulate(
         raise ValueError(f"the acceptance sequence has {len(accept_sequence)} entries; "
                          f"decoding {decode_tokens} tokens needs at least that many")
     padded = list(accept_sequence) + [False] * 64  # drafts beyond the end are never committed
-    plan = make_plan(schedule.kind, context_length, depth, coda_attends=model.coda_layers > 0,
-                     draft_depth=getattr(schedule, "draft_depth", None),
-                     block_length=getattr(schedule, "block_length", 1),
-                     width_cap=getattr(schedule, "width_cap", None), prefill=prefill,
-                     exits=exits, drafts=drafts)
+    plan = schedule.plan(context_length, depth, coda_attends=model.coda_layers > 0,
+                         prefill=prefill, exits=exits, drafts=drafts)
     if exits is not None and exit_depths is None:
         raise ValueError("simulating exits needs the depth each position exits at")
     oracle = exit_depths if callable(exit_depths) or exits is None else exit_sequence_oracle(
@@ -341,7 +336,7 @@ class BatchSimulation:
 def simulate_batch(
     model: str | LoopedModelSpec,
     hw: str | HardwareSpec,
-    schedule: AR | DtV | WFD,
+    schedule: Schedule,
     sequences: Sequence[tuple[int, int, Sequence[bool] | None]],
     *,
     batch_size: int,
@@ -370,10 +365,7 @@ def simulate_batch(
         if new < 2:
             raise ValueError("simulate at least 2 new tokens per sequence (the prefill "
                              "commits the first)")
-        plan = make_plan(schedule.kind, context, depth, coda_attends=model.coda_layers > 0,
-                         draft_depth=getattr(schedule, "draft_depth", None),
-                         block_length=getattr(schedule, "block_length", 1),
-                         width_cap=getattr(schedule, "width_cap", None))
+        plan = schedule.plan(context, depth, coda_attends=model.coda_layers > 0)
         padded = list(accept or []) + [False] * 64  # drafts past the end are never committed
         return _Simulator(plan, kv_sharing, padded, new, records=False,
                           static=hw.graphs.cuda_graphs), plan
@@ -396,3 +388,29 @@ def simulate_batch(
                            decode_tokens=sum(new - 1 for _, new, _ in sequences),
                            latency_s=sum(r.wall_s for r in decode), breakdown_s=breakdown,
                            ideal_s=_summed(model, hw, shapes, "ideal_s", dtype))
+
+
+# simulated per prediction of a schedule with exits and no closed form (WFD): a wave's mean cost
+# to about 2%
+WFD_POSITIONS = 2048
+
+
+def simulate_exits(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
+                   workload: Workload, depth: int, profile: ExitProfile):
+    """A schedule with exits and no closed form (WFD: ``Schedule.exit_groups`` is None): runs
+    of the workload's length, seeded 0, 1, ... until ``WFD_POSITIONS`` positions are decoded;
+    their summed latency, breakdown, ideal time, block calls and tokens."""
+    runs, decoded, seed = [], 0, 0
+    tokens = max(workload.new_tokens, 2)
+    while decoded < WFD_POSITIONS:
+        depths, accept = profile.draws(tokens + 64, seed)
+        runs.append(simulate(model, hw, schedule, context_length=workload.context_length,
+                             new_tokens=tokens, accept_sequence=accept, depth=depth,
+                             kv_sharing=workload.kv_sharing, dtype=workload.dtype,
+                             batch_size=workload.batch_size, records=False,
+                             exits=profile.exits, exit_depths=depths))
+        decoded += runs[-1].committed_tokens
+        seed += 1
+    breakdown = {k: sum(r.breakdown_s[k] for r in runs) for k in runs[0].breakdown_s}
+    return (sum(r.latency_s for r in runs), breakdown, sum(r.ideal_s for r in runs),
+            sum(r.block_calls for r in runs), decoded)

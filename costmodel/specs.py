@@ -577,19 +577,3 @@ class Workload(Spec):
             raise ValueError("a run of prompts decodes at least 2 new tokens each (the "
                              "prefill commits the first)")
         return self
-
-
-class AR(Spec):
-    kind: Literal["ar"] = "ar"
-
-
-class DtV(Spec):
-    kind: Literal["dtv"] = "dtv"
-    block_length: Annotated[int, Field(ge=1)]
-    draft_depth: Annotated[int, Field(ge=1)]
-
-
-class WFD(Spec):
-    kind: Literal["wfd"] = "wfd"
-    draft_depth: Annotated[int, Field(ge=1)]
-    width_cap: Annotated[int, Field(ge=1)] | None = None

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from costmodel.presets import get_hardware, get_model
+from costmodel.schedules import AR, WFD, DtV
 from costmodel.simulate import acceptance_draws, call_shape, simulate, simulate_batch
-from costmodel.specs import AR, WFD, DtV
 from wfd import runtime
 from wfd.batch import Request, decode_batch
 from wfd.generate import GenerationError, Sampling, generate

@@ -8,11 +8,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from costmodel import AR, WFD, DtV, Workload, get_hardware, predict, simulate
-from costmodel.adaptive import ExitProfile, ar_exit_groups, dtv_exit_groups
+from costmodel.adaptive import ExitProfile
 from costmodel.exits import ExitRule, parse_exit_depths
+from costmodel.groups import block_calls_per_token
 from costmodel.plans import EarlyExit
 from costmodel.predict import _Pricer
-from costmodel.schedules import block_calls_per_token
 from wfd.generate import GenerationError, Sampling, generate
 
 HARDWARE = get_hardware("a6000")
@@ -233,9 +233,9 @@ def test_simulator_with_exits_agrees_with_the_closed_forms(weights, alpha, every
     profile = ExitProfile.from_distribution({r: w / total for r, w in weights.items()}, 32,
                                             alpha, every)
     for schedule, groups, accept in (
-            (AR(), ar_exit_groups(profile), 1.0),
+            (AR(), AR().exit_groups(profile), 1.0),
             (DtV(block_length=k, draft_depth=d),
-             dtv_exit_groups(DtV(block_length=k, draft_depth=d), profile),
+             DtV(block_length=k, draft_depth=d).exit_groups(profile),
              profile.acceptance(d))):
         sims = []
         for i in range(3):
@@ -294,10 +294,10 @@ def test_a_workload_s_exit_distribution_is_checked_as_the_command_line_s():
 def test_plan_exit_checks_read_out_every_depth_only_where_needed():
     """A rule on the states with a coda that has no attention reads out only the exit depth;
     a rule on the readouts reads out every depth from the minimum on."""
-    from costmodel.plans import Call, Check, make_plan
+    from costmodel.plans import Call, Check
 
     def events(every):
-        plan = make_plan("ar", 2, 4, coda_attends=False, prefill=False,
+        plan = AR().plan(2, 4, coda_attends=False, prefill=False,
                          exits=EarlyExit(2, every)).steps()
         out, reply = [], None
         while len(out) < 12:

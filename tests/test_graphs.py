@@ -11,8 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from costmodel import get_hardware
 from costmodel.cost import call_cost
-from costmodel.plans import STATIC_SPAN_KEYS
 from costmodel.predict import predict
+from costmodel.slots import STATIC_SPAN_KEYS
 from costmodel.specs import Workload
 from wfd.checkpoint import build, init_random
 from wfd.generate import generate

@@ -15,8 +15,9 @@ from calibrate.modes import join_modes
 from costmodel import get_model
 from costmodel.cost import call_cost
 from costmodel.profile import CalibrationProfile, ProfileError, ValidationPoint, save_profile
+from costmodel.schedules import AR, WFD
 from costmodel.simulate import simulate
-from costmodel.specs import AR, WFD, HardwareSpec
+from costmodel.specs import HardwareSpec
 from costmodel.trace import CallRecord
 
 GPU = HardwareSpec(name="synthetic gpu", memory_bandwidth_bytes_per_s=3e12,

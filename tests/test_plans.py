@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from costmodel import AR, WFD, DtV, get_hardware, simulate
-from costmodel.plans import Bonus, Call, Rollback, Verify, make_plan
+from costmodel.plans import Bonus, Call, Rollback, Verify
 from wfd.generate import generate
 
 HARDWARE = get_hardware("a6000")
@@ -69,19 +69,19 @@ def test_forced_acceptance_draws_the_simulators_outcomes(family, schedule, mode)
 
 def test_plans_say_what_dtv_and_wfd_do():
     """The events of one DtV round and of a WFD rejection, read off the plans."""
-    dtv = make_plan("dtv", 3, 4, coda_attends=False, draft_depth=1, block_length=2,
-                    prefill=False).steps()
+    dtv = DtV(draft_depth=1, block_length=2).plan(3, 4, coda_attends=False,
+                                                  prefill=False).steps()
     events = [next(dtv) for _ in range(16)]  # 3 drafts (P, B, C, Draft), 3 B, C, Verify
     assert events[0] == Call("prelude", (3,), (0,))
     assert events[-3:] == [Call("block", (3, 4, 5), (4, 4, 4)), Call("coda", (3, 4, 5),
                                                                       (4, 4, 4)), Verify(3)]
     assert dtv.send(False) == Rollback(4)  # the correction of position 3's draft is committed
-    wfd = make_plan("wfd", 5, 4, coda_attends=False, draft_depth=2, prefill=False).steps()
+    wfd = WFD(draft_depth=2).plan(5, 4, coda_attends=False, prefill=False).steps()
     events = []
     while not events or not isinstance(events[-1], Verify):
         events.append(next(wfd))
     assert Call("block", (5, 6), (4, 2)) in events and events[-1] == Verify(5)
     assert wfd.send(False) == Rollback(6, flushed=1)
     assert next(wfd) == Call("prelude", (6,), (0,))
-    ar = make_plan("ar", 2, 3, coda_attends=True).steps()
+    ar = AR().plan(2, 3, coda_attends=True).steps()
     assert [next(ar) for _ in range(6)][-1] == Bonus(1)  # the prefill commits the first token

@@ -140,7 +140,7 @@ def test_the_python_api_says_what_it_takes():
         predict(None, "h200")
     with pytest.raises(TypeError, match="hardware must be a preset's name or a HardwareSpec"):
         predict("ouro-1.4b", 768e9)
-    with pytest.raises(TypeError, match=r"schedule must be AR\(\)"):
+    with pytest.raises(TypeError, match=r"schedule must be a Schedule such as AR\(\)"):
         simulate("ouro-1.4b", "h200", "wfd", context_length=16, new_tokens=4)
     with pytest.raises(TypeError, match="acceptance is by draft depth"):
         recommend("ouro-1.4b", "h200", 0.9)

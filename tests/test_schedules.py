@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from costmodel import AR, WFD, DtV, Workload, get_hardware, get_model, predict, simulate
+from costmodel.groups import block_calls_per_token
 from costmodel.predict import _Pricer
-from costmodel.schedules import block_calls_per_token, call_groups
 
 HUGINN = get_model("huginn-3.5b")
 A6000 = get_hardware("a6000")
@@ -19,7 +19,7 @@ def closed_form(model, hw, schedule, alpha, context, new_tokens, kv_sharing=0):
     depth = model.default_depth
     pricer = _Pricer(model, hw, "bf16", np.asarray(context + (new_tokens - 2) / 2),
                      np.asarray(1.0), None)
-    groups = call_groups(schedule, depth, kv_sharing)
+    groups = schedule.call_groups(depth, kv_sharing)
     totals = pricer.per_token(groups, np.asarray(alpha))
     return float(totals["latency_s"]), float(block_calls_per_token(groups, np.asarray(alpha)))
 
@@ -56,7 +56,7 @@ def test_simulator_mean_agrees_with_closed_form(schedule, alpha, sharing, seed):
 
 @pytest.mark.parametrize("d", [1, 2, 3, 4, 5, 8, 16, 31])
 def test_wfd_at_full_acceptance_takes_d_block_calls_per_token(d):
-    groups = call_groups(WFD(draft_depth=d), 32)
+    groups = WFD(draft_depth=d).call_groups(32)
     assert float(block_calls_per_token(groups, np.asarray(1.0))) == pytest.approx(d)
     sim = simulate(HUGINN, A6000, WFD(draft_depth=d), context_length=64, new_tokens=801,
                    acceptance=1.0)
@@ -66,13 +66,13 @@ def test_wfd_at_full_acceptance_takes_d_block_calls_per_token(d):
 
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 0.7, 0.9, 1.0])
 def test_wfd_block_calls_closed_form(alpha):
-    groups = call_groups(WFD(draft_depth=4), 32)
+    groups = WFD(draft_depth=4).call_groups(32)
     expected = alpha * 4 + (1 - alpha) * 32
     assert float(block_calls_per_token(groups, np.asarray(alpha))) == pytest.approx(expected)
 
 
 def test_dtv_tends_to_d_calls_per_token_as_k_grows():
-    calls = [float(block_calls_per_token(call_groups(DtV(block_length=k, draft_depth=4), 32),
+    calls = [float(block_calls_per_token(DtV(block_length=k, draft_depth=4).call_groups(32),
                                          np.asarray(1.0))) for k in (1, 4, 16, 64, 1024)]
     assert all(a > b for a, b in zip(calls, calls[1:], strict=False))
     assert calls[-1] == pytest.approx(4, rel=0.01)
@@ -182,7 +182,7 @@ def test_on_a_cpu_the_closed_form_knows_which_calls_follow_another_part():
     # schedule whose parts take turns call by call
     pricer = _Pricer(model, hw, "bf16", np.asarray(100.5), np.asarray(1.0), None)
     for schedule, margin in ((AR(), 0.98), (WFD(draft_depth=2), 0.9)):
-        groups = call_groups(schedule, depth)
+        groups = schedule.call_groups(depth)
         warm = [g.__class__(g.part, g.positions, g.slots, g.count, g.basis, False)
                 for g in groups]
         assert (float(pricer.per_token(warm, np.asarray(0.9))["latency_s"])
@@ -199,9 +199,9 @@ def test_on_a_cpu_the_closed_form_knows_which_calls_follow_another_part():
 
 
 def test_graphs_mode_prices_the_static_spans_a_decode_reads():
-    """In graphs mode a decode call reads whole blocks of keys (costmodel.plans.static_span):
+    """In graphs mode a decode call reads whole blocks of keys (costmodel.slots.static_span):
     the closed form's mean over the run and the simulator's calls price the same keys."""
-    from costmodel.plans import mean_decode_keys
+    from costmodel.slots import mean_decode_keys
 
     graphs, workload = A6000.in_mode("graphs"), Workload(context_length=1000, new_tokens=300)
     sim = simulate(HUGINN, graphs, AR(), context_length=1000, new_tokens=300)

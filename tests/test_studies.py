@@ -10,8 +10,8 @@ import pytest
 
 import studies
 from costmodel import Workload, get_hardware, predict
-from costmodel.plans import mean_decode_keys
 from costmodel.profile import load_profile
+from costmodel.slots import mean_decode_keys
 from studies.common import to_csv, to_markdown
 from studies.paper_table import derive_overhead, derived_hardware
 

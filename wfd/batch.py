@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from costmodel.batching import PREFILL, Lane, merged_call, run_batch
+from costmodel.schedules import Schedule, registered
 from costmodel.trace import CallRecord
 
 from .generate import Decoder, RunSetup
@@ -72,8 +73,8 @@ class BatchDecoder(Decoder):
         self.admitted_at = time.perf_counter()
         self.capture_at_admission = self.runner.capture_s
 
-    def result(self, request: Request, block_calls: int, kind: str) -> SequenceResult:
-        stats = self.verifier.stats() if kind != "ar" else {}
+    def result(self, request: Request, block_calls: int) -> SequenceResult:
+        stats = self.verifier.stats()
         return SequenceResult(
             index=request.index, prompt=request.prompt, tokens=list(self.tokens),
             wall_s=time.perf_counter() - self.admitted_at - (
@@ -102,23 +103,25 @@ def run_together(runner: Runner, lanes: list[Lane]) -> None:
         lane.executor.take(call, rows)
 
 
-def decode_batch(model: nn.Module, requests: Sequence[Request], *, schedule: str,
+def decode_batch(model: nn.Module, requests: Sequence[Request], *, schedule: str | Schedule,
                  batch_size: int, depth: int | None = None, draft_depth: int | None = None,
-                 block_length: int = 4, width_cap: int | None = None, kv_sharing: int = 0,
+                 block_length: int | None = None, width_cap: int | None = None,
+                 kv_sharing: int = 0,
                  sampling: Sampling | None = None, stop_tokens: frozenset[int] = frozenset(),
                  force_acceptance: float | None = None, seed: int = 0, mode: str | None = None,
                  record: bool = False, exit_rule=None, draft_rule=None,
                  on_result: Callable[[SequenceResult], None] | None = None,
                  on_call: Callable[[], None] | None = None) -> BatchRun:
-    """Decode ``requests`` with ``batch_size`` sequences in flight (fewer if fewer remain).
+    """Decode ``requests`` with ``batch_size`` sequences in flight (fewer if fewer remain), with
+    ``schedule`` (a Schedule, or a registered name with its options: wfd.generate.generate).
     Each sequence's tokens are its own batch-1 run's (same plan, sampling seed and forced
     outcomes, seeded by ``seed`` + its index). ``on_result`` gets each sequence as it ends;
     ``on_call`` is called after every call (progress). ``mode``: eager by default, on any
     device (wfd.runtime.Runner). ``exit_rule``: adaptive depth (costmodel.exits), per position
     of each sequence: a position that exits leaves the calls while the others go on.
     ``draft_rule``: adaptive drafting (wfd.generate.generate)."""
-    if schedule not in ("ar", "dtv", "wfd"):
-        raise GenerationError(f"a batch decodes with ar, dtv or wfd, not {schedule!r}")
+    if schedule == "auto":
+        raise GenerationError(f"a batch decodes with {registered()}, not 'auto'")
     if batch_size < 1:
         raise GenerationError(f"batch size must be at least 1, got {batch_size}")
     if not requests:
@@ -131,7 +134,7 @@ def decode_batch(model: nn.Module, requests: Sequence[Request], *, schedule: str
     sampling = sampling or Sampling()
     setup = RunSetup.of(model, schedule, depth, draft_depth, block_length, width_cap, exit_rule,
                         draft_rule)
-    depth, draft_depth = setup.depth, setup.draft_depth
+    depth = setup.depth
     probe = setup.plan(len(requests[0].prompt))
     regions = min(batch_size, len(requests))
     longest = max(range(len(requests)),
@@ -174,7 +177,7 @@ def decode_batch(model: nn.Module, requests: Sequence[Request], *, schedule: str
     def finish(lane: Lane) -> None:
         cache.release(lane.region)
         exit_depths.append(lane.executor.exit_depths)
-        results.append(lane.executor.result(lane.job, lane.block_calls, schedule))
+        results.append(lane.executor.result(lane.job, lane.block_calls))
         if on_result is not None:
             on_result(results[-1])
 
@@ -183,13 +186,10 @@ def decode_batch(model: nn.Module, requests: Sequence[Request], *, schedule: str
         run_batch(requests, regions, start, run_call, finish)
     wall = time.perf_counter() - start_s - runner.capture_s
     stats: dict[str, object] = {
-        "schedule": schedule, "batch_size": regions, "depth": depth,
+        "schedule": setup.schedule.name, "batch_size": regions, "depth": depth,
         "kv_bytes_allocated": cache.nbytes, "lookahead": probe.lookahead,
         "sequence_length": cache.max_len - probe.lookahead, **runner.mode_stats()}
-    if schedule == "dtv":
-        stats.update(block_length=block_length, draft_depth=draft_depth)
-    elif schedule == "wfd":
-        stats.update(draft_depth=draft_depth, width=probe.width, width_cap=width_cap)
+    stats.update(setup.schedule.batch_stats(probe))
     stats.update(block_calls=len(blocks), positions_per_block_call=sum(blocks) / len(blocks))
     if exit_rule is not None:
         depths = [r for lane_depths in exit_depths for r in lane_depths]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from costmodel.plans import core_slot
+from costmodel.slots import core_slot
 
 
 class CacheError(RuntimeError):

@@ -18,6 +18,7 @@ from costmodel.clitools import (
     print_json,
     run,
 )
+from costmodel.schedules import AR, SCHEDULES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
                   help="Decode looped language models (Huginn, Ouro) with AR, DtV or WFD.")
@@ -120,8 +121,9 @@ def generate(
         raise UserError("give exactly one of --prompt and --prompt-ids (or --prompts-file)")
     elif out is not None or batch_size != 8:
         raise UserError("--out and --batch-size go with --prompts-file")
-    one_of("schedule", schedule, ("ar", "dtv", "wfd", "auto"))
-    if depth_trace is not None and schedule != "ar":
+    one_of("schedule", schedule, (*SCHEDULES, "auto"))
+    drafts = schedule != "auto" and SCHEDULES[schedule].drafts
+    if depth_trace is not None and schedule != AR.name:
         raise UserError("--depth-trace is recorded by an AR run (--schedule ar)")
     if width is not None and draft_depth is not None:
         raise UserError("give either --width or --draft-depth, not both")
@@ -152,8 +154,9 @@ def generate(
     if draft_when is not None:
         from costmodel.exits import ExitRule
 
-        if schedule not in ("dtv", "wfd"):
-            raise UserError("--draft-when drafts adaptively in dtv or wfd")
+        if not drafts:
+            raise UserError("--draft-when drafts adaptively in a schedule that drafts (dtv or "
+                            "wfd)")
         try:
             draft_rule = ExitRule.parse(draft_when)
         except ValueError as exc:
@@ -196,7 +199,7 @@ def generate(
             rule = ForcedExits.parse(force_exits, run_depth, seed)
         except ValueError as exc:
             raise UserError(f"--force-exits: {exc}") from None
-    if schedule in ("dtv", "wfd"):
+    if drafts:
         draft_depth = resolve_draft_depth(net.config, run_depth, width, draft_depth)
     if prompts_file is not None:
         return _generate_file(

@@ -18,8 +18,11 @@ import torch
 from torch import nn
 
 from costmodel.exits import ExitRule, Rule
-from costmodel.plans import Call, EarlyExit, Executor, Plan, in_prefill, make_plan
+from costmodel.plans import Call, EarlyExit, Executor, Plan
+from costmodel.schedules import AR, SCHEDULES, Schedule, get
+from costmodel.schedules.ar import ARPlan
 from costmodel.simulate import acceptance_draws
+from costmodel.slots import in_prefill
 from costmodel.trace import CallRecord, DepthRecord
 
 from .cache import KVCache
@@ -230,36 +233,60 @@ class Decoder(Executor):
             self.on_rollback(self.runner.cache, self.tokens)
 
 
+def _named(name: str, model: nn.Module, depth: int, draft_depth: int | None,
+           block_length: int | None, width_cap: int | None) -> Schedule:
+    """The registered schedule ``name`` with the options it takes (the draft depth the model's
+    own where none is given); what it cannot run at R in one line."""
+    from pydantic import ValidationError
+
+    from costmodel.errors import validation_message
+    from costmodel.plans import check_draft_depth
+
+    try:
+        kind = get(name)
+        if not kind.drafts:
+            return kind()
+        if draft_depth is None:
+            draft_depth = min(model.config.default_draft_depth, depth - 1) if depth > 1 else 1
+        check_draft_depth(draft_depth, depth)
+        return kind.of(draft_depth, block_length, width_cap)
+    except ValidationError as exc:
+        raise GenerationError(validation_message(exc)) from None
+    except ValueError as exc:
+        raise GenerationError(str(exc)) from None
+
+
 @dataclass(frozen=True)
 class RunSetup:
     """What a run of one schedule fixes before its prompts, shared by single and batched
-    generation: the depth, the draft depth (the model's own, ceil(R / 8) unless its config names
-    one, where none is given), each prompt's plan, and each prompt's verifier."""
+    generation: the depth, the schedule with its parameters (the draft depth the model's own,
+    ceil(R / 8) unless its config names one, where none is given), each prompt's plan, and each
+    prompt's verifier."""
 
-    schedule: str
+    schedule: Schedule
     depth: int
-    draft_depth: int | None
-    block_length: int
-    width_cap: int | None
     coda_attends: bool
     exit_rule: Rule | None = None
     draft_rule: ExitRule | None = None
 
     @classmethod
-    def of(cls, model: nn.Module, schedule: str, depth: int | None, draft_depth: int | None,
-           block_length: int, width_cap: int | None, exit_rule: Rule | None = None,
+    def of(cls, model: nn.Module, schedule: str | Schedule, depth: int | None,
+           draft_depth: int | None = None, block_length: int | None = None,
+           width_cap: int | None = None, exit_rule: Rule | None = None,
            draft_rule: ExitRule | None = None) -> RunSetup:
+        """``schedule``: a Schedule, or a registered name with its options (those it does not
+        take are ignored)."""
         depth = model.config.depth if depth is None else depth  # 0 is refused, not the default
-        if draft_depth is None and depth > 1:
-            draft_depth = min(model.config.default_draft_depth, depth - 1)
+        if isinstance(schedule, str):
+            schedule = _named(schedule, model, depth, draft_depth, block_length, width_cap)
         if exit_rule is not None:
             check_rule(exit_rule, model, depth)
         if draft_rule is not None:
-            if schedule not in ("dtv", "wfd"):
-                raise GenerationError("adaptive drafting (--draft-when) goes with dtv or wfd")
-            check_rule(draft_rule, model, draft_depth or 1)
-        return cls(schedule, depth, draft_depth, block_length, width_cap,
-                   model.config.coda_layers > 0, exit_rule, draft_rule)
+            if not schedule.drafts:
+                raise GenerationError("adaptive drafting (--draft-when) goes with a schedule "
+                                      "that drafts (dtv or wfd)")
+            check_rule(draft_rule, model, schedule.draft_depth)
+        return cls(schedule, depth, model.config.coda_layers > 0, exit_rule, draft_rule)
 
     @property
     def exits(self) -> EarlyExit | None:
@@ -275,20 +302,18 @@ class RunSetup:
     def plan(self, prompt_length: int, readout_depths: Sequence[int] = ()) -> Plan:
         """The schedule's plan for a prompt; a combination it cannot run in one line."""
         try:
-            return make_plan(self.schedule, prompt_length, self.depth,
-                             coda_attends=self.coda_attends, draft_depth=self.draft_depth,
-                             block_length=self.block_length, width_cap=self.width_cap,
-                             readout_depths=readout_depths, exits=self.exits,
-                             drafts=self.drafts)
+            return self.schedule.plan(prompt_length, self.depth, coda_attends=self.coda_attends,
+                                      readout_depths=readout_depths, exits=self.exits,
+                                      drafts=self.drafts)
         except ValueError as exc:
             raise GenerationError(str(exc)) from None
 
     def verifier(self, sampling: Sampling, prompt_length: int, max_new_tokens: int,
                  force_acceptance: float | None, seed: int) -> Verifier:
         """A prompt's verifier: with ``force_acceptance``, the seeded outcomes the simulator
-        draws for the same run (AR verifies nothing)."""
-        forced = None if force_acceptance is None or self.schedule == "ar" else acceptance_draws(
-            force_acceptance, max_new_tokens + 1, seed)
+        draws for the same run (a schedule that drafts nothing verifies nothing)."""
+        forced = None if force_acceptance is None or not self.schedule.drafts else \
+            acceptance_draws(force_acceptance, max_new_tokens + 1, seed)
         return Verifier(sampling, forced, first_position=prompt_length)
 
 
@@ -296,7 +321,7 @@ def prefill(runner: Runner, prompt: list[int], depth: int, readout_depths: Seque
             ) -> dict[int, torch.Tensor]:
     """Run a prompt through every depth (the plans' prefill); the last position's logits at each
     readout depth."""
-    plan = Plan(len(prompt), depth, coda_attends=runner.model.config.coda_layers > 0,
+    plan = ARPlan(len(prompt), depth, coda_attends=runner.model.config.coda_layers > 0,
                 readout_depths=readout_depths)
     decoder = Decoder(runner, prompt, max_new_tokens=1, sampling=Sampling(),
                       verifier=Verifier(Sampling()), keep_depths=True)
@@ -326,32 +351,42 @@ def choose(model: nn.Module, hardware, acceptance: dict[int, float], prompt_leng
     return recommend(model.config, hardware, acceptance, workload, top=1, quick=True)[0]
 
 
-def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_new_tokens: int,
-             depth: int | None = None, kv_sharing: int = 0, sampling: Sampling | None = None,
-             stop_tokens: frozenset[int] = frozenset(), depth_trace: bool = False,
-             draft_depth: int | None = None, block_length: int = 4,
+def widest_lookahead(depth: int) -> int:
+    """Room in the cache for any schedule the quick search may choose (DtV's k + 1 at its
+    longest block, WFD's W + 1 at its widest wave)."""
+    return max(s.lookahead(depth) for kind in SCHEDULES.values()
+               for s in kind.variants(1, depth, quick=True))
+
+
+def generate(model: nn.Module, prompt: list[int], *, schedule: str | Schedule = "ar",
+             max_new_tokens: int, depth: int | None = None, kv_sharing: int = 0,
+             sampling: Sampling | None = None, stop_tokens: frozenset[int] = frozenset(),
+             depth_trace: bool = False, draft_depth: int | None = None,
+             block_length: int | None = None,
              width_cap: int | None = None, force_acceptance: float | None = None,
              seed: int = 0, record: bool = True, hardware=None, mode: str | None = None,
              on_rollback: Callable[[KVCache, list[int]], None] | None = None,
              exit_rule: Rule | None = None, draft_rule: ExitRule | None = None
              ) -> GenerationResult:
-    """Run one schedule: "ar" (with ``depth_trace``), "dtv" (block_length, draft_depth), "wfd"
-    (draft_depth, width_cap), or "auto": the prefill reads every prompt position out at every
-    depth, and the cost model with ``hardware`` (a calibrated HardwareSpec) picks the fastest
-    configuration for that acceptance by depth (``stats["auto"]`` says which and why). Without
-    a draft depth, the model's default (ceil(R / 8) unless its config names one). ``mode``:
-    eager, static or graphs (wfd.runtime.Runner; graphs on CUDA, eager elsewhere by default;
-    static and graphs reuse the shapes earlier runs of the model prepared, wfd.graphs).
-    ``force_acceptance`` replaces verification by seeded
-    outcomes (timing on random weights; flagged in the stats). ``exit_rule``: adaptive depth,
-    each decoded position stops at the first depth the rule fires (costmodel.exits).
+    """Run one schedule: a Schedule (costmodel.schedules), or one by its registered name with
+    the options it takes: "ar" (with ``depth_trace``), "dtv" (block_length, 4 by default;
+    draft_depth), "wfd" (draft_depth, width_cap); or "auto": the prefill reads every prompt
+    position out at every depth, and the cost model with ``hardware`` (a calibrated
+    HardwareSpec) picks the fastest configuration for that acceptance by depth
+    (``stats["auto"]`` says which and why). Without a draft depth, the model's default
+    (ceil(R / 8) unless its config names one). ``mode``: eager, static or graphs
+    (wfd.runtime.Runner; graphs on CUDA, eager elsewhere by default; static and graphs reuse the
+    shapes earlier runs of the model prepared, wfd.graphs). ``force_acceptance`` replaces
+    verification by seeded outcomes (timing on random weights; flagged in the stats).
+    ``exit_rule``: adaptive depth, each decoded position stops at the first depth the rule fires
+    (costmodel.exits).
     ``draft_rule`` (dtv, wfd): a position drafts at the first depth below the draft depth where
     this (looser) rule fires, the draft depth bounding it."""
     sampling = sampling or Sampling()
-    auto = schedule == "auto"
-    setup = RunSetup.of(model, schedule, depth, draft_depth, block_length, width_cap, exit_rule,
-                        draft_rule)
-    depth = setup.depth
+    auto = schedule == "auto"  # the probe is an AR prefill
+    setup = RunSetup.of(model, AR() if auto else schedule, depth, draft_depth, block_length,
+                        width_cap, exit_rule, draft_rule)
+    depth, chosen = setup.depth, setup.schedule
     check_prompt(prompt, model.config.vocab_size)
     if max_new_tokens < 1:
         raise GenerationError(f"max new tokens must be at least 1, got {max_new_tokens}")
@@ -365,19 +400,19 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
     if auto and exit_rule is not None:
         raise GenerationError("--schedule auto chooses among fixed-depth schedules; name the "
                               "schedule to run with an exit rule")
-    readouts = range(1, depth + 1) if depth_trace and schedule == "ar" else ()
+    readouts = range(1, depth + 1) if depth_trace and chosen.name == AR.name else ()
     if auto:  # the probe reads the prompt out at the draft depths the quick search tries
         from costmodel.recommend import QUICK_DEPTHS
 
         readouts = [d for d in QUICK_DEPTHS if d < depth]
     coda_attends = setup.coda_attends
-    plan = Plan(len(prompt), depth, coda_attends=coda_attends, readout_depths=readouts) \
+    plan = ARPlan(len(prompt), depth, coda_attends=coda_attends, readout_depths=readouts) \
         if auto else setup.plan(len(prompt), readouts)
     # auto: room for any schedule's lookahead (DtV's k + 1, WFD's W + 1)
     runner = runner_for(model, mode=mode, record=record, prompt_len=len(prompt),
                         max_new_tokens=max_new_tokens, depth=depth, kv_sharing=kv_sharing,
                         readout_depths=plan.readout_depths,
-                        lookahead=max(33, depth + 1) if auto else plan.lookahead)
+                        lookahead=widest_lookahead(depth) if auto else plan.lookahead)
     cache = runner.cache
     if draft_rule is not None:
         cache.allow_rewrites("coda")
@@ -396,11 +431,8 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
             choice = choose(model, hardware, acceptance, len(prompt), max_new_tokens, depth,
                             kv_sharing)
             decoder.probe = None
-            plan = make_plan(choice.schedule, len(prompt), depth, coda_attends=coda_attends,
-                             draft_depth=choice.draft_depth,
-                             block_length=choice.block_length or 4,
-                             width_cap=choice.width_cap, prefill=False)
-            schedule = choice.schedule
+            chosen = choice.schedule_spec()
+            plan = chosen.plan(len(prompt), depth, coda_attends=coda_attends, prefill=False)
             decision = {"choice": choice.label, "flags": choice.flags,
                         "predicted_tokens_per_s": choice.tokens_per_s,
                         "predicted_speedup_vs_ar": choice.speedup_vs_ar,
@@ -409,15 +441,7 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
         decoder.run(plan.steps())
     # capture and warm-up are paid once per shape, reported apart (stats["capture_s"])
     wall = time.perf_counter() - start - runner.capture_s
-    stats: dict[str, object] = {"acceptance": None, "flushed_positions": 0,
-                                "forced_acceptance": False}
-    if schedule == "dtv":
-        stats = {**verifier.stats(), "rounds": plan.rounds, "flushed_positions": 0,
-                 "block_length": plan.block_length, "draft_depth": plan.draft_depth}
-    elif schedule == "wfd":
-        stats = {**verifier.stats(), "ticks": plan.rounds, "flushed_positions": plan.flushed,
-                 "draft_depth": plan.draft_depth, "width": plan.width,
-                 "width_cap": plan.width_cap}
+    stats = chosen.run_stats(plan, verifier.stats())
     if decision:
         stats["auto"] = decision
     if exit_rule is not None:
@@ -430,7 +454,7 @@ def generate(model: nn.Module, prompt: list[int], *, schedule: str = "ar", max_n
     # prefill and first token; the rest of wall_s is the decode proper
     stats["time_to_first_token_s"] = decoder.first_token_at - start
     return GenerationResult(prompt=list(prompt), tokens=decoder.tokens, wall_s=wall,
-                            schedule=schedule, records=runner.records,
+                            schedule=chosen.name, records=runner.records,
                             depth_records=decoder.depth_records, stats=stats, cache=cache,
                             outcomes=verifier.outcomes,
                             draft_fired=decoder.drafts_when.fired if draft_rule else {})

@@ -3,7 +3,7 @@ graph and replayed (``--mode graphs``), or called on the same static buffers wit
 (``--mode static``, any device: the code path the CPU tests exercise).
 
 A shape is a call's part, its slots and its static span (the keys attention reads under a mask,
-rounded up to whole blocks of ``costmodel.plans.STATIC_SPAN_KEYS``). Graphs bake in the addresses
+rounded up to whole blocks of ``costmodel.slots.STATIC_SPAN_KEYS``). Graphs bake in the addresses
 they read, the KV cache's among them, so a model's static cache and its shapes live together in
 a ``Workspace`` that later runs in the process reuse (docs/decoding.md, "Execution modes").
 """

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from costmodel.plans import call_slots, check_kv_sharing, keys_read, static_span
+from costmodel.slots import call_slots, check_kv_sharing, keys_read, static_span
 from costmodel.trace import CallRecord
 
 from .cache import KVCache, part_slots
@@ -46,7 +46,7 @@ def make_cache(model: nn.Module, *, prompt_len: int, max_new_tokens: int, depth:
     """A static cache for a prompt, its new tokens and the positions a schedule writes ahead of
     the committed ones (a region of that length per sequence of a batch): exactly the sequences
     the cost model's memory model counts, rounded up to whole static spans when ``static`` (the
-    longest span a static call reads, costmodel.plans.static_span). A cache that does not fit
+    longest span a static call reads, costmodel.slots.static_span). A cache that does not fit
     beside the weights in the device's free memory is refused with the numbers."""
     cfg = model.config
     check_run(model, prompt_len, max_new_tokens, depth, kv_sharing)

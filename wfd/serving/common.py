@@ -17,7 +17,7 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.utils import maybe_prefix
 
-from costmodel.plans import core_slot
+from costmodel.slots import core_slot
 from wfd.checkpoint import _OPTIONAL
 from wfd.config import ModelConfig
 
@@ -73,7 +73,7 @@ def rotary(arch: ModelConfig, neox_style: bool):
 class LoopedForCausalLM(nn.Module):
     """P, then R steps of B, then C, for every token of the batch (prompt tokens and decoded ones
     alike); each step's core layers write and read the KV cache of the step's slot
-    (``costmodel.plans.core_slot``: one per depth, or the shared ones). A family provides
+    (``costmodel.slots.core_slot``: one per depth, or the shared ones). A family provides
     ``prelude``, ``initial_state``, ``step`` and ``readout``; ``STACKED`` maps the checkpoint's
     separate projections onto vLLM's fused ones."""
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from costmodel.plans import check_kv_sharing
+from costmodel.slots import check_kv_sharing
 from wfd.config import ConfigError, ModelConfig
 
 
