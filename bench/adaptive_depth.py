@@ -36,8 +36,8 @@ import torch
 
 from costmodel.exits import ExitRule
 from costmodel.predict import predict
-from costmodel.specs import Workload
 from costmodel.trace import TraceHeader, write_jsonl
+from costmodel.workload import Workload
 from wfd.checkpoint import load_model
 from wfd.generate import generate
 from wfd.heldout import held_out_bits

@@ -49,7 +49,7 @@ from costmodel.figures import batch_speedup_axes, save_figure
 from costmodel.predict import predict
 from costmodel.profile import load_profile
 from costmodel.simulate import price_records
-from costmodel.specs import Workload
+from costmodel.workload import Workload
 from wfd.batch import Request, decode_batch
 from wfd.checkpoint import load_model
 from wfd.runtime import PROFILES_DIR

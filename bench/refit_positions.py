@@ -24,8 +24,8 @@ from pathlib import Path
 from calibrate.fit import PARAMETERS, Observation, fit, parameters_for
 from calibrate.validate import predict_point
 from costmodel.clitools import script_main
+from costmodel.hardware import HardwareSpec
 from costmodel.profile import ValidationPoint, load_profile
-from costmodel.specs import HardwareSpec
 
 
 def split(calls: list[ValidationPoint], positions: set[int], held_out: str

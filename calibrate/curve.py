@@ -9,7 +9,7 @@ import statistics
 
 import torch
 
-from costmodel.specs import MatmulCurve
+from costmodel.hardware import MatmulCurve
 
 from .timing import Quiet, _median_time
 

@@ -18,8 +18,9 @@ from typing import NamedTuple
 import numpy as np
 
 from costmodel.cost import call_cost
+from costmodel.hardware import HardwareSpec
+from costmodel.model import LoopedModelSpec
 from costmodel.profile import FittedValue, HeldValue
-from costmodel.specs import HardwareSpec, LoopedModelSpec
 from costmodel.trace import CallRecord
 
 F_SCALE = 0.05

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from costmodel.specs import MatmulCurve
+from costmodel.hardware import MatmulCurve
 
 from .curve import CURVE_PASSES, CURVE_ROWS, matmul_curve, row_block
 from .timing import Quiet, _best_time

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from costmodel.specs import HardwareSpec
+from costmodel.hardware import HardwareSpec
 
 from .measure import _timed_runner
 from .timing import _best_time

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
+from costmodel.hardware import HardwareSpec
 from costmodel.profile import CalibrationProfile, CrossModeCheck, FittedValue, ValidationPoint
-from costmodel.specs import HardwareSpec
 from costmodel.trace import current_commit
 
 from .fit import MICROBENCHMARKS, MODE_TERMS, Observation, fit, parameters_for

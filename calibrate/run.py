@@ -14,6 +14,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from pathlib import Path
 
+from costmodel.hardware import HardwareSpec
 from costmodel.plans import default_draft_depth
 from costmodel.presets import MODELS
 from costmodel.profile import (
@@ -23,7 +24,6 @@ from costmodel.profile import (
     ProfileError,
     load_profile,
 )
-from costmodel.specs import HardwareSpec
 from costmodel.trace import current_commit
 
 from .curve import CURVE_ROWS, CURVE_ROWS_QUICK

@@ -16,10 +16,11 @@ import numpy as np
 from pydantic import BaseModel
 
 from costmodel.figures import save_figure
+from costmodel.hardware import HardwareSpec
+from costmodel.model import LoopedModelSpec
 from costmodel.profile import ValidationPoint
 from costmodel.schedules import get
 from costmodel.simulate import price_records, simulate
-from costmodel.specs import HardwareSpec, LoopedModelSpec
 
 
 def predict_point(point: ValidationPoint, hw: HardwareSpec, dtype: str) -> float:

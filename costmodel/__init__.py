@@ -11,6 +11,6 @@ __all__ = lazy_exports(__name__, {
     "get_hardware": "presets", "get_model": "presets", "MODELS": "presets", "HARDWARE": "presets",
     "Choice": "recommend", "recommend": "recommend",
     "SimulationResult": "simulate", "simulate": "simulate",
-    "AR": "schedules", "WFD": "schedules", "DtV": "schedules", "HardwareSpec": "specs",
-    "LoopedModelSpec": "specs", "Workload": "specs",
+    "AR": "schedules", "WFD": "schedules", "DtV": "schedules", "HardwareSpec": "hardware",
+    "LoopedModelSpec": "model", "Workload": "workload",
 })

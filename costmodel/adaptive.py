@@ -17,8 +17,9 @@ from functools import cached_property
 import numpy as np
 
 from .exits import ExitRule, check_exit_depths
+from .model import LoopedModelSpec
 from .plans import EarlyExit
-from .specs import LoopedModelSpec, Workload
+from .workload import Workload
 
 
 @dataclass(frozen=True)

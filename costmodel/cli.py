@@ -22,11 +22,11 @@ from .clitools import (
 )
 from .engines import ENGINES, VLLM_SOURCE, for_engine
 from .errors import ProfileError, TraceError
+from .hardware import EAGER_HOST_SOURCE, HardwareSpec
 from .memory import DoesNotFit, does_not_fit
 from .predict import Prediction, predict
 from .presets import UnknownPresetError, get_hardware, get_model
 from .schedules import get as get_schedule
-from .specs import EAGER_HOST_SOURCE, HardwareSpec, Workload
 from .units import (
     UnitError,
     format_bytes,
@@ -35,6 +35,7 @@ from .units import (
     parse_duration,
     parse_flops,
 )
+from .workload import Workload
 
 # Options that several commands share.
 ModelOption = Annotated[str, typer.Option("--model", help="model preset")]

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .hardware import CpuTerms, HardwareSpec
 from .matmul import part_matmul_s, streams
-from .specs import DTYPE_BYTES, CpuTerms, HardwareSpec, LoopedModelSpec, PartSpec
+from .model import LoopedModelSpec, PartSpec
+from .specs import DTYPE_BYTES
 
 ArrayLike = float | np.ndarray
 

@@ -10,7 +10,8 @@ import functools
 import json
 from pathlib import Path
 
-from .specs import HardwareSpec, LoopedModelSpec
+from .hardware import HardwareSpec
+from .model import LoopedModelSpec
 
 ENGINES = ("wfd", "vllm")
 # the note on vLLM's terms, by mode (--mode eager: vLLM run with enforce_eager)

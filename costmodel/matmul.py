@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .specs import MatmulCurve
+from .hardware import MatmulCurve
 
 
 def _along_rows(table: np.ndarray, rows: np.ndarray, n: np.ndarray) -> np.ndarray:

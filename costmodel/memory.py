@@ -12,9 +12,12 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 from .cost import activation_elements_per_position
+from .hardware import HardwareSpec
+from .model import LoopedModelSpec
 from .slots import static_span
-from .specs import DTYPE_BYTES, HardwareSpec, LoopedModelSpec, Workload
+from .specs import DTYPE_BYTES
 from .units import format_bytes
+from .workload import Workload
 
 
 class MemoryReport(BaseModel):

@@ -17,13 +17,16 @@ from pydantic import BaseModel, ConfigDict
 
 from .cost import call_cost
 from .groups import CallGroup, basis_value, block_calls_per_token, merge_groups
+from .hardware import HardwareSpec
 from .memory import MemoryReport, kv_cache_bytes, memory_report
+from .model import LoopedModelSpec
 from .plans import check_draft_depth
 from .presets import resolve
 from .schedules import AR, SCHEDULES, WFD, DtV, Schedule
 from .schedules.dtv import MAX_BLOCK_LENGTH
 from .slots import check_kv_sharing, mean_decode_keys
-from .specs import DTYPE_BYTES, HardwareSpec, LoopedModelSpec, Workload
+from .specs import DTYPE_BYTES
+from .workload import Workload
 
 # the most tokens a finite run may simulate (prompts x new tokens), for the three schedules: a
 # minute or two on a laptop's CPU; a run longer than this is near enough its steady state

@@ -12,7 +12,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from .specs import HardwareSpec, LoopedModelSpec
+from .hardware import HardwareSpec
+from .model import LoopedModelSpec
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 SPECS = {"models": LoopedModelSpec, "hardware": HardwareSpec}

@@ -16,7 +16,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import ProfileError  # noqa: F401 (importers name it here)
-from .specs import HardwareSpec, LoopedModelSpec
+from .hardware import HardwareSpec
+from .model import LoopedModelSpec
 from .trace import CallRecord, atomic_write
 
 # 2: measured kernel counts, cache, blocked products, p-norm; 3: CPU threads' regime, measured

@@ -15,13 +15,15 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+from .hardware import HardwareSpec
 from .memory import DoesNotFit, does_not_fit, memory_report
+from .model import LoopedModelSpec
 from .predict import _TERMS, _bound, _Pricer, decode_keys
 from .presets import resolve
 from .schedules import AR, SCHEDULES, Schedule, get
 from .simulate import simulate
 from .slots import check_kv_sharing
-from .specs import HardwareSpec, LoopedModelSpec, Workload
+from .workload import Workload
 
 FINALISTS = 5  # configurations re-priced by the simulator
 QUICK_FINALISTS = 2

@@ -18,12 +18,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .cost import call_cost
+from .hardware import HardwareSpec
+from .model import LoopedModelSpec
 from .plans import Call, EarlyExit, Executor, Plan
 from .presets import resolve
 from .schedules.base import Schedule
 from .slots import call_slots, in_prefill, keys_read
-from .specs import HardwareSpec, LoopedModelSpec, Workload
 from .trace import CallRecord, slot_lengths
+from .workload import Workload
 
 if TYPE_CHECKING:
     from .adaptive import ExitProfile

@@ -8,7 +8,7 @@ from __future__ import annotations
 from importlib import import_module
 from pathlib import Path
 
-from costmodel.specs import HardwareSpec
+from costmodel.hardware import HardwareSpec
 
 from .common import StudyResult, write_outputs
 

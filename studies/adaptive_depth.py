@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from costmodel import get_hardware, predict
-from costmodel.specs import HardwareSpec
+from costmodel.hardware import HardwareSpec
 
 from .common import StudyResult, workload
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from costmodel import predict
 from costmodel.figures import batch_speedup_axes
-from costmodel.specs import HardwareSpec
+from costmodel.hardware import HardwareSpec
 
 from .common import StudyResult, hardware_or_profile, workload
 

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from costmodel.figures import save_figure
-from costmodel.specs import HardwareSpec, Workload
+from costmodel.hardware import HardwareSpec
 from costmodel.trace import atomic_write
+from costmodel.workload import Workload
 
 
 @dataclass

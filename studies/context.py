@@ -5,7 +5,7 @@ WFD's per-token time."""
 from __future__ import annotations
 
 from costmodel import predict
-from costmodel.specs import HardwareSpec
+from costmodel.hardware import HardwareSpec
 
 from .common import StudyResult, hardware_or_profile, workload
 

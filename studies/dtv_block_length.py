@@ -4,7 +4,7 @@ best k marked, beside WFD (which has no k to tune)."""
 from __future__ import annotations
 
 from costmodel import predict
-from costmodel.specs import HardwareSpec
+from costmodel.hardware import HardwareSpec
 
 from .common import StudyResult, hardware_or_profile, workload
 

@@ -5,7 +5,7 @@ gets faster (eager and CUDA graphs, from each device's own host terms)."""
 from __future__ import annotations
 
 from costmodel import predict
-from costmodel.specs import HardwareSpec
+from costmodel.hardware import HardwareSpec
 
 from .common import StudyResult, all_hardware, host_speed_sweep, workload
 

@@ -5,7 +5,7 @@ readout slots counted."""
 from __future__ import annotations
 
 from costmodel import predict
-from costmodel.specs import HardwareSpec
+from costmodel.hardware import HardwareSpec
 
 from .common import StudyResult, all_hardware, workload
 from .context import SHARING

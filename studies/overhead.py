@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from costmodel import Workload, predict
-from costmodel.specs import HardwareSpec
+from costmodel.hardware import HardwareSpec
 
 from .common import StudyResult, host_speed_sweep
 

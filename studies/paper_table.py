@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from costmodel import Workload, predict
 from costmodel.engines import counted_fields
+from costmodel.hardware import HardwareSpec
 from costmodel.presets import get_hardware, get_model
-from costmodel.specs import HardwareSpec, decoder_operations
+from costmodel.specs import decoder_operations
 
 from .common import StudyResult
 

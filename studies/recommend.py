@@ -8,10 +8,10 @@ with the full depth, as measured depth traces do)."""
 from __future__ import annotations
 
 from costmodel import recommend
+from costmodel.hardware import HardwareSpec
 from costmodel.memory import DoesNotFit
 from costmodel.plans import default_draft_depth
 from costmodel.presets import get_hardware, get_model
-from costmodel.specs import HardwareSpec
 
 from .common import StudyResult, workload
 

@@ -4,7 +4,7 @@ on an RTX A6000 and an H100 SXM."""
 from __future__ import annotations
 
 from costmodel import get_hardware, predict
-from costmodel.specs import HardwareSpec
+from costmodel.hardware import HardwareSpec
 
 from .common import StudyResult, workload
 

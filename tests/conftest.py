@@ -85,7 +85,7 @@ def synthetic_curve(seconds, dtype: str = "fp32"):
     """A matrix-product curve tabulated from ``seconds(matrix_bytes, rows, working_set_bytes)``
     on a grid like the calibration's (every size in the streamed set; in a smaller set, the
     sizes it holds)."""
-    from costmodel.specs import MatmulCurve
+    from costmodel.hardware import MatmulCurve
 
     rows = [1, 2, 3, 4, 8, 16, 32]
     sizes = [float(2**k) for k in range(14, 27, 2)]

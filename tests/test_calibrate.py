@@ -23,6 +23,7 @@ from calibrate.fit import (
 )
 from calibrate.validate import predict_point
 from costmodel import get_hardware, get_model
+from costmodel.hardware import CpuTerms, HardwareSpec
 from costmodel.profile import (
     CalibrationProfile,
     FittedValue,
@@ -33,7 +34,6 @@ from costmodel.profile import (
     load_profile,
     save_profile,
 )
-from costmodel.specs import CpuTerms, HardwareSpec
 from costmodel.trace import CallRecord
 
 CPU = HardwareSpec(name="synthetic cpu", memory_bandwidth_bytes_per_s=20e9,
@@ -663,7 +663,7 @@ def test_decoder_operations_are_counted_per_layer_and_per_part():
     from conftest import TINY_CONFIGS
 
     from calibrate.operations import count_ops, decoder_operations
-    from costmodel.specs import HardwareSpec
+    from costmodel.hardware import HardwareSpec
     from wfd.checkpoint import build
 
     for cfg in TINY_CONFIGS.values():

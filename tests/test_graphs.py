@@ -13,7 +13,7 @@ from costmodel import get_hardware
 from costmodel.cost import call_cost
 from costmodel.predict import predict
 from costmodel.slots import STATIC_SPAN_KEYS
-from costmodel.specs import Workload
+from costmodel.workload import Workload
 from wfd.checkpoint import build, init_random
 from wfd.generate import generate
 from wfd.graphs import CallGraphs, workspaces

@@ -14,10 +14,10 @@ from calibrate.fit import MODE_TERMS, Observation, fit, parameters_for, predict_
 from calibrate.modes import join_modes
 from costmodel import get_model
 from costmodel.cost import call_cost
+from costmodel.hardware import HardwareSpec
 from costmodel.profile import CalibrationProfile, ProfileError, ValidationPoint, save_profile
 from costmodel.schedules import AR, WFD
 from costmodel.simulate import simulate
-from costmodel.specs import HardwareSpec
 from costmodel.trace import CallRecord
 
 GPU = HardwareSpec(name="synthetic gpu", memory_bandwidth_bytes_per_s=3e12,
@@ -298,7 +298,7 @@ def test_a_gpu_calibration_starts_from_the_replay_microbenchmarks_given_once():
     takes the measured one (a GPU calibration used to pass both, and could not start)."""
     from calibrate.fit import prior
     from calibrate.run import starting_terms
-    from costmodel.specs import HardwareSpec
+    from costmodel.hardware import HardwareSpec
 
     measured = starting_terms(True, {"replay_host_s": 33e-6, "replay_kernel_device_s": 1.7e-6})
     assert measured == {"kernel_device_s": 1.7e-6, "graph_host_overhead_s": 33e-6}

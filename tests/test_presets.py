@@ -50,8 +50,8 @@ def test_unknown_presets_list_the_known_ones():
 def test_the_eager_host_default_is_what_the_gpu_eager_calibrations_measured():
     from pathlib import Path
 
+    from costmodel.hardware import EAGER_HOST_S_PER_OPERATION, Host
     from costmodel.profile import load_profile
-    from costmodel.specs import EAGER_HOST_S_PER_OPERATION, Host
 
     profiles = Path(__file__).resolve().parents[1] / "data" / "profiles"
     measured = [load_profile(profiles / f"gpu-{family}-bf16.json").hardware.host.launch_overhead_s
@@ -131,7 +131,7 @@ def test_the_python_api_says_what_it_takes():
     from costmodel import predict
     from costmodel.recommend import recommend
     from costmodel.simulate import simulate
-    from costmodel.specs import Workload
+    from costmodel.workload import Workload
 
     as_dict = predict("ouro-1.4b", "h200", {"context_length": 2048, "batch_size": 2})
     as_model = predict("ouro-1.4b", "h200", Workload(context_length=2048, batch_size=2))

@@ -7,7 +7,7 @@ import torch
 from conftest import model_for, tiny_model
 
 from costmodel.predict import predict
-from costmodel.specs import Workload
+from costmodel.workload import Workload
 from wfd.generate import GenerationError, generate
 
 PROMPT = [5, 9, 33, 2, 17, 40, 8]

@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import Field, ValidationError, model_validator
 
 from costmodel.errors import validation_message
-from costmodel.specs import LoopedModelSpec
+from costmodel.model import LoopedModelSpec
 
 
 class ConfigError(ValueError):

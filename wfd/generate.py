@@ -343,7 +343,7 @@ def choose(model: nn.Module, hardware, acceptance: dict[int, float], prompt_leng
            max_new_tokens: int, depth: int, kv_sharing: int):
     """The fastest configuration the cost model predicts for this run (``--schedule auto``)."""
     from costmodel.recommend import recommend
-    from costmodel.specs import Workload
+    from costmodel.workload import Workload
 
     dtype = DTYPE_NAMES[next(model.parameters()).dtype]
     workload = Workload(context_length=prompt_length, new_tokens=max_new_tokens, dtype=dtype,
