@@ -1,6 +1,7 @@
-"""vLLM's AR as a peer: the same tiny models, prompts and weights decoded by vLLM (through the
-plugin in wfd/serving) and by this project's AR, DtV and WFD, one request at a time and eight
-together, greedy, fp32, on this machine's CPU.
+"""vLLM as a peer: the same tiny models, prompts and weights decoded by vLLM (through the plugin
+in wfd/serving: its AR, and DtV with the checkpoint drafting for itself at its draft depth) and
+by this project's AR, DtV and WFD, one request at a time and eight together, greedy, fp32, on
+this machine's CPU.
 
     python bench/vllm_peer.py [--models huginn-tiny ouro-tiny] [--new-tokens 64] [--repeats 3]
         [--block-length 4] [--threads 2] [--out FILE.json]
@@ -9,11 +10,14 @@ Needs the serve-cpu extra (vLLM's CPU build). vLLM runs in a process of its own
 (wfd.serving.offline, eager: on this CPU faster than its torch.compile), started once per model
 and configuration, its engine start excluded, twice: as vLLM runs by default (its engine core a
 process of its own, beside the worker) and with the engine core in the client's process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0). Each decodes the eight code prompts one request at a time,
+(VLLM_ENABLE_V1_MULTIPROCESSING=0), and DtV (vLLM's draft_model method, k = --block-length
+drafts at the model's draft depth, the engine core in-process). Each decodes the eight code
+prompts one request at a time,
 then all eight together, --repeats times, and the median run is reported. This decoder runs
 the same prompts with `generate` (batch 1) and `decode_batch` (batch 8) in this process, each
 schedule --repeats times, interleaved. Tokens/s: new tokens over the run's wall time, prefills
-included (vLLM's requests carry their prefill). vLLM's greedy tokens are checked against AR's.
+included (vLLM's requests carry their prefill). Each vLLM mode's greedy tokens are checked
+against AR's (exit 1 when they differ).
 """
 
 from __future__ import annotations
@@ -43,14 +47,17 @@ SCHEDULES = ("ar", "dtv", "wfd")
 
 
 def vllm_runs(folder: Path, prompts: list[list[int]], new_tokens: int, repeats: int,
-              threads: int, in_process: bool) -> tuple[list[float], list[float], list[list[int]]]:
-    """(seconds per batch-1 run, seconds per batch-8 run, the batch-1 tokens) from one engine."""
+              threads: int, in_process: bool, speculative_tokens: int | None = None
+              ) -> tuple[list[float], list[float], list[list[list[int]]]]:
+    """(seconds per batch-1 run, seconds per batch-8 run, each run's tokens) from one engine
+    (``speculative_tokens``: DtV, the checkpoint drafting that many tokens for itself)."""
     runs = [{"prompts": prompts, "max_tokens": new_tokens, "batch": batch}
             for _ in range(repeats) for batch in (1, 8)]
     with tempfile.TemporaryDirectory() as tmp:
         job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job.write_text(json.dumps({"model": str(folder), "runs": runs,
-                                   "in_process": in_process}))
+                                   "in_process": in_process,
+                                   "speculative_tokens": speculative_tokens}))
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         done = subprocess.run([sys.executable, "-m", "wfd.serving.offline", str(job), str(out)],
                               capture_output=True, text=True, env=env)
@@ -58,7 +65,7 @@ def vllm_runs(folder: Path, prompts: list[list[int]], new_tokens: int, repeats: 
             sys.exit(f"error: vLLM's run failed:\n{done.stderr[-2000:]}")
         results = json.loads(out.read_text())["runs"]
     return ([r["seconds"] for r in results[0::2]], [r["seconds"] for r in results[1::2]],
-            results[0]["tokens"])
+            [r["tokens"] for r in results])
 
 
 def ours(model, prompts: list[list[int]], schedule: str, batch: int, new_tokens: int,
@@ -88,9 +95,10 @@ def main() -> None:
     prompts = [list(text.encode()) for text in CODE]
     total = len(prompts) * args.new_tokens
     rows = []
-    print(f"| model | batch | vLLM AR | vLLM AR, engine in-process | AR | DtV k={args.block_length}"
-          " | WFD | vLLM AR / AR | WFD / vLLM AR |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| model | batch | vLLM AR | vLLM AR, engine in-process | vLLM DtV k={args.block_length}"
+          f" | AR | DtV k={args.block_length} | WFD | vLLM AR / AR | vLLM DtV / vLLM AR "
+          "| WFD / vLLM AR |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models:
         model = load_model(name)
         folder = ROOT / "wfd" / "models" / name
@@ -98,6 +106,9 @@ def main() -> None:
                                             args.threads, in_process=False)
         one_in, eight_in, _ = vllm_runs(folder, prompts, args.new_tokens, args.repeats,
                                         args.threads, in_process=True)
+        one_dtv, eight_dtv, dtv_tokens = vllm_runs(folder, prompts, args.new_tokens,
+                                                   args.repeats, args.threads, in_process=True,
+                                                   speculative_tokens=args.block_length)
         times = {(s, b): [] for s in SCHEDULES for b in (1, 8)}
         for _ in range(args.repeats):  # interleaved: each repeat runs every configuration
             for schedule in SCHEDULES:
@@ -105,19 +116,26 @@ def main() -> None:
                     seconds, tokens = ours(model, prompts, schedule, batch, args.new_tokens,
                                            args.block_length)
                     times[schedule, batch].append(seconds)
-                    if schedule == "ar" and batch == 1 and tokens != vllm_tokens:
-                        sys.exit(f"error: vLLM's greedy tokens differ from AR's on {name}")
-        for batch, vllm_s, vllm_in_s in ((1, one, one_in), (8, eight, eight_in)):
+                    for mode, runs in (("AR", vllm_tokens), ("DtV", dtv_tokens)):
+                        if schedule == "ar" and batch == 1 and any(t != tokens for t in runs):
+                            sys.exit(f"error: vLLM's {mode} greedy tokens differ from AR's on "
+                                     f"{name}")
+        for batch, vllm_s, vllm_in_s, dtv_s in ((1, one, one_in, one_dtv),
+                                                (8, eight, eight_in, eight_dtv)):
             speed = {s: total / statistics.median(times[s, batch]) for s in SCHEDULES}
-            peer, peer_in = (total / statistics.median(v) for v in (vllm_s, vllm_in_s))
+            peer, peer_in, peer_dtv = (total / statistics.median(v)
+                                       for v in (vllm_s, vllm_in_s, dtv_s))
             rows.append({"model": name, "batch": batch, "vllm_ar_tokens_per_s": peer,
                          "vllm_ar_in_process_tokens_per_s": peer_in,
+                         "vllm_dtv_tokens_per_s": peer_dtv,
                          **{f"{s}_tokens_per_s": v for s, v in speed.items()},
                          "vllm_runs_s": vllm_s, "vllm_in_process_runs_s": vllm_in_s,
+                         "vllm_dtv_runs_s": dtv_s,
                          "runs_s": {s: times[s, batch] for s in SCHEDULES}})
-            print(f"| {name} | {batch} | {peer:.1f} | {peer_in:.1f} | {speed['ar']:.1f} | "
-                  f"{speed['dtv']:.1f} | {speed['wfd']:.1f} | {peer / speed['ar']:.2f}x, "
-                  f"{peer_in / speed['ar']:.2f}x | {speed['wfd'] / peer:.2f}x |")
+            print(f"| {name} | {batch} | {peer:.1f} | {peer_in:.1f} | {peer_dtv:.1f} | "
+                  f"{speed['ar']:.1f} | {speed['dtv']:.1f} | {speed['wfd']:.1f} | "
+                  f"{peer / speed['ar']:.2f}x, {peer_in / speed['ar']:.2f}x | "
+                  f"{peer_dtv / peer_in:.2f}x | {speed['wfd'] / peer:.2f}x |")
     if args.out:
         Path(args.out).write_text(json.dumps({"new_tokens": args.new_tokens,
                                               "prompts": len(prompts), "rows": rows}, indent=1))

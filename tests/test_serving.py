@@ -1,7 +1,8 @@
 """The vLLM plugin (wfd.serving) on vLLM's CPU build: greedy tokens equal wfd's AR in fp32, on
 the shipped tiny models and on random checkpoints of both families, one request at a time and
-eight together, at two depths and with shared KV slots, and over two tensor-parallel ranks;
-`vllm serve` end to end. Each test starts its own engine in a process of its own (a few
+eight together, at two depths and with shared KV slots, and over two tensor-parallel ranks; DtV
+through vLLM's speculative decoding, the checkpoint drafting for itself; `vllm serve` with DtV
+end to end. Each test starts its own engine in a process of its own (a few
 seconds; the server and two ranks, 20-30 s): no two tests run the same engine."""
 
 import importlib.util
@@ -40,13 +41,14 @@ UNBOUND = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
 def vllm_job(tmp_path: Path, model: Path, runs: list[dict], overrides: dict | None = None,
-             tensor_parallel: int = 1) -> dict:
+             tensor_parallel: int = 1, speculative_tokens: int | None = None) -> dict:
     """wfd.serving.offline's output for this job, from an engine of its own."""
     job, out = tmp_path / "job.json", tmp_path / "out.json"
     # the engine core in the test's process (starts in seconds); two ranks: vLLM's default
     job.write_text(json.dumps({"model": str(model), "runs": runs, "overrides": overrides,
                                "tensor_parallel": tensor_parallel,
-                               "in_process": tensor_parallel == 1}))
+                               "in_process": tensor_parallel == 1,
+                               "speculative_tokens": speculative_tokens}))
     done = subprocess.run([sys.executable, "-m", "wfd.serving.offline", str(job), str(out)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path,
                           env=UNBOUND)
@@ -100,6 +102,29 @@ def test_a_shipped_model_decodes_on_vllm_as_wfd_ar_does(tmp_path, name):
     assert job["kv_cache_tokens"] == job["kv_cache_bytes"] // per_token // block * block
 
 
+@pytest.mark.parametrize("name, draft_depth", [("huginn-tiny", 2), ("ouro-tiny", 1)])
+def test_dtv_on_vllm_drafts_with_its_own_checkpoint_and_emits_ar_tokens(tmp_path, name,
+                                                                       draft_depth):
+    """vLLM's speculative decoding (method draft_model) with the checkpoint itself at its draft
+    depth as drafter, k = 3: its rejection sampler keeps wfd's AR tokens, one request at a time
+    and eight together, and the drafts it accepts are those wfd's DtV(3, d) accepts (and, past
+    the last token asked for, at most one more round's: vLLM verifies a whole round)."""
+    prompts = [list(text.encode()) for text in CODE]
+    job = vllm_job(tmp_path, ROOT / "wfd" / "models" / name,
+                   [{"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 1},
+                    {"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 8}],
+                   overrides={"draft_depth": draft_depth}, speculative_tokens=3)
+    model = load_model(name)
+    one, eight = (run["tokens"] for run in job["runs"])
+    assert one == eight == ar_tokens(model, prompts)
+    counters = job["speculative"]  # over both runs
+    assert counters["draft_tokens"] == 3 * counters["drafts"] > 0
+    dtv = [generate(model, p, max_new_tokens=NEW_TOKENS, schedule="dtv", block_length=3,
+                    draft_depth=draft_depth).stats for p in prompts]
+    accepted = 2 * sum(s["accepted"] for s in dtv)
+    assert accepted <= counters["accepted_tokens"] <= accepted + 2 * 3 * len(prompts)
+
+
 @pytest.mark.parametrize("family", ["huginn", "ouro"])
 def test_random_sharded_checkpoints_decode_as_wfd_ar_at_another_depth_on_two_ranks(
         tmp_path, family):
@@ -138,9 +163,11 @@ def post(url: str, payload: dict) -> tuple[int, dict]:
         return error.code, json.loads(error.read() or b"{}")
 
 
-def test_vllm_serve_answers_completions_and_refuses_a_prompt_too_long(tmp_path):
-    """A shipped model with a tokenizer file of its byte vocabulary: token ids and text in (one
-    family: the server is the same for both, whose plugins the tests above check)."""
+def test_vllm_serve_with_dtv_answers_completions_and_refuses_a_prompt_too_long(tmp_path):
+    """A shipped model with a tokenizer file of its byte vocabulary, served with DtV (the
+    checkpoint drafting for itself): token ids and text in, AR's tokens out, vLLM's speculative
+    counters on /metrics (one family: the server is the same for both, whose plugins the tests
+    above check)."""
     name = "huginn-tiny"
     model = tmp_path / name
     model.mkdir()
@@ -155,7 +182,10 @@ def test_vllm_serve_answers_completions_and_refuses_a_prompt_too_long(tmp_path):
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
          "--host",
          "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-         "--max-model-len", "256", "--max-num-seqs", "4"],
+         "--max-model-len", "256", "--max-num-seqs", "4", "--hf-overrides",
+         json.dumps({"draft_depth": 2}), "--speculative-config",
+         json.dumps({"method": "draft_model", "model": str(model),
+                     "num_speculative_tokens": 3})],
         stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "w"), env=env,
         cwd=tmp_path)
     base = f"http://127.0.0.1:{port}"
@@ -183,6 +213,11 @@ def test_vllm_serve_answers_completions_and_refuses_a_prompt_too_long(tmp_path):
         assert status == 400 and "256" in json.dumps(answer)  # vLLM's own error: the limit
         status, _ = post(f"{base}/v1/completions", request)
         assert status == 200  # and the server is still up
+        with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
+            metrics = response.read().decode()
+        accepted = [line for line in metrics.splitlines()
+                    if line.startswith("vllm:spec_decode_num_accepted_tokens_total")]
+        assert accepted and float(accepted[0].split()[-1]) > 0, metrics[-2000:]
     finally:
         server.terminate()
         server.wait(timeout=60)

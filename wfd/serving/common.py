@@ -5,6 +5,7 @@ fixed depth, the head, and weight loading by the checkpoint's own names."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -70,6 +71,21 @@ def rotary(arch: ModelConfig, neox_style: bool):
                     rope_parameters={"rope_theta": arch.rope_base})
 
 
+def served(vllm_config: VllmConfig) -> tuple[LoopedConfig, int, int]:
+    """(the config, R, KV sharing) a model runs at: the engine's, or as vLLM's draft model
+    (DtV: speculative_config's method draft_model), the target's own checkpoint and options at
+    its draft depth d, so that its drafts are the target's depth-d readouts (docs/serving.md)."""
+    cfg: LoopedConfig = vllm_config.model_config.hf_config
+    if vllm_config.model_config.runner_type != "draft":
+        return cfg, cfg.depth, cfg.kv_sharing
+    target = vllm_config.speculative_config.target_model_config
+    if not isinstance(target.hf_config, LoopedConfig) or (
+            Path(target.model).resolve() != Path(vllm_config.model_config.model).resolve()):
+        raise ValueError("a looped model drafts for itself: give the target's own checkpoint "
+                         "as the speculative model (its draft depth: the draft_depth option)")
+    return target.hf_config, *target.hf_config.drafter
+
+
 class LoopedForCausalLM(nn.Module):
     """P, then R steps of B, then C, for every token of the batch (prompt tokens and decoded ones
     alike); each step's core layers write and read the KV cache of the step's slot
@@ -81,11 +97,10 @@ class LoopedForCausalLM(nn.Module):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
-        cfg: LoopedConfig = vllm_config.model_config.hf_config
+        cfg, self.depth, self.kv_sharing = served(vllm_config)
         self.config = cfg
         # the architecture as wfd reads it, parsed once and handed to every layer
         self.arch = arch = cfg.looped
-        self.depth, self.kv_sharing = cfg.depth, cfg.kv_sharing
         self.prelude_layers, self.core_layers = arch.prelude_layers, arch.core_layers
         self.core_slots = arch.core_slots(self.depth, self.kv_sharing)
         heads, kv_heads = heads_per_rank(arch)
@@ -94,7 +109,7 @@ class LoopedForCausalLM(nn.Module):
                       cache_config=vllm_config.cache_config,
                       quant_config=vllm_config.quant_config,
                       prefix=maybe_prefix(prefix, f"caches.{i}"))
-            for i in range(cfg.kv_layers))
+            for i in range(arch.kv_layer_slots(self.depth, self.kv_sharing)))
         self.logits_processor = LogitsProcessor(arch.vocab_size)
 
     # -- which cache each layer reads ---------------------------------------------------------

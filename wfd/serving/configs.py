@@ -20,6 +20,9 @@ class LoopedConfig(PretrainedConfig):
     kv_sharing: int = 0  # 0: a KV slot per depth; S in 1..R: S shared slots
     init_scale: float = 1.0  # Huginn's initial state, as wfd generate --init-scale
     state_seed: int = 0  # and --seed
+    # DtV (speculative_config method draft_model, the same checkpoint as drafter): the drafter's
+    # depth d; None: the model's default draft depth
+    draft_depth: int | None = None
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -47,6 +50,17 @@ class LoopedConfig(PretrainedConfig):
             raise ValueError(f"recurrence_depth must be >= 1, got {depth}")
         check_kv_sharing(self.kv_sharing, depth)
         return depth
+
+    @property
+    def drafter(self) -> tuple[int, int]:
+        """(depth, KV sharing) of this checkpoint as vLLM's draft model: d below R, with the
+        slots of steps 1..d of the target's sharing (step r in slot (r - 1) mod S)."""
+        depth = self.depth
+        d = self.draft_depth or min(self.looped.default_draft_depth, depth - 1)
+        if not 1 <= d < depth:
+            raise ValueError(f"draft_depth must be in 1..{depth - 1} (below R = {depth}), "
+                             f"got {d}")
+        return d, min(self.kv_sharing, d)
 
     @property
     def kv_layers(self) -> int:

@@ -4,7 +4,9 @@ processes, so it runs here under ``__main__``:
 
     python -m wfd.serving.offline JOB.json OUT.json   # writes {"engine_s": ..., "runs": [...]}
 
-JOB: {"model": folder, "overrides": {...} (hf_overrides: recurrence_depth, kv_sharing, ...),
+JOB: {"model": folder, "overrides": {...} (hf_overrides: recurrence_depth, kv_sharing,
+draft_depth, ...), "speculative_tokens": k (DtV: the same checkpoint drafts k tokens at its
+draft depth, vLLM's draft_model method; the output adds vLLM's speculative counters),
 "dtype": "float32", "eager": true (false: vLLM's torch.compile), "in_process": false (true: the
 engine core in this process, VLLM_ENABLE_V1_MULTIPROCESSING=0), "tensor_parallel": 1,
 "max_model_len": null (the model's), "runs": [{"prompts": [[ids], ...], "max_tokens": N,
@@ -31,13 +33,17 @@ def run_job(job: dict) -> dict:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(ranks))))
     from vllm import LLM, SamplingParams
 
+    k = job.get("speculative_tokens")
+    speculative = {"method": "draft_model", "model": job["model"],
+                   "num_speculative_tokens": k} if k else None
     started = time.perf_counter()
     llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"),
               enforce_eager=job.get("eager", True),
               skip_tokenizer_init=True, max_model_len=job.get("max_model_len"),
               max_num_seqs=max(run.get("batch", 1) for run in job["runs"]), seed=0,
               tensor_parallel_size=ranks,
-              hf_overrides=job.get("overrides") or None)
+              hf_overrides=job.get("overrides") or None, speculative_config=speculative,
+              disable_log_stats=not speculative)
     engine_s = time.perf_counter() - started
     cache = llm.llm_engine.vllm_config.cache_config  # filled in where the engine core ran
     kv = {"kv_cache_tokens": cache.num_gpu_blocks * cache.block_size,
@@ -54,7 +60,17 @@ def run_job(job: dict) -> dict:
                                    params, use_tqdm=False)
             tokens += [list(out.outputs[0].token_ids) for out in outputs]
         results.append({"tokens": tokens, "seconds": time.perf_counter() - started})
-    return {"engine_s": engine_s, **kv, "runs": results}
+    return {"engine_s": engine_s, **kv, "runs": results,
+            **({"speculative": speculative_counters(llm)} if speculative else {})}
+
+
+def speculative_counters(llm) -> dict[str, int]:
+    """vLLM's speculative decoding counters (drafts, draft tokens, accepted tokens), as its
+    /metrics endpoint exports them."""
+    names = {"vllm:spec_decode_num_drafts": "drafts",
+             "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
+    return {names[m.name]: int(m.value) for m in llm.get_metrics() if m.name in names}
 
 
 if __name__ == "__main__":
