@@ -1,8 +1,8 @@
 """The vLLM plugin (wfd.serving) on vLLM's CPU build: greedy tokens equal wfd's AR in fp32, on
 the shipped tiny models and on random checkpoints of both families, one request at a time and
 eight together, at two depths and with shared KV slots, and over two tensor-parallel ranks; DtV
-through vLLM's speculative decoding, the checkpoint drafting for itself; `vllm serve` with DtV
-end to end. Each test starts its own engine in a process of its own (a few
+through vLLM's speculative decoding, the checkpoint drafting for itself (on one rank and two);
+`vllm serve` with DtV end to end. Each test starts its own engine in a process of its own (a few
 seconds; the server and two ranks, 20-30 s): no two tests run the same engine."""
 
 import importlib.util
@@ -145,6 +145,25 @@ def test_random_sharded_checkpoints_decode_as_wfd_ar_at_another_depth_on_two_ran
                             overrides={"recurrence_depth": depth, "kv_sharing": 2})
     assert one == four == ar_tokens(model, prompts, depth=depth, kv_sharing=2)
     assert one != ar_tokens(model, prompts)  # the depth is the engine's, not the checkpoint's
+
+
+def test_dtv_over_two_ranks_emits_the_tokens_of_one(tmp_path):
+    """DtV with target and drafter each split over two tensor-parallel ranks, at another depth
+    than the checkpoint's: wfd's AR tokens, as on one rank (one family: the ranks split both
+    the same way). KV slots unshared: with shared slots a verification's positions, run
+    together, read each other's earlier steps where AR's read their last (as wfd's DtV, not
+    exact then)."""
+    cfg = TINY_CONFIGS["huginn"].model_copy(update={"hidden_size": 128, "head_dim": 32})
+    model = damped(init_random(build(cfg), seed=3))
+    folder = save(model, tmp_path / "checkpoint")
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(cfg.vocab_size, (n,), generator=gen).tolist() for n in (5, 12, 21)]
+    depth = cfg.default_depth - 2
+    (tokens,) = vllm_tokens(tmp_path, folder, [{"prompts": prompts, "max_tokens": NEW_TOKENS,
+                                                "batch": 3}],
+                            tensor_parallel=2, speculative_tokens=3,
+                            overrides={"recurrence_depth": depth, "draft_depth": 2})
+    assert tokens == ar_tokens(model, prompts, depth=depth)
 
 
 def free_port() -> int:
