@@ -16,7 +16,7 @@ For each model and rule (defaults: RULES below), on held-out text and prompts (g
   a * E[min(d, e)] + (1 - a) * E[e] (a: the share of positions whose draft is their token);
 - the speedups of WFD and DtV over AR-with-exit that `costmodel predict --depth-trace
   --exit RULE` gives from depth traces recorded on the same prompts, with a profile rescaled to
-  this machine from the model's calls timed now (calibrate.transplant), against the measured;
+  this machine from the model's calls timed now (wfd.transplant), against the measured;
 - adaptive drafting (``--drafts``): WFD's tokens/s at every fixed draft depth, against WFD
   drafting where a looser rule fires (DRAFT_RULES, bounded by DRAFT_BOUND), at fixed depth R.
 
@@ -143,8 +143,8 @@ def main() -> None:
                         help="measure adaptive drafting instead of exits")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    from calibrate.transplant import transplant
     from wfd.runtime import committed_profiles, machine_name
+    from wfd.transplant import transplant
 
     for name in args.models:
         model = load_model(name)

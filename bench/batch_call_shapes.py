@@ -35,12 +35,12 @@ import time
 
 import torch
 
-from calibrate.timing import Quiet
 from costmodel.clitools import script_main
 from costmodel.profile import load_profile
 from costmodel.simulate import price_records
 from wfd.checkpoint import load_model
 from wfd.runtime import PROFILES_DIR, Runner, make_cache
+from wfd.timing import Quiet
 
 SPREAD = 40  # the most a ragged batch's contexts differ by
 

@@ -43,7 +43,6 @@ import sys
 
 import torch
 
-from calibrate.timing import Quiet
 from costmodel.clitools import script_main
 from costmodel.figures import batch_speedup_axes, save_figure
 from costmodel.predict import predict
@@ -53,6 +52,7 @@ from costmodel.workload import Workload
 from wfd.batch import Request, decode_batch
 from wfd.checkpoint import load_model
 from wfd.runtime import PROFILES_DIR
+from wfd.timing import Quiet
 
 
 def requests_for(vocab: int, batch: int, context: int, new_tokens: int) -> list[Request]:

@@ -7,7 +7,7 @@ matrices, and of a memory copy beyond the cache, sampled every --interval second
 
 Prints a Markdown table of quantiles (each relative to the fastest sample) and the spells during
 which the blocked product ran more than --tolerance slower than its fastest: their count and
-lengths. On a shared VM these spells are what `costmodel calibrate` waits out (calibrate.timing.
+lengths. On a shared VM these spells are what `costmodel calibrate` waits out (wfd.timing.
 Quiet). With ``--sustained`` the machine is kept busy between samples (the same products, on all
 threads, instead of sleeping), as during a calibration or a long generation. The last column,
 the spread (90th over 10th percentile), is what `costmodel calibrate` judges a calibration's

@@ -142,7 +142,7 @@ def main() -> None:
         model = load_model(name)
         base = load_profile(PROFILES / f"cpu-{model.config.family}-fp32.json")
         if args.transplant:
-            from calibrate.transplant import transplant
+            from wfd.transplant import transplant
 
             base = transplant(base, model, name, f"{base.machine}, timed again")
             print(base.checks[0], flush=True)

@@ -16,9 +16,8 @@ import statistics
 from pydantic import BaseModel
 
 from costmodel.profile import CalibrationProfile, ValidationPoint
+from wfd.timing import Grid, Quiet, time_call, warm_up
 
-from .measure import Grid, time_call, warm_up
-from .timing import Quiet
 from .validate import repeat_spread
 
 # a check never calls a profile wrong for less than this, whatever its own repeats were

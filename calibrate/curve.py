@@ -10,8 +10,7 @@ import statistics
 import torch
 
 from costmodel.hardware import MatmulCurve
-
-from .timing import Quiet, _median_time
+from wfd.timing import Quiet, _median_time
 
 CURVE_ROWS = [1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32]
 CURVE_ROWS_QUICK = [1, 2, 3, 4, 8, 16, 32]  # the quick grid's positions

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from costmodel.hardware import MatmulCurve
+from wfd.timing import Quiet, _best_time
 
 from .curve import CURVE_PASSES, CURVE_ROWS, matmul_curve, row_block
-from .timing import Quiet, _best_time
 
 
 @dataclass

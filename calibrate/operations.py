@@ -9,9 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from costmodel.hardware import HardwareSpec
-
-from .measure import _timed_runner
-from .timing import _best_time
+from wfd.timing import _best_time, _timed_runner
 
 # Operations that only make a new view of a tensor (or hand it back): the host dispatches them,
 # no kernel runs. A GPU calibration prices them apart (HardwareSpec.operations.layer_operations).

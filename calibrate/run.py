@@ -25,24 +25,14 @@ from costmodel.profile import (
     load_profile,
 )
 from costmodel.trace import current_commit
+from wfd.timing import CallSample, Grid, Quiet, time_call, warm_up
 
 from .curve import CURVE_ROWS, CURVE_ROWS_QUICK
 from .fit import MICROBENCHMARKS, Observation, fit, prior
 from .machine import Peaks, measure_peaks
-from .measure import (
-    FULL,
-    QUICK,
-    CallSample,
-    Grid,
-    call_grid,
-    contexts_for,
-    measure_runs,
-    time_call,
-    warm_up,
-)
+from .measure import FULL, QUICK, call_grid, contexts_for, measure_runs
 from .operations import decoder_operations, graph_replay_costs, operation_host_weights
 from .refit import with_streamed_start
-from .timing import Quiet
 from .validate import ValidationPoint, run_point
 
 TRAIN_POSITIONS = (1, 2, 3, 4, 32)

@@ -730,7 +730,7 @@ def test_machine_peaks_are_plausible(monkeypatch):
     import calibrate.curve
     import calibrate.machine
     from calibrate.machine import measure_peaks
-    from calibrate.timing import Quiet
+    from wfd.timing import Quiet
 
     rows = [1, 2, 4]  # a short curve in one pass (no waiting out load): the test's time
     # the row block read from one small shape (its staircase: a test of its own), not four
@@ -796,7 +796,7 @@ def test_the_cache_is_where_copies_run_clearly_faster_than_memory():
 
 
 def test_quiet_measures_again_while_the_canary_runs_slow(monkeypatch):
-    from calibrate.timing import Quiet
+    from wfd.timing import Quiet
 
     quiet = Quiet("cpu", retries=2, pause_s=0.0)
     ratios = iter([1.0, 2.0, 1.0, 1.0])  # the first attempt ends under load, the second is quiet
@@ -820,7 +820,7 @@ def test_quiet_measures_again_while_the_canary_runs_slow(monkeypatch):
 
 
 def test_the_canary_reports_its_time_over_the_fastest_so_far(monkeypatch):
-    import calibrate.timing as timing
+    import wfd.timing as timing
 
     quiet = timing.Quiet("cpu")
     times = iter([0.010, 0.020, 0.015, 0.005, 0.010])

@@ -128,7 +128,7 @@ def test_this_machines_profile_is_found_or_the_error_says_how_to_make_one(monkey
     import shutil
 
     import wfd.runtime as runtime
-    from calibrate.transplant import profile_for
+    from wfd.transplant import profile_for
 
     monkeypatch.setattr(runtime, "PROFILES_DIR", tmp_path)
     monkeypatch.setenv("LOOPED_DECODING_CACHE", str(tmp_path / "cache"))

@@ -125,13 +125,18 @@ def test_dtv_on_vllm_drafts_with_its_own_checkpoint_and_emits_ar_tokens(tmp_path
     assert accepted <= counters["accepted_tokens"] <= accepted + 2 * 3 * len(prompts)
 
 
-@pytest.mark.parametrize("family", ["huginn", "ouro"])
+@pytest.mark.parametrize("family, speculative_tokens, kv_sharing", [
+    ("huginn", 3, 0),  # DtV: the checkpoint drafts for itself, split over the ranks as well
+    ("ouro", None, 2)])  # AR with two shared KV slots
 def test_random_sharded_checkpoints_decode_as_wfd_ar_at_another_depth_on_two_ranks(
-        tmp_path, family):
-    """One request at a time and four together, at another depth than the checkpoint's and with
-    shared KV slots, over two tensor-parallel ranks (vLLM's CPU build splits the heads,
-    projections and head, one core each): the same tokens as wfd's AR with the same options.
-    One engine: the shipped models check one rank at the checkpoint's depth."""
+        tmp_path, family, speculative_tokens, kv_sharing):
+    """One request at a time and four together, at another depth than the checkpoint's, over
+    two tensor-parallel ranks (vLLM's CPU build splits the heads, projections and head, one core
+    each): the same tokens as wfd's AR with the same options. Huginn with DtV (target and
+    drafter each over both ranks), Ouro with AR and shared KV slots: with shared slots a DtV
+    verification's positions, run together, read each other's earlier steps where AR's read
+    their last (as in wfd's DtV: not exact then). One engine each: the shipped models check one
+    rank at the checkpoint's depth, with AR and with DtV."""
     # vLLM's CPU attention takes head sizes of 32 and up; damped: fp32 rounding flips no token
     cfg = TINY_CONFIGS[family].model_copy(update={"hidden_size": 128, "head_dim": 32})
     model = damped(init_random(build(cfg)))
@@ -142,28 +147,10 @@ def test_random_sharded_checkpoints_decode_as_wfd_ar_at_another_depth_on_two_ran
     depth = model.config.depth - 1
     runs = [{"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": b} for b in (1, 4)]
     one, four = vllm_tokens(tmp_path, folder, runs, tensor_parallel=2,
-                            overrides={"recurrence_depth": depth, "kv_sharing": 2})
-    assert one == four == ar_tokens(model, prompts, depth=depth, kv_sharing=2)
+                            speculative_tokens=speculative_tokens,
+                            overrides={"recurrence_depth": depth, "kv_sharing": kv_sharing})
+    assert one == four == ar_tokens(model, prompts, depth=depth, kv_sharing=kv_sharing)
     assert one != ar_tokens(model, prompts)  # the depth is the engine's, not the checkpoint's
-
-
-def test_dtv_over_two_ranks_emits_the_tokens_of_one(tmp_path):
-    """DtV with target and drafter each split over two tensor-parallel ranks, at another depth
-    than the checkpoint's: wfd's AR tokens, as on one rank (one family: the ranks split both
-    the same way). KV slots unshared: with shared slots a verification's positions, run
-    together, read each other's earlier steps where AR's read their last (as wfd's DtV, not
-    exact then)."""
-    cfg = TINY_CONFIGS["huginn"].model_copy(update={"hidden_size": 128, "head_dim": 32})
-    model = damped(init_random(build(cfg), seed=3))
-    folder = save(model, tmp_path / "checkpoint")
-    gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(cfg.vocab_size, (n,), generator=gen).tolist() for n in (5, 12, 21)]
-    depth = cfg.default_depth - 2
-    (tokens,) = vllm_tokens(tmp_path, folder, [{"prompts": prompts, "max_tokens": NEW_TOKENS,
-                                                "batch": 3}],
-                            tensor_parallel=2, speculative_tokens=3,
-                            overrides={"recurrence_depth": depth, "draft_depth": 2})
-    assert tokens == ar_tokens(model, prompts, depth=depth)
 
 
 def free_port() -> int:
@@ -247,7 +234,7 @@ def test_the_kernel_table_is_what_vllm_runs(tmp_path):
     counted again in vLLM's forward: a change to the plugin that adds or removes a kernel fails
     here until the table is regenerated (the command it names)."""
     out = tmp_path / "counted.json"
-    done = subprocess.run([sys.executable, "-m", "wfd.serving.kernels", "--write", str(out)],
+    done = subprocess.run([sys.executable, "-m", "calibrate.vllm_kernels", "--write", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path, env=UNBOUND)
     assert done.returncode == 0, done.stderr[-3000:]
     committed = json.loads((ROOT / "costmodel" / "data" / "vllm_operations.json").read_text())

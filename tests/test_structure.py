@@ -87,6 +87,18 @@ def test_the_cost_model_imports_no_other_package_of_the_project():
     assert "calibrate.run" in imports_of("calibrate.cli", files["calibrate.cli"], set(files))
 
 
+def test_the_decoder_imports_neither_calibration_nor_studies():
+    """wfd (the decoder and its vLLM plugin) builds on costmodel only: calibration measures the
+    decoder and the studies read the cost model, not the other way round (lazy imports
+    included)."""
+    files = module_files()
+    upward = {f"{name} -> {target}" for name, path in files.items() if name.startswith("wfd")
+              for target in imports_of(name, path, set(files))
+              if target.startswith(("calibrate", "studies"))}
+    assert upward == set()
+    assert "wfd.timing" in imports_of("calibrate.run", files["calibrate.run"], set(files))
+
+
 def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None

@@ -9,10 +9,10 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from calibrate.transplant import SHAPES, factors, profile_for
 from costmodel import get_hardware
 from costmodel.cost import call_cost
 from costmodel.profile import load_profile
+from wfd.transplant import SHAPES, factors, profile_for
 
 PROFILES = Path(__file__).parents[1] / "data" / "profiles"
 
@@ -72,7 +72,7 @@ def test_the_two_factors_are_read_back_from_calls_that_weigh_them_differently():
     """Calls that ran twice the profile's host time and half its device time give back 2 and
     0.5, whatever their shapes' mix of the two (within the gentle hold at their overall
     ratio)."""
-    from calibrate.transplant import _split
+    from wfd.transplant import _split
 
     profile = load_profile(PROFILES / "cpu-huginn-fp32-quick.json")
     points = [p for p in profile.validation if p.kind == "call"]

@@ -227,7 +227,7 @@ def generate(
                                 f"this run decodes on {device} in {dtype}: --schedule auto "
                                 "decides with a profile of the run's device and dtype")
         else:  # this machine's calibration, or one made here in about a second
-            from calibrate.transplant import profile_for
+            from wfd.transplant import profile_for
 
             chosen, calibrated = profile_for(net, model, device, say=note)
         hardware = calibrated.hardware

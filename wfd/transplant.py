@@ -22,8 +22,7 @@ import numpy as np
 from costmodel.profile import CalibrationProfile, ValidationPoint
 from costmodel.simulate import price_records
 
-from .measure import Grid, time_call, warm_up
-from .timing import Quiet
+from .timing import Grid, Quiet, time_call, warm_up
 
 # (part, positions, distinct slots): a decode step's calls and a wave's, shapes the two factors
 # move apart
@@ -130,8 +129,9 @@ def profile_for(model, name: str, device: str, say=print) -> tuple[str, Calibrat
     else a committed profile of this device kind transplanted here (about a second), and kept
     in ``cache_dir()``. ``say`` hears what it did, in a line."""
     from costmodel.profile import ProfileError, load_profile, save_profile
-    from wfd.checkpoint import DTYPE_NAMES
-    from wfd.runtime import GenerationError, committed_profiles, machine_name
+
+    from .checkpoint import DTYPE_NAMES
+    from .runtime import GenerationError, committed_profiles, machine_name
 
     family, machine = model.config.family, machine_name(device)
     dtype = DTYPE_NAMES[next(model.parameters()).dtype]

