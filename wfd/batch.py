@@ -21,9 +21,10 @@ from costmodel.batching import PREFILL, Lane, merged_call, run_batch
 from costmodel.schedules import Schedule, registered
 from costmodel.trace import CallRecord
 
-from .generate import Decoder, RunSetup
+from .generate import Decoder
 from .runtime import Runner, check_prompt, runner_for
 from .sampling import GenerationError, Sampling
+from .settings import RunSetup
 
 
 @dataclass(frozen=True)
