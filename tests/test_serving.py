@@ -23,6 +23,7 @@ from conftest import TINY_CONFIGS, damped
 
 from wfd.checkpoint import build, init_random, load_model, save
 from wfd.generate import generate
+from wfd.sampling import Sampling
 from wfd.tokenizer import ByteTokenizer, write_byte_tokenizer
 
 pytestmark = [pytest.mark.skipif(
@@ -35,6 +36,7 @@ CODE = ["import os\nimport sys\n\n\ndef main(argv):\n    ", "class Node:\n    de
         "for i in range(", "    return ", "def parse(text):\n    ", "# sort the list\n",
         "if __name__ == '__main__':\n    ", "x = [i * i for i in "]
 NEW_TOKENS = 20
+SAMPLES = 300  # sampled requests of one prompt
 # an engine with the suite's one thread per rank (conftest), not pinned: vLLM binds a thread to
 # every core of the node (two ranks: one core each), which spins against the other test worker
 UNBOUND = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
@@ -108,21 +110,41 @@ def test_dtv_on_vllm_drafts_with_its_own_checkpoint_and_emits_ar_tokens(tmp_path
     """vLLM's speculative decoding (method draft_model) with the checkpoint itself at its draft
     depth as drafter, k = 3: its rejection sampler keeps wfd's AR tokens, one request at a time
     and eight together, and the drafts it accepts are those wfd's DtV(3, d) accepts (and, past
-    the last token asked for, at most one more round's: vLLM verifies a whole round)."""
+    the last token asked for, at most one more round's: vLLM verifies a whole round). Sampled
+    (Ouro), its tokens should be distributed as AR's: an expected failure on the CPU build."""
     prompts = [list(text.encode()) for text in CODE]
+    sampled = [{"prompts": [prompts[0]] * SAMPLES, "max_tokens": 4, "batch": 50,
+                "temperature": 1.0, "seed": 0}] if name == "ouro-tiny" else []
     job = vllm_job(tmp_path, ROOT / "wfd" / "models" / name,
                    [{"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 1},
-                    {"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 8}],
+                    {"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 8}, *sampled],
                    overrides={"draft_depth": draft_depth}, speculative_tokens=3)
     model = load_model(name)
-    one, eight = (run["tokens"] for run in job["runs"])
+    one, eight = (run["tokens"] for run in job["runs"][:2])
     assert one == eight == ar_tokens(model, prompts)
-    counters = job["speculative"]  # over both runs
-    assert counters["draft_tokens"] == 3 * counters["drafts"] > 0
     dtv = [generate(model, p, max_new_tokens=NEW_TOKENS, schedule="dtv", block_length=3,
                     draft_depth=draft_depth).stats for p in prompts]
     accepted = 2 * sum(s["accepted"] for s in dtv)
-    assert accepted <= counters["accepted_tokens"] <= accepted + 2 * 3 * len(prompts)
+    counters = job["speculative"]  # over every run
+    assert counters["draft_tokens"] == 3 * counters["drafts"] > 0
+    assert accepted <= counters["accepted_tokens"]
+    if not sampled:
+        assert counters["accepted_tokens"] <= accepted + 2 * 3 * len(prompts)
+        return
+    # sampled (T = 1), one seed a request: the tokens after the prefill's should be distributed
+    # as wfd's AR samples them (chi-square homogeneity at each position, as wfd's own DtV is
+    # tested; vLLM's own AR sampling passes it). On vLLM 0.32's CPU build they are not: the
+    # drafts are accepted too often (docs/serving.md, "Where it is weak")
+    from test_speculative import same_distribution_pvalue
+
+    ar = [generate(model, prompts[0], schedule="ar", max_new_tokens=4,
+                   sampling=Sampling(temperature=1.0, seed=seed)).tokens[1:]
+          for seed in range(SAMPLES)]
+    vllm = [tokens[1:] for tokens in job["runs"][2]["tokens"]]
+    pvalue = same_distribution_pvalue(ar, vllm)
+    if pvalue <= 0.001:
+        pytest.xfail(f"vLLM's speculative sampling on its CPU build is not AR's (p = "
+                     f"{pvalue:.1e}); greedy is exact")
 
 
 @pytest.mark.parametrize("family, speculative_tokens, kv_sharing", [

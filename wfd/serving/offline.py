@@ -1,4 +1,4 @@
-"""Greedy generation on vLLM from token ids, one engine per call, in a process of its own:
+"""Generation on vLLM from token ids, one engine per call, in a process of its own:
 what the tests and the bench compare with ``wfd``'s decoder. vLLM's engine starts worker
 processes, so it runs here under ``__main__``:
 
@@ -7,11 +7,14 @@ processes, so it runs here under ``__main__``:
 JOB: {"model": folder, "overrides": {...} (hf_overrides: recurrence_depth, kv_sharing,
 draft_depth, ...), "speculative_tokens": k (DtV: the same checkpoint drafts k tokens at its
 draft depth, vLLM's draft_model method; the output adds vLLM's speculative counters),
+"speculative_options": {...} (more of vLLM's speculative_config, e.g. draft_sample_method),
 "dtype": "float32", "eager": true (false: vLLM's torch.compile), "in_process": false (true: the
 engine core in this process, VLLM_ENABLE_V1_MULTIPROCESSING=0), "tensor_parallel": 1,
 "max_model_len": null (the model's), "runs": [{"prompts": [[ids], ...], "max_tokens": N,
-"batch": B}, ...]}. Each run sends its prompts B at a time (B = 1: one request at a time) and
-reports each prompt's new tokens and the run's seconds. With the engine core in-process the
+"batch": B, "temperature": 0 (greedy), "top_p": 1, "seed": S (sampling: prompt i seeded S + i;
+null: unseeded)},
+...]}. Each run sends its prompts B at a time (B = 1: one request at a time) and reports each
+prompt's new tokens and the run's seconds. With the engine core in-process the
 output also gives the KV cache vLLM made: its bytes, its tokens and its block's tokens.
 """
 
@@ -34,8 +37,8 @@ def run_job(job: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     k = job.get("speculative_tokens")
-    speculative = {"method": "draft_model", "model": job["model"],
-                   "num_speculative_tokens": k} if k else None
+    speculative = {"method": "draft_model", "model": job["model"], "num_speculative_tokens": k,
+                   **job.get("speculative_options", {})} if k else None
     started = time.perf_counter()
     llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"),
               enforce_eager=job.get("eager", True),
@@ -51,13 +54,16 @@ def run_job(job: dict) -> dict:
         if cache.num_gpu_blocks else {}
     results = []
     for run in job["runs"]:
-        params = SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], detokenize=False,
-                                ignore_eos=True)
+        temperature, seed = run.get("temperature", 0.0), run.get("seed")
+        params = [SamplingParams(temperature=temperature, top_p=run.get("top_p", 1.0),
+                                 seed=seed + i if temperature and seed is not None else None,
+                                 max_tokens=run["max_tokens"], detokenize=False, ignore_eos=True)
+                  for i in range(len(run["prompts"]))]
         prompts, batch, tokens = run["prompts"], run.get("batch", 1), []
         started = time.perf_counter()
         for i in range(0, len(prompts), batch):
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[i:i + batch]],
-                                   params, use_tqdm=False)
+                                   params[i:i + batch], use_tqdm=False)
             tokens += [list(out.outputs[0].token_ids) for out in outputs]
         results.append({"tokens": tokens, "seconds": time.perf_counter() - started})
     return {"engine_s": engine_s, **kv, "runs": results,
