@@ -43,14 +43,18 @@ UNBOUND = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
 def vllm_job(tmp_path: Path, model: Path, runs: list[dict], overrides: dict | None = None,
-             tensor_parallel: int = 1, speculative_tokens: int | None = None) -> dict:
-    """wfd.serving.offline's output for this job, from an engine of its own."""
+             tensor_parallel: int = 1, speculative_tokens: int | None = None,
+             kv_blocks: int | None = None) -> dict:
+    """wfd.serving.offline's output for this job, from an engine of its own (``kv_blocks``: its
+    KV cache held to that many blocks, its sequences to 256 tokens)."""
     job, out = tmp_path / "job.json", tmp_path / "out.json"
     # the engine core in the test's process (starts in seconds); two ranks: vLLM's default
     job.write_text(json.dumps({"model": str(model), "runs": runs, "overrides": overrides,
                                "tensor_parallel": tensor_parallel,
                                "in_process": tensor_parallel == 1,
-                               "speculative_tokens": speculative_tokens}))
+                               "speculative_tokens": speculative_tokens,
+                               "kv_blocks": kv_blocks,
+                               "max_model_len": 256 if kv_blocks else None}))
     done = subprocess.run([sys.executable, "-m", "wfd.serving.offline", str(job), str(out)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path,
                           env=UNBOUND)
@@ -110,26 +114,37 @@ def test_dtv_on_vllm_drafts_with_its_own_checkpoint_and_emits_ar_tokens(tmp_path
     """vLLM's speculative decoding (method draft_model) with the checkpoint itself at its draft
     depth as drafter, k = 3: its rejection sampler keeps wfd's AR tokens, one request at a time
     and eight together, and the drafts it accepts are those wfd's DtV(3, d) accepts (and, past
-    the last token asked for, at most one more round's: vLLM verifies a whole round). Sampled
-    (Ouro), its tokens should be distributed as AR's: an expected failure on the CPU build."""
+    the last token asked for, at most one more round's: vLLM verifies a whole round). Huginn
+    with its KV cache held to 6 blocks of 128 tokens: eight requests of 150 tokens are preempted
+    and recomputed, and keep AR's tokens. Sampled (Ouro), its tokens should be distributed as
+    AR's: an expected failure on the CPU build."""
     prompts = [list(text.encode()) for text in CODE]
+    runs = [{"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 1},
+            {"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 8}]
+    squeezed = name == "huginn-tiny"
+    if squeezed:  # preemption: more tokens in flight than the cache holds
+        runs.append({"prompts": prompts, "max_tokens": 150, "batch": 8})
     sampled = [{"prompts": [prompts[0]] * SAMPLES, "max_tokens": 4, "batch": 50,
-                "temperature": 1.0, "seed": 0}] if name == "ouro-tiny" else []
-    job = vllm_job(tmp_path, ROOT / "wfd" / "models" / name,
-                   [{"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 1},
-                    {"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 8}, *sampled],
-                   overrides={"draft_depth": draft_depth}, speculative_tokens=3)
+                "temperature": 1.0, "seed": 0}] if not squeezed else []
+    job = vllm_job(tmp_path, ROOT / "wfd" / "models" / name, runs + sampled,
+                   overrides={"draft_depth": draft_depth}, speculative_tokens=3,
+                   kv_blocks=6 if squeezed else None)
     model = load_model(name)
-    one, eight = (run["tokens"] for run in job["runs"][:2])
-    assert one == eight == ar_tokens(model, prompts)
-    dtv = [generate(model, p, max_new_tokens=NEW_TOKENS, schedule="dtv", block_length=3,
-                    draft_depth=draft_depth).stats for p in prompts]
-    accepted = 2 * sum(s["accepted"] for s in dtv)
-    counters = job["speculative"]  # over every run
+    ar, dtv = {}, {}  # by new tokens: AR's tokens, and the drafts wfd's DtV(3, d) accepts
+    for n in {run["max_tokens"] for run in runs}:
+        ar[n] = [generate(model, p, max_new_tokens=n, schedule="ar").tokens for p in prompts]
+        dtv[n] = sum(generate(model, p, max_new_tokens=n, schedule="dtv", block_length=3,
+                              draft_depth=draft_depth).stats["accepted"] for p in prompts)
+    for run, done in zip(runs, job["runs"], strict=False):
+        assert done["tokens"] == ar[run["max_tokens"]], run
+    accepted = sum(dtv[run["max_tokens"]] for run in runs)
+    counters = job["counters"]  # over every run
     assert counters["draft_tokens"] == 3 * counters["drafts"] > 0
     assert accepted <= counters["accepted_tokens"]
+    if squeezed:
+        assert counters["preemptions"] > 0
     if not sampled:
-        assert counters["accepted_tokens"] <= accepted + 2 * 3 * len(prompts)
+        assert counters["accepted_tokens"] <= accepted + 3 * len(prompts) * len(runs)
         return
     # sampled (T = 1), one seed a request: the tokens after the prefill's should be distributed
     # as wfd's AR samples them (chi-square homogeneity at each position, as wfd's own DtV is

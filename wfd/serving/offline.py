@@ -6,7 +6,8 @@ processes, so it runs here under ``__main__``:
 
 JOB: {"model": folder, "overrides": {...} (hf_overrides: recurrence_depth, kv_sharing,
 draft_depth, ...), "speculative_tokens": k (DtV: the same checkpoint drafts k tokens at its
-draft depth, vLLM's draft_model method; the output adds vLLM's speculative counters),
+draft depth, vLLM's draft_model method; the output adds vLLM's counters), "kv_blocks": N (the
+KV cache held to N blocks: preemption; the output adds vLLM's counters),
 "speculative_options": {...} (more of vLLM's speculative_config, e.g. draft_sample_method),
 "dtype": "float32", "eager": true (false: vLLM's torch.compile), "in_process": false (true: the
 engine core in this process, VLLM_ENABLE_V1_MULTIPROCESSING=0), "tensor_parallel": 1,
@@ -46,7 +47,8 @@ def run_job(job: dict) -> dict:
               max_num_seqs=max(run.get("batch", 1) for run in job["runs"]), seed=0,
               tensor_parallel_size=ranks,
               hf_overrides=job.get("overrides") or None, speculative_config=speculative,
-              disable_log_stats=not speculative)
+              num_gpu_blocks_override=job.get("kv_blocks"),
+              disable_log_stats=not (speculative or job.get("kv_blocks")))
     engine_s = time.perf_counter() - started
     cache = llm.llm_engine.vllm_config.cache_config  # filled in where the engine core ran
     kv = {"kv_cache_tokens": cache.num_gpu_blocks * cache.block_size,
@@ -66,16 +68,18 @@ def run_job(job: dict) -> dict:
                                    params[i:i + batch], use_tqdm=False)
             tokens += [list(out.outputs[0].token_ids) for out in outputs]
         results.append({"tokens": tokens, "seconds": time.perf_counter() - started})
+    counted = speculative or job.get("kv_blocks")
     return {"engine_s": engine_s, **kv, "runs": results,
-            **({"speculative": speculative_counters(llm)} if speculative else {})}
+            **({"counters": engine_counters(llm)} if counted else {})}
 
 
-def speculative_counters(llm) -> dict[str, int]:
-    """vLLM's speculative decoding counters (drafts, draft tokens, accepted tokens), as its
-    /metrics endpoint exports them."""
+def engine_counters(llm) -> dict[str, int]:
+    """vLLM's counters of speculative decoding (drafts, draft tokens, accepted tokens) and of
+    preempted requests, as its /metrics endpoint exports them."""
     names = {"vllm:spec_decode_num_drafts": "drafts",
              "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-             "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
+             "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+             "vllm:num_preemptions": "preemptions"}
     return {names[m.name]: int(m.value) for m in llm.get_metrics() if m.name in names}
 
 
