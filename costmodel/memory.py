@@ -40,8 +40,8 @@ class MemoryReport(BaseModel):
 def kv_cache_bytes(model: LoopedModelSpec, workload: Workload, *, depth: int,
                    readout_depths: int, lookahead: int = 0, static: bool = False) -> int:
     """Bytes of the static KV cache a run allocates: every position of the sequence and of the
-    schedule's lookahead (costmodel.plans.lookahead), for each sequence of the batch; in static
-    and graphs modes rounded up to whole static spans (the longest span a call may read)."""
+    schedule's lookahead (``Schedule.lookahead``), for each sequence of the batch; in static and
+    graphs modes rounded up to whole static spans (the longest span a call may read)."""
     per_token = model.kv_bytes_per_token(workload.dtype, depth, workload.kv_sharing,
                                          readout_depths)
     sequence = workload.context_length + workload.new_tokens + lookahead
