@@ -22,7 +22,7 @@ from .memory import MemoryReport, kv_cache_bytes, memory_report
 from .model import LoopedModelSpec
 from .plans import check_draft_depth
 from .presets import resolve
-from .schedules import AR, SCHEDULES, WFD, DtV, Schedule
+from .schedules import AR, SCHEDULES, WFD, DtV, Schedule, widest
 from .schedules.dtv import MAX_BLOCK_LENGTH
 from .slots import check_kv_sharing, mean_decode_keys
 from .specs import DTYPE_BYTES
@@ -223,12 +223,10 @@ def predict(
     # coda readout depths (coda KV slots, prefill readouts): R, d for a schedule that drafts,
     # and with exits every depth a token may stop at
     exit_reads = set(range(exits.exits.min_depth, depth + 1)) if exits else set()
-    variants = {name: cls.variants(d, depth, block_length=block_length, width_cap=width_cap)
-                for name, cls in SCHEDULES.items()}
-    every = [s for found in variants.values() for s in found]
+    options = {"block_length": block_length, "width_cap": width_cap}
+    positions, ahead = widest(depth, d, **options)
     memory = memory_report(spec, hw, wl, depth=depth, readout_depths=len({depth, d} | exit_reads),
-                           positions_per_call=max(s.positions_per_call(depth) for s in every),
-                           lookahead=max(s.lookahead(depth) for s in every))
+                           positions_per_call=positions, lookahead=ahead)
 
     pricer = _Pricer(spec, hw, wl.dtype, np.asarray(decode_keys(wl, hw)),
                      np.asarray(float(wl.batch_size)), None)
@@ -252,8 +250,9 @@ def predict(
                     "block_calls": blocks / decoded}
 
     chosen: dict[str, Schedule] = {}
-    for name, found in variants.items():
-        best = min(((s, *priced(s)) for s in found), key=lambda f: float(f[2]["latency_s"]))
+    for name, kind in SCHEDULES.items():
+        best = min(((s, *priced(s)) for s in kind.variants(d, depth, **options)),
+                   key=lambda f: float(f[2]["latency_s"]))
         schedule, groups, totals = best
         chosen[name] = schedule
         latency = float(totals["latency_s"])

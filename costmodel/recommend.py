@@ -20,7 +20,7 @@ from .memory import DoesNotFit, does_not_fit, memory_report
 from .model import LoopedModelSpec
 from .predict import _TERMS, _bound, _Pricer, decode_keys
 from .presets import resolve
-from .schedules import AR, SCHEDULES, Schedule, get
+from .schedules import AR, SCHEDULES, Schedule, get, widest
 from .simulate import simulate
 from .slots import check_kv_sharing
 from .workload import Workload
@@ -116,10 +116,9 @@ def recommend(model: str | LoopedModelSpec, hardware: str | HardwareSpec,
     check_acceptance(acceptance, depth)
     hw.achievable_flops_per_s(wl.dtype)  # an unknown dtype fails here with a clear message
     # what predict allocates for every schedule's widest variant: the same verdict
-    every = [s for cls in SCHEDULES.values() for s in cls.variants(1, depth)]
+    positions, ahead = widest(depth)
     memory = memory_report(spec, hw, wl, depth=depth, readout_depths=2,
-                           positions_per_call=max(s.positions_per_call(depth) for s in every),
-                           lookahead=max(s.lookahead(depth) for s in every))
+                           positions_per_call=positions, lookahead=ahead)
     if not memory.fits:
         raise DoesNotFit(f"on {hw.name}: {does_not_fit(memory, wl)}")
     pricer = _Pricer(spec, hw, wl.dtype, np.asarray(decode_keys(wl, hw)),

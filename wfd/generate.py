@@ -238,7 +238,7 @@ def prefill(runner: Runner, prompt: list[int], depth: int, readout_depths: Seque
     """Run a prompt through every depth (the plans' prefill); the last position's logits at each
     readout depth."""
     plan = ARPlan(len(prompt), depth, coda_attends=runner.model.config.coda_layers > 0,
-                readout_depths=readout_depths)
+                  readout_depths=readout_depths)
     decoder = Decoder(runner, prompt, max_new_tokens=1, sampling=Sampling(),
                       verifier=Verifier(Sampling()), keep_depths=True)
     with torch.inference_mode():

@@ -11,7 +11,7 @@ from torch import nn
 
 from costmodel.exits import ExitRule, Rule
 from costmodel.plans import EarlyExit, Plan
-from costmodel.schedules import SCHEDULES, Schedule, get
+from costmodel.schedules import Schedule, get, widest
 from costmodel.simulate import acceptance_draws
 
 from .exits import check_rule
@@ -25,16 +25,14 @@ def _named(name: str, model: nn.Module, depth: int, draft_depth: int | None,
     from pydantic import ValidationError
 
     from costmodel.errors import validation_message
-    from costmodel.plans import check_draft_depth
+    from costmodel.predict import resolve_draft_depth
 
     try:
         kind = get(name)
         if not kind.drafts:
             return kind()
-        if draft_depth is None:
-            draft_depth = min(model.config.default_draft_depth, depth - 1) if depth > 1 else 1
-        check_draft_depth(draft_depth, depth)
-        return kind.of(draft_depth, block_length, width_cap)
+        return kind.of(resolve_draft_depth(model.config, depth, None, draft_depth),
+                       block_length, width_cap)
     except ValidationError as exc:
         raise GenerationError(validation_message(exc)) from None
     except ValueError as exc:
@@ -105,5 +103,4 @@ class RunSetup:
 def widest_lookahead(depth: int) -> int:
     """Room in the cache for any schedule the quick search may choose (DtV's k + 1 at its
     longest block, WFD's W + 1 at its widest wave)."""
-    return max(s.lookahead(depth) for kind in SCHEDULES.values()
-               for s in kind.variants(1, depth, quick=True))
+    return widest(depth, quick=True)[1]

@@ -3,9 +3,9 @@
 simulator, the decoder and the command lines loop over ``SCHEDULES`` in this order."""
 
 from .ar import AR
-from .base import SCHEDULES, Drafting, Schedule, get, register, registered
+from .base import SCHEDULES, Drafting, Schedule, get, register, registered, widest
 from .dtv import DtV
 from .wfd import WFD, wave_width
 
 __all__ = ["AR", "DtV", "Drafting", "SCHEDULES", "Schedule", "WFD", "get", "register",
-           "registered", "wave_width"]
+           "registered", "wave_width", "widest"]

@@ -42,6 +42,15 @@ def registered() -> str:
     return f"{', '.join(rest)} or {last}" if rest else last
 
 
+def widest(depth: int, draft_depth: int = 1, **options) -> tuple[int, int]:
+    """(the most positions one block call holds, the most positions written ahead) over every
+    registered schedule's variants at ``draft_depth`` (``Schedule.variants``'s options): what a
+    KV cache that may run any of them must hold."""
+    every = [s for kind in SCHEDULES.values() for s in kind.variants(draft_depth, depth,
+                                                                      **options)]
+    return max(s.positions_per_call(depth) for s in every), max(s.lookahead(depth) for s in every)
+
+
 class Schedule(Spec):
     """A schedule's parameters, and everything the project needs to know of it. Subclasses give
     a ``kind`` field whose only value is their name (the registry key, in their JSON) and a
