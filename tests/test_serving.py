@@ -36,7 +36,7 @@ CODE = ["import os\nimport sys\n\n\ndef main(argv):\n    ", "class Node:\n    de
         "for i in range(", "    return ", "def parse(text):\n    ", "# sort the list\n",
         "if __name__ == '__main__':\n    ", "x = [i * i for i in "]
 NEW_TOKENS = 20
-SAMPLES = 200  # sampled requests of one prompt
+SAMPLES = 300  # sampled requests of one prompt
 # an engine with the suite's one thread per rank (conftest), not pinned: vLLM binds a thread to
 # every core of the node (two ranks: one core each), which spins against the other test worker
 UNBOUND = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
