@@ -16,5 +16,10 @@ def validation_message(exc) -> str:
     ValueError as its message, without pydantic's "Value error, " before it)."""
     err = exc.errors()[0]
     where = ".".join(str(p) for p in err.get("loc", ()))
-    message = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
+    if err["type"] == "value_error":
+        message = str(err["ctx"]["error"])
+    else:  # pydantic's own words, with the value it refused where that is a plain one
+        value = err.get("input")
+        scalar = isinstance(value, int | float | str) and not isinstance(value, bool)
+        message = err["msg"] + (f", got {value!r}" if scalar else "")
     return f"{where}: {message}" if where else message

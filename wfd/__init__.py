@@ -5,4 +5,4 @@ from costmodel.lazy import lazy_exports
 
 # torch loads on first use, not on `import wfd`
 __all__ = lazy_exports(__name__, {"load_model": "checkpoint", "generate": "generate",
-                                  "decode_batch": "batch"})
+                                  "decode_batch": "batch", "RunOptions": "options"})

@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from costmodel.batching import PREFILL, Lane, merged_call, run_batch
-from costmodel.schedules import Schedule, registered
+from costmodel.schedules import registered
 from costmodel.trace import CallRecord
 
 from .generate import Decoder
+from .options import GenerationError, RunOptions
 from .runtime import Runner, check_prompt, runner_for
-from .sampling import GenerationError, Sampling
 from .settings import RunSetup
 
 
@@ -104,24 +104,19 @@ def run_together(runner: Runner, lanes: list[Lane]) -> None:
         lane.executor.take(call, rows)
 
 
-def decode_batch(model: nn.Module, requests: Sequence[Request], *, schedule: str | Schedule,
-                 batch_size: int, depth: int | None = None, draft_depth: int | None = None,
-                 block_length: int | None = None, width_cap: int | None = None,
-                 kv_sharing: int = 0,
-                 sampling: Sampling | None = None, stop_tokens: frozenset[int] = frozenset(),
-                 force_acceptance: float | None = None, seed: int = 0, mode: str | None = None,
-                 record: bool = False, exit_rule=None, draft_rule=None,
+def decode_batch(model: nn.Module, requests: Sequence[Request], options: RunOptions | None = None,
+                 *, batch_size: int = 8, record: bool = False,
                  on_result: Callable[[SequenceResult], None] | None = None,
-                 on_call: Callable[[], None] | None = None) -> BatchRun:
+                 on_call: Callable[[], None] | None = None, **settings) -> BatchRun:
     """Decode ``requests`` with ``batch_size`` sequences in flight (fewer if fewer remain), with
-    ``schedule`` (a Schedule, or a registered name with its options: wfd.generate.generate).
-    Each sequence's tokens are its own batch-1 run's (same plan, sampling seed and forced
-    outcomes, seeded by ``seed`` + its index). ``on_result`` gets each sequence as it ends;
-    ``on_call`` is called after every call (progress). ``mode``: eager by default, on any
-    device (wfd.runtime.Runner). ``exit_rule``: adaptive depth (costmodel.exits), per position
-    of each sequence: a position that exits leaves the calls while the others go on.
-    ``draft_rule``: adaptive drafting (wfd.generate.generate)."""
-    if schedule == "auto":
+    the run ``options`` or the same settings as keywords (wfd.generate.generate), each request
+    with its own number of new tokens. Each sequence's tokens are its own batch-1 run's (same
+    plan, sampling seed and forced outcomes, seeded by the seed + its index). ``on_result`` gets
+    each sequence as it ends; ``on_call`` is called after every call (progress). The mode: eager
+    by default, on any device (wfd.runtime.Runner). An exit rule: adaptive depth per position of
+    each sequence: a position that exits leaves the calls while the others go on."""
+    options = RunOptions.of(options, settings)
+    if options.auto:
         raise GenerationError(f"a batch decodes with {registered()}, not 'auto'")
     if batch_size < 1:
         raise GenerationError(f"batch size must be at least 1, got {batch_size}")
@@ -132,31 +127,35 @@ def decode_batch(model: nn.Module, requests: Sequence[Request], *, schedule: str
         if req.max_new_tokens < 1:
             raise GenerationError(f"prompt {req.index}: max new tokens must be at least 1, "
                                   f"got {req.max_new_tokens}")
-    sampling = sampling or Sampling()
-    setup = RunSetup.of(model, schedule, depth, draft_depth, block_length, width_cap, exit_rule,
-                        draft_rule)
-    depth = setup.depth
+    setup = RunSetup.of(model, options)
     probe = setup.plan(len(requests[0].prompt))
     regions = min(batch_size, len(requests))
-    longest = max(range(len(requests)),
-                  key=lambda i: len(requests[i].prompt) + requests[i].max_new_tokens)
+    longest = max(requests, key=lambda req: len(req.prompt) + req.max_new_tokens)
     # eager unless asked: a batch's calls mix sequences' slots in ever new combinations, so
     # captured shapes would rarely be replayed
-    runner = runner_for(model, mode=mode or "eager", record=record,
-                        prompt_len=len(requests[longest].prompt),
-                        max_new_tokens=requests[longest].max_new_tokens, depth=depth,
-                        kv_sharing=kv_sharing, readout_depths=probe.readout_depths,
-                        lookahead=probe.lookahead, sequences=regions)
-    cache = runner.cache
-    if draft_rule is not None:
-        cache.allow_rewrites("coda")
+    runner = runner_for(model, mode=options.mode or "eager", record=record,
+                        prompt_len=len(longest.prompt), max_new_tokens=longest.max_new_tokens,
+                        depth=setup.depth, kv_sharing=options.kv_sharing,
+                        readout_depths=probe.readout_depths, lookahead=probe.lookahead,
+                        sequences=regions)
+    if options.draft_rule is not None:
+        runner.cache.allow_rewrites("coda")
+    return _run(runner, setup, requests, probe, regions, on_result, on_call)
+
+
+def _run(runner: Runner, setup: RunSetup, requests: Sequence[Request], probe, regions: int,
+         on_result: Callable[[SequenceResult], None] | None,
+         on_call: Callable[[], None] | None) -> BatchRun:
+    """``decode_batch`` once its runner is ready: the continuous batching loop and its
+    report."""
+    cache, options = runner.cache, setup.options
 
     def start(req: Request, region: int):
-        verifier = setup.verifier(sampling, len(req.prompt), req.max_new_tokens,
-                                  force_acceptance, seed + req.index)
+        verifier = setup.verifier(len(req.prompt), req.max_new_tokens, options.seed + req.index)
         decoder = BatchDecoder(runner, req.prompt, max_new_tokens=req.max_new_tokens,
-                               sampling=sampling, verifier=verifier, stop_tokens=stop_tokens,
-                               sequence=region, exit_rule=exit_rule, draft_rule=draft_rule)
+                               sampling=verifier.sampling, verifier=verifier,
+                               stop_tokens=options.stop_tokens, sequence=region,
+                               exit_rule=setup.exit_rule, draft_rule=options.draft_rule)
         return decoder, setup.plan(len(req.prompt))
 
     results: list[SequenceResult] = []
@@ -187,13 +186,14 @@ def decode_batch(model: nn.Module, requests: Sequence[Request], *, schedule: str
         run_batch(requests, regions, start, run_call, finish)
     wall = time.perf_counter() - start_s - runner.capture_s
     stats: dict[str, object] = {
-        "schedule": setup.schedule.name, "batch_size": regions, "depth": depth,
+        "schedule": setup.schedule.name, "batch_size": regions, "depth": setup.depth,
         "kv_bytes_allocated": cache.nbytes, "lookahead": probe.lookahead,
         "sequence_length": cache.max_len - probe.lookahead, **runner.mode_stats()}
     stats.update(setup.schedule.batch_stats(probe))
     stats.update(block_calls=len(blocks), positions_per_block_call=sum(blocks) / len(blocks))
-    if exit_rule is not None:
+    if setup.exit_rule is not None:
         depths = [r for lane_depths in exit_depths for r in lane_depths]
-        stats.update(exit_rule=exit_rule.label, mean_exit_depth=sum(depths) / max(len(depths), 1))
+        stats.update(exit_rule=setup.exit_rule.label,
+                     mean_exit_depth=sum(depths) / max(len(depths), 1))
     return BatchRun(results=results, wall_s=wall, prefill_s=prefill_s, records=runner.records,
                     stats=stats)

@@ -9,7 +9,6 @@ from typing import Annotated
 import typer
 
 from costmodel.clitools import (
-    DTYPES,
     UserError,
     check_writable,
     flush_notes,
@@ -18,7 +17,7 @@ from costmodel.clitools import (
     print_json,
     run,
 )
-from costmodel.schedules import AR, SCHEDULES
+from costmodel.schedules import AR
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
                   help="Decode looped language models (Huginn, Ouro) with AR, DtV or WFD.")
@@ -106,81 +105,34 @@ def generate(
 ) -> None:
     """Generate from a prompt (or a prompts file, in batches); print the text (or token ids)
     and the decoding statistics."""
-    if prompts_file is not None:
-        if prompt is not None or prompt_ids is not None:
-            raise UserError("give --prompts-file or a prompt (--prompt, --prompt-ids), not both")
-        if schedule == "auto" or depth_trace is not None:
-            raise UserError("a prompts file decodes with --schedule ar, dtv or wfd, without "
-                            "--depth-trace")
-        if batch_size < 1:
-            raise UserError(f"batch size must be at least 1, got {batch_size}")
-        if as_json and out is None:
-            raise UserError("--json prints the run's totals: give --out for the per-prompt "
-                            "results")
-    elif (prompt is None) == (prompt_ids is None):
-        raise UserError("give exactly one of --prompt and --prompt-ids (or --prompts-file)")
-    elif out is not None or batch_size != 8:
-        raise UserError("--out and --batch-size go with --prompts-file")
-    one_of("schedule", schedule, (*SCHEDULES, "auto"))
-    drafts = schedule != "auto" and SCHEDULES[schedule].drafts
-    if depth_trace is not None and schedule != AR.name:
-        raise UserError("--depth-trace is recorded by an AR run (--schedule ar)")
-    if width is not None and draft_depth is not None:
-        raise UserError("give either --width or --draft-depth, not both")
-    if force_acceptance is not None and not 0 <= force_acceptance <= 1:
-        raise UserError(f"forced acceptance must be in [0, 1], got {force_acceptance}")
-    one_of("dtype", dtype, DTYPES)
-    if depth is not None and depth < 1:
-        raise UserError(f"depth must be at least 1, got {depth}")
+    from wfd.options import RunOptions
+
+    _check_sources(prompt, prompt_ids, prompts_file, out, batch_size, as_json)
+    one_of("device", device.split(":")[0], ("cpu", "cuda"))
     if init_scale < 0:
         raise UserError(f"init scale must be >= 0, got {init_scale}")
-    if mode is not None:
-        one_of("mode", mode, ("eager", "static", "graphs"))
-    rule = None
-    if exit_rule is not None:
-        from costmodel.exits import ExitRule
-
-        rule = ExitRule.parse(exit_rule, min_depth)  # a ValueError: one line, exit 2 (run)
-        if depth is not None and min_depth > depth:
-            raise UserError(f"the minimum exit depth must be in 1..{depth}, got {min_depth}")
-        if schedule == "auto":
-            raise UserError("--schedule auto chooses among fixed-depth schedules; name the "
-                            "schedule to run with --exit")
-    elif min_depth != 1:
-        raise UserError("--min-depth goes with --exit")
-    if force_exits is not None and exit_rule is not None:
-        raise UserError("give --exit or --force-exits, not both")
-    draft_rule = None
-    if draft_when is not None:
-        from costmodel.exits import ExitRule
-
-        if not drafts:
-            raise UserError("--draft-when drafts adaptively in a schedule that drafts (dtv or "
-                            "wfd)")
-        try:
-            draft_rule = ExitRule.parse(draft_when)
-        except ValueError as exc:
-            raise UserError(f"--draft-when: {exc}") from None
-
-    outputs = [p.resolve() for p in (trace, depth_trace, out) if p is not None]
-    if len(set(outputs)) < len(outputs) or (prompts_file and prompts_file.resolve() in outputs):
-        raise UserError("--trace, --depth-trace, --out and --prompts-file must be different "
-                        "files (one would overwrite another)")
-    check_writable(trace, depth_trace, out)
+    # the run object refuses bad settings in one line (a ValueError: exit 2) before torch loads
+    options = RunOptions.of(settings=dict(
+        schedule=schedule, max_new_tokens=max_new_tokens, depth=depth, draft_depth=draft_depth,
+        width=width, width_cap=width_cap, block_length=block_length, kv_sharing=kv_sharing,
+        exit_rule=exit_rule, min_depth=min_depth, force_exits=force_exits,
+        draft_rule=draft_when, temperature=temperature, top_p=top_p, seed=seed,
+        stop_tokens=_parse_ids(stop_ids, "--stop-ids") if stop_ids else frozenset(),
+        force_acceptance=force_acceptance, mode=mode, dtype=dtype))
+    if prompts_file is not None and (options.auto or depth_trace is not None):
+        raise UserError("a prompts file decodes with --schedule ar, dtv or wfd, without "
+                        "--depth-trace")
+    if depth_trace is not None and options.schedule != AR.name:
+        raise UserError("--depth-trace is recorded by an AR run (--schedule ar)")
+    _check_outputs(trace, depth_trace, out, prompts_file)
     import torch  # heavy: only once the arguments are known to be sane
 
-    from costmodel.predict import resolve_draft_depth
-    from costmodel.profile import load_profile
-    from costmodel.trace import TraceHeader, current_commit, write_jsonl
-
     from .checkpoint import SHIPPED_DIR, load_model
-    from .generate import Sampling, generate
     from .runtime import check_prompt
     from .tokenizer import tokenizer_for
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"device {device!r} is not available (torch sees no CUDA device)")
-    one_of("device", device.split(":")[0], ("cpu", "cuda"))
     if mode == "graphs" and not device.startswith("cuda"):
         raise UserError("--mode graphs captures CUDA graphs: it needs --device cuda (on a CPU, "
                         "--mode static runs the same fixed-shape calls without capture)")
@@ -188,104 +140,126 @@ def generate(
     net = load_model(model, device=device, dtype=dtype, init_scale=init_scale, seed=seed)
     folder = Path(model) if Path(model).is_dir() else SHIPPED_DIR / model
     tok = tokenizer_for(folder if folder.is_dir() else None, net.config.vocab_size)
-    stops = frozenset(_parse_ids(stop_ids, "--stop-ids")) if stop_ids else frozenset()
-    if stops:
-        check_prompt(sorted(stops), net.config.vocab_size, "--stop-ids")
-    run_depth = depth or net.config.depth
-    if force_exits is not None:
-        from costmodel.exits import ForcedExits
-
-        try:
-            rule = ForcedExits.parse(force_exits, run_depth, seed)
-        except ValueError as exc:
-            raise UserError(f"--force-exits: {exc}") from None
-    if drafts:
-        draft_depth = resolve_draft_depth(net.config, run_depth, width, draft_depth)
+    if options.stop_tokens:
+        check_prompt(sorted(options.stop_tokens), net.config.vocab_size, "--stop-ids")
     if prompts_file is not None:
-        return _generate_file(
-            net, tok, prompts_file, out, model=model, device=device, dtype=dtype,
-            trace=trace, as_json=as_json, schedule=schedule, batch_size=batch_size,
-            max_new_tokens=max_new_tokens, depth=run_depth, draft_depth=draft_depth,
-            block_length=block_length, width_cap=width_cap, kv_sharing=kv_sharing,
-            sampling=Sampling(temperature, top_p, seed), stop_tokens=stops,
-            force_acceptance=force_acceptance, seed=seed, mode=mode, exit_rule=rule,
-            draft_rule=draft_rule)
-    if prompt is not None:
-        if tok is None:
-            raise UserError(f"{model} has no tokenizer.json; give --prompt-ids")
-        ids = tok.encode(prompt)
-    else:
-        ids = _parse_ids(prompt_ids, "--prompt-ids")
+        return _generate_file(net, tok, prompts_file, out, options, model=model, device=device,
+                              trace=trace, as_json=as_json, batch_size=batch_size)
+    if prompt is not None and tok is None:
+        raise UserError(f"{model} has no tokenizer.json; give --prompt-ids")
+    ids = tok.encode(prompt) if prompt is not None else _parse_ids(prompt_ids, "--prompt-ids")
     check_prompt(ids, net.config.vocab_size)
-    hardware = None
-    if schedule == "auto":
-        if profile:
-            chosen, calibrated = profile, load_profile(profile)
-            ran = (calibrated.device.split(":")[0], calibrated.dtype)
-            if ran != (device.split(":")[0], dtype):
-                raise UserError(f"--profile {profile} was calibrated on {ran[0]} in {ran[1]}; "
-                                f"this run decodes on {device} in {dtype}: --schedule auto "
-                                "decides with a profile of the run's device and dtype")
-        else:  # this machine's calibration, or one made here in about a second
-            from wfd.transplant import profile_for
+    hardware = _auto_hardware(net, model, profile, device, dtype) if options.auto else None
+    from .generate import generate as decode
 
-            chosen, calibrated = profile_for(net, model, device, say=note)
-        hardware = calibrated.hardware
-        note(f"auto: deciding with {chosen}")
-    result = generate(net, ids, schedule=schedule, max_new_tokens=max_new_tokens,
-                      depth=run_depth, kv_sharing=kv_sharing,
-                      sampling=Sampling(temperature, top_p, seed), stop_tokens=stops,
-                      depth_trace=depth_trace is not None, draft_depth=draft_depth,
-                      block_length=block_length, width_cap=width_cap,
-                      force_acceptance=force_acceptance, seed=seed, hardware=hardware,
-                      mode=mode, exit_rule=rule, draft_rule=draft_rule)
+    result = decode(net, ids, options, depth_trace=depth_trace is not None, hardware=hardware)
     flush_notes()
+    _write_traces(result, trace, depth_trace, model=model, device=device, dtype=dtype,
+                  depth=options.depth or net.config.depth)
+    _report(result, tok, as_json)
+
+
+def _check_sources(prompt: str | None, prompt_ids: str | None, prompts_file: Path | None,
+                   out: Path | None, batch_size: int, as_json: bool) -> None:
+    """One prompt (text or ids) or a prompts file, with the options that go with each."""
+    if prompts_file is None:
+        if (prompt is None) == (prompt_ids is None):
+            raise UserError("give exactly one of --prompt and --prompt-ids (or --prompts-file)")
+        if out is not None or batch_size != 8:
+            raise UserError("--out and --batch-size go with --prompts-file")
+        return
+    if prompt is not None or prompt_ids is not None:
+        raise UserError("give --prompts-file or a prompt (--prompt, --prompt-ids), not both")
+    if batch_size < 1:
+        raise UserError(f"batch size must be at least 1, got {batch_size}")
+    if as_json and out is None:
+        raise UserError("--json prints the run's totals: give --out for the per-prompt results")
+
+
+def _check_outputs(trace: Path | None, depth_trace: Path | None, out: Path | None,
+                   prompts_file: Path | None) -> None:
+    """Files to write that are distinct, apart from the input, and writable."""
+    outputs = [p.resolve() for p in (trace, depth_trace, out) if p is not None]
+    if len(set(outputs)) < len(outputs) or (prompts_file and prompts_file.resolve() in outputs):
+        raise UserError("--trace, --depth-trace, --out and --prompts-file must be different "
+                        "files (one would overwrite another)")
+    check_writable(trace, depth_trace, out)
+
+
+def _auto_hardware(net, model: str, profile: Path | None, device: str, dtype: str):
+    """The calibrated hardware ``--schedule auto`` decides with: ``--profile``'s (of the run's
+    device and dtype), or this machine's calibration, or one made here in about a second."""
+    from costmodel.profile import load_profile
+
+    if profile:
+        chosen, calibrated = profile, load_profile(profile)
+        ran = (calibrated.device.split(":")[0], calibrated.dtype)
+        if ran != (device.split(":")[0], dtype):
+            raise UserError(f"--profile {profile} was calibrated on {ran[0]} in {ran[1]}; "
+                            f"this run decodes on {device} in {dtype}: --schedule auto "
+                            "decides with a profile of the run's device and dtype")
+    else:
+        from .transplant import profile_for
+
+        chosen, calibrated = profile_for(net, model, device, say=note)
+    note(f"auto: deciding with {chosen}")
+    return calibrated.hardware
+
+
+def _write_traces(result, trace: Path | None, depth_trace: Path | None, *, model: str,
+                  device: str, dtype: str, depth: int) -> None:
+    """The run's call trace and depth trace, where asked for."""
+    from costmodel.trace import TraceHeader, current_commit, write_jsonl
 
     header = dict(source="measured", model=model, device=str(device), dtype=dtype,
-                  commit=current_commit(), depth=run_depth, prompt_length=len(ids),
-                  schedule=result.schedule, extra={k: v for k, v in result.stats.items()
-                                            if k in ("draft_depth", "block_length", "width",
-                                                     "width_cap", "forced_acceptance",
-                                                     "mode", "attention_backend",
-                                                     "exit_rule", "mean_exit_depth")})
+                  commit=current_commit(), depth=depth,
+                  prompt_length=len(result.prompt), schedule=result.schedule,
+                  extra={k: v for k, v in result.stats.items()
+                         if k in ("draft_depth", "block_length", "width", "width_cap",
+                                  "forced_acceptance", "mode", "attention_backend",
+                                  "exit_rule", "mean_exit_depth")})
     if trace is not None:
         write_jsonl(trace, TraceHeader(trace="calls", **header), result.records)
     if depth_trace is not None:
         write_jsonl(depth_trace, TraceHeader(trace="depths", **header), result.depth_records)
 
-    auto = result.stats.get("auto")
+
+def _report(result, tok, as_json: bool) -> None:
+    """The tokens (text where there is a tokenizer) and the run's statistics: one JSON object,
+    or the text on stdout and a summary line on stderr."""
+    stats, n = result.stats, len(result.tokens)
+    auto = stats.get("auto")
     if auto:
         by_depth = auto["acceptance_by_depth"]
         best = max(by_depth.items(), key=lambda kv: kv[1])
-        d = result.stats.get("draft_depth")
+        d = stats.get("draft_depth")
         at_d = f"{by_depth[d]:.2f} at its draft depth, " if d in by_depth else ""
         typer.echo(f"auto: {auto['choice']} ({auto['flags']}): predicted "
                    f"{auto['predicted_tokens_per_s']:.1f} tokens/s, "
                    f"{auto['predicted_speedup_vs_ar']:.2f}x AR, with the prompt's acceptance "
                    f"{at_d}best {best[1]:.2f} at d = {best[0]}, on {auto['hardware']}", err=True)
     text = tok.decode(result.tokens) if tok is not None else None
-    n = len(result.tokens)
     if as_json:
         print_json({
             "text": text, "tokens": result.tokens, "new_tokens": n, "wall_s": result.wall_s,
             "tokens_per_s": n / result.wall_s, "schedule": result.schedule,
-            **result.call_stats(), **result.stats,
+            **result.call_stats(), **stats,
         })
-    else:
-        typer.echo(text if text is not None else ",".join(map(str, result.tokens)))
-        acceptance = result.stats.get("acceptance")
-        typer.echo(f"[{result.schedule}] {n} tokens in {result.wall_s:.2f} s "
-                   f"({n / result.wall_s:.1f} tokens/s), {result.block_calls} block calls"
-                   + (f", acceptance {acceptance:.2f}" if acceptance is not None else "")
-                   + (f", exits by {result.stats['exit_rule']} at mean depth "
-                      f"{result.stats['mean_exit_depth']:.2f}" if rule is not None else "")
-                   + (", FORCED exits: not a real decode" if force_exits else "")
-                   + (", FORCED acceptance: not a real decode"
-                      if result.stats.get("forced_acceptance") else ""), err=True)
+        return
+    typer.echo(text if text is not None else ",".join(map(str, result.tokens)))
+    acceptance = stats.get("acceptance")
+    typer.echo(f"[{result.schedule}] {n} tokens in {result.wall_s:.2f} s "
+               f"({n / result.wall_s:.1f} tokens/s), {result.block_calls} block calls"
+               + (f", acceptance {acceptance:.2f}" if acceptance is not None else "")
+               + (f", exits by {stats['exit_rule']} at mean depth "
+                  f"{stats['mean_exit_depth']:.2f}" if "exit_rule" in stats else "")
+               + (", FORCED exits: not a real decode" if stats.get("forced_exits") else "")
+               + (", FORCED acceptance: not a real decode"
+                  if stats.get("forced_acceptance") else ""), err=True)
 
 
-def _generate_file(net, tok, prompts_file: Path, out: Path | None, *, model: str, device: str,
-                   dtype: str, trace: Path | None, as_json: bool, **kw) -> None:
+def _generate_file(net, tok, prompts_file: Path, out: Path | None, options, *, model: str,
+                   device: str, trace: Path | None, as_json: bool, batch_size: int) -> None:
     """The batched path of ``generate``: every prompt of a JSON Lines file, B at a time, each
     result written as it finishes; bad lines are reported by number and skipped."""
     import sys
@@ -298,7 +272,7 @@ def _generate_file(net, tok, prompts_file: Path, out: Path | None, *, model: str
     from .batch import decode_batch
     from .prompts import OrderedWriter, read_prompts
 
-    lines = read_prompts(prompts_file, tok, net.config, kw["max_new_tokens"])
+    lines = read_prompts(prompts_file, tok, net.config, options.max_new_tokens)
     bad = [line for line in lines if line.request is None]
     for line in bad:
         typer.echo(f"skipped: {line.error}", err=True)
@@ -322,16 +296,17 @@ def _generate_file(net, tok, prompts_file: Path, out: Path | None, *, model: str
 
     try:
         with progress:
-            run = decode_batch(net, requests, record=trace is not None, on_result=finished,
-                               **{k: v for k, v in kw.items() if k != "max_new_tokens"})
+            run = decode_batch(net, requests, options, batch_size=batch_size,
+                               record=trace is not None, on_result=finished)
     finally:
         writer.close()
         if out is not None:
             stream.close()
     if trace is not None:
         write_jsonl(trace, TraceHeader(trace="calls", source="measured", model=model,
-                                       device=device, dtype=dtype, commit=current_commit(),
-                                       depth=run.stats["depth"], schedule=kw["schedule"],
+                                       device=device, dtype=options.dtype,
+                                       commit=current_commit(), depth=run.stats["depth"],
+                                       schedule=run.stats["schedule"],
                                        extra={"batch_size": run.stats["batch_size"]}),
                     run.records)
     totals = {"prompts": len(lines), "served": len(run.results), "skipped": len(bad),
@@ -341,7 +316,8 @@ def _generate_file(net, tok, prompts_file: Path, out: Path | None, *, model: str
     if as_json:
         print_json(totals)
     else:
-        typer.echo(f"[{kw['schedule']} x{run.stats['batch_size']}] {len(run.results)} prompts, "
+        typer.echo(f"[{run.stats['schedule']} x{run.stats['batch_size']}] "
+                   f"{len(run.results)} prompts, "
                    f"{run.tokens} tokens in {run.wall_s:.2f} s "
                    f"({totals['tokens_per_s']:.1f} tokens/s), {run.stats['block_calls']} block "
                    f"calls" + (f", {len(bad)} bad lines skipped" if bad else ""), err=True)

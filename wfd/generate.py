@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from costmodel.exits import ExitRule, Rule
-from costmodel.plans import Call, Executor
+from costmodel.plans import Call, Executor, Plan
 from costmodel.schedules import AR, Schedule
 from costmodel.schedules.ar import ARPlan
 from costmodel.slots import in_prefill
@@ -28,8 +28,9 @@ from .cache import KVCache
 from .checkpoint import DTYPE_NAMES
 from .exits import ExitTracker, depth_signals
 from .layers import CallPlan
+from .options import GenerationError, RunOptions
 from .runtime import Runner, check_prompt, make_cache, runner_for
-from .sampling import GenerationError, Proposal, Sampling, Verifier
+from .sampling import Proposal, Sampling, Verifier
 from .settings import RunSetup, widest_lookahead
 
 __all__ = ["GenerationError", "GenerationResult", "Sampling", "full_forward", "generate",
@@ -267,106 +268,104 @@ def choose(model: nn.Module, hardware, acceptance: dict[int, float], prompt_leng
     return recommend(model.config, hardware, acceptance, workload, top=1, quick=True)[0]
 
 
-def generate(model: nn.Module, prompt: list[int], *, schedule: str | Schedule = "ar",
-             max_new_tokens: int, depth: int | None = None, kv_sharing: int = 0,
-             sampling: Sampling | None = None, stop_tokens: frozenset[int] = frozenset(),
-             depth_trace: bool = False, draft_depth: int | None = None,
-             block_length: int | None = None,
-             width_cap: int | None = None, force_acceptance: float | None = None,
-             seed: int = 0, record: bool = True, hardware=None, mode: str | None = None,
+def generate(model: nn.Module, prompt: list[int], options: RunOptions | None = None, *,
+             depth_trace: bool = False, record: bool = True, hardware=None,
              on_rollback: Callable[[KVCache, list[int]], None] | None = None,
-             exit_rule: Rule | None = None, draft_rule: ExitRule | None = None
-             ) -> GenerationResult:
-    """Run one schedule: a Schedule (costmodel.schedules), or one by its registered name with
-    the options it takes: "ar" (with ``depth_trace``), "dtv" (block_length, 4 by default;
-    draft_depth), "wfd" (draft_depth, width_cap); or "auto": the prefill reads every prompt
-    position out at every depth, and the cost model with ``hardware`` (a calibrated
-    HardwareSpec) picks the fastest configuration for that acceptance by depth
-    (``stats["auto"]`` says which and why). Without a draft depth, the model's default
-    (ceil(R / 8) unless its config names one). ``mode``: eager, static or graphs
+             **settings) -> GenerationResult:
+    """Decode ``prompt`` with the run ``options`` (a wfd.options.RunOptions), or the same
+    settings as keywords (``schedule="wfd", max_new_tokens=32, ...``) over them. The schedule: a
+    registered one, or "auto": the prefill reads every prompt position out at every depth, and
+    the cost model with ``hardware`` (a calibrated HardwareSpec) picks the fastest configuration
+    for that acceptance by depth (``stats["auto"]`` says which and why). ``depth_trace`` (AR):
+    every position read out at every depth. ``mode``: eager, static or graphs
     (wfd.runtime.Runner; graphs on CUDA, eager elsewhere by default; static and graphs reuse the
-    shapes earlier runs of the model prepared, wfd.graphs). ``force_acceptance`` replaces
-    verification by seeded outcomes (timing on random weights; flagged in the stats).
-    ``exit_rule``: adaptive depth, each decoded position stops at the first depth the rule fires
-    (costmodel.exits).
-    ``draft_rule`` (dtv, wfd): a position drafts at the first depth below the draft depth where
-    this (looser) rule fires, the draft depth bounding it."""
-    sampling = sampling or Sampling()
-    auto = schedule == "auto"  # the probe is an AR prefill
-    setup = RunSetup.of(model, AR() if auto else schedule, depth, draft_depth, block_length,
-                        width_cap, exit_rule, draft_rule)
-    depth, chosen = setup.depth, setup.schedule
+    shapes earlier runs of the model prepared, wfd.graphs). Forced acceptance replaces
+    verification by seeded outcomes (timing on random weights; flagged in the stats). An exit
+    rule: adaptive depth, each decoded position stops at the first depth the rule fires
+    (costmodel.exits); a draft rule (dtv, wfd): a position drafts at the first depth below the
+    draft depth where this (looser) rule fires."""
+    options = RunOptions.of(options, settings)
+    setup = RunSetup.of(model, options, AR() if options.auto else None)
+    depth = setup.depth
     check_prompt(prompt, model.config.vocab_size)
-    if max_new_tokens < 1:
-        raise GenerationError(f"max new tokens must be at least 1, got {max_new_tokens}")
-    if auto and (hardware is None or force_acceptance is not None or depth < 2):
-        raise GenerationError("--schedule auto needs a calibration profile, a depth of at least "
-                              "2 and the model's own acceptance (no forced acceptance)")
-    if depth_trace and exit_rule is not None:  # an exit would cut a position's readouts short
+    if options.auto and (hardware is None or depth < 2):
+        raise GenerationError("--schedule auto needs a calibration profile and a depth of at "
+                              "least 2")
+    if depth_trace and setup.exit_rule is not None:  # an exit would cut readouts short
         raise GenerationError("a depth trace is recorded at full depth (every position read out "
                               "at every depth): leave out the exit rule; the trace gives every "
                               "rule's exits (costmodel predict --exit)")
-    if auto and exit_rule is not None:
-        raise GenerationError("--schedule auto chooses among fixed-depth schedules; name the "
-                              "schedule to run with an exit rule")
-    readouts = range(1, depth + 1) if depth_trace and chosen.name == AR.name else ()
-    if auto:  # the probe reads the prompt out at the draft depths the quick search tries
+    readouts = range(1, depth + 1) if depth_trace and setup.schedule.name == AR.name else ()
+    if options.auto:  # the probe reads the prompt out at the draft depths the quick search tries
         from costmodel.recommend import QUICK_DEPTHS
 
         readouts = [d for d in QUICK_DEPTHS if d < depth]
-    coda_attends = setup.coda_attends
-    plan = ARPlan(len(prompt), depth, coda_attends=coda_attends, readout_depths=readouts) \
-        if auto else setup.plan(len(prompt), readouts)
+    plan = setup.plan(len(prompt), readouts)
     # auto: room for any schedule's lookahead (DtV's k + 1, WFD's W + 1)
-    runner = runner_for(model, mode=mode, record=record, prompt_len=len(prompt),
-                        max_new_tokens=max_new_tokens, depth=depth, kv_sharing=kv_sharing,
-                        readout_depths=plan.readout_depths,
-                        lookahead=widest_lookahead(depth) if auto else plan.lookahead)
-    cache = runner.cache
-    if draft_rule is not None:
-        cache.allow_rewrites("coda")
-    verifier = setup.verifier(sampling, len(prompt), max_new_tokens, force_acceptance, seed)
-    decoder = Decoder(runner, prompt, max_new_tokens=max_new_tokens, sampling=sampling,
-                      verifier=verifier, stop_tokens=stop_tokens, keep_depths=bool(readouts),
-                      on_rollback=on_rollback, exit_rule=exit_rule, draft_rule=draft_rule)
+    runner = runner_for(model, mode=options.mode, record=record, prompt_len=len(prompt),
+                        max_new_tokens=options.max_new_tokens, depth=depth,
+                        kv_sharing=options.kv_sharing, readout_depths=plan.readout_depths,
+                        lookahead=widest_lookahead(depth) if options.auto else plan.lookahead)
+    if options.draft_rule is not None:
+        runner.cache.allow_rewrites("coda")
+    verifier = setup.verifier(len(prompt), options.max_new_tokens, options.seed)
+    decoder = Decoder(runner, prompt, max_new_tokens=options.max_new_tokens,
+                      sampling=verifier.sampling, verifier=verifier,
+                      stop_tokens=options.stop_tokens, keep_depths=bool(readouts),
+                      on_rollback=on_rollback, exit_rule=setup.exit_rule,
+                      draft_rule=options.draft_rule)
     start = time.perf_counter()
-    decision: dict[str, object] = {}
+    chosen, decision = setup.schedule, {}
     with torch.inference_mode():
-        if auto:
-            decoder.probe = {}
-            decoder.run(plan.prefill_steps(every_position=True))
-            decided = time.perf_counter()
-            acceptance = prompt_acceptance(decoder.probe, depth)
-            choice = choose(model, hardware, acceptance, len(prompt), max_new_tokens, depth,
-                            kv_sharing)
-            decoder.probe = None
-            chosen = choice.schedule_spec()
-            plan = chosen.plan(len(prompt), depth, coda_attends=coda_attends, prefill=False)
-            decision = {"choice": choice.label, "flags": choice.flags,
-                        "predicted_tokens_per_s": choice.tokens_per_s,
-                        "predicted_speedup_vs_ar": choice.speedup_vs_ar,
-                        "acceptance_by_depth": acceptance, "hardware": hardware.name,
-                        "decide_s": time.perf_counter() - decided}
+        if options.auto:
+            chosen, plan, decision = _decide(decoder, plan, setup, hardware)
         decoder.run(plan.steps())
     # capture and warm-up are paid once per shape, reported apart (stats["capture_s"])
     wall = time.perf_counter() - start - runner.capture_s
     stats = chosen.run_stats(plan, verifier.stats())
     if decision:
         stats["auto"] = decision
-    if exit_rule is not None:
-        stats["exit_rule"] = exit_rule.label
-        stats["forced_exits"] = exit_rule.name == "forced"
-        stats["mean_exit_depth"] = sum(decoder.exit_depths) / max(len(decoder.exit_depths), 1)
-        stats["exit_depths"] = decoder.exit_depths
-    stats.update(runner.mode_stats())
-    stats["kv_bytes_allocated"] = cache.nbytes
+    stats.update(_exit_stats(setup.exit_rule, decoder.exit_depths), **runner.mode_stats())
+    stats["kv_bytes_allocated"] = runner.cache.nbytes
     # prefill and first token; the rest of wall_s is the decode proper
     stats["time_to_first_token_s"] = decoder.first_token_at - start
     return GenerationResult(prompt=list(prompt), tokens=decoder.tokens, wall_s=wall,
                             schedule=chosen.name, records=runner.records,
-                            depth_records=decoder.depth_records, stats=stats, cache=cache,
-                            outcomes=verifier.outcomes,
-                            draft_fired=decoder.drafts_when.fired if draft_rule else {})
+                            depth_records=decoder.depth_records, stats=stats,
+                            cache=runner.cache, outcomes=verifier.outcomes,
+                            draft_fired=decoder.drafts_when.fired if options.draft_rule else {})
+
+
+def _decide(decoder: Decoder, probe: Plan, setup: RunSetup, hardware
+            ) -> tuple[Schedule, Plan, dict[str, object]]:
+    """``--schedule auto``: run the probe's prefill, reading the prompt out at every depth it
+    asks, and choose the fastest configuration for the acceptance by depth seen there; the
+    chosen schedule, its plan for the rest of the run, and why."""
+    decoder.probe = {}
+    decoder.run(probe.prefill_steps(every_position=True))
+    decided = time.perf_counter()
+    acceptance = prompt_acceptance(decoder.probe, setup.depth)
+    options, prompt_length = setup.options, len(decoder.prompt)
+    choice = choose(decoder.runner.model, hardware, acceptance, prompt_length,
+                    options.max_new_tokens, setup.depth, options.kv_sharing)
+    decoder.probe = None
+    chosen = choice.schedule_spec()
+    plan = chosen.plan(prompt_length, setup.depth, coda_attends=setup.coda_attends,
+                       prefill=False)
+    return chosen, plan, {"choice": choice.label, "flags": choice.flags,
+                          "predicted_tokens_per_s": choice.tokens_per_s,
+                          "predicted_speedup_vs_ar": choice.speedup_vs_ar,
+                          "acceptance_by_depth": acceptance, "hardware": hardware.name,
+                          "decide_s": time.perf_counter() - decided}
+
+
+def _exit_stats(rule: Rule | None, exit_depths: list[int]) -> dict[str, object]:
+    """What a run with an exit rule reports of it (nothing without one)."""
+    if rule is None:
+        return {}
+    return {"exit_rule": rule.label, "forced_exits": rule.name == "forced",
+            "mean_exit_depth": sum(exit_depths) / max(len(exit_depths), 1),
+            "exit_depths": exit_depths}
 
 
 @torch.inference_mode()

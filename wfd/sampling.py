@@ -13,9 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-class GenerationError(ValueError):
-    """A request the model cannot serve (prompt too long, bad depth), in one line."""
+from .options import GenerationError
 
 
 @dataclass

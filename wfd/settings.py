@@ -7,32 +7,34 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pydantic import ValidationError
 from torch import nn
 
+from costmodel.errors import validation_message
 from costmodel.exits import ExitRule, Rule
 from costmodel.plans import EarlyExit, Plan
 from costmodel.schedules import Schedule, get, widest
 from costmodel.simulate import acceptance_draws
 
+from .checkpoint import DTYPE_NAMES
 from .exits import check_rule
-from .sampling import GenerationError, Sampling, Verifier
+from .options import GenerationError, RunOptions
+from .sampling import Sampling, Verifier
 
 
-def _named(name: str, model: nn.Module, depth: int, draft_depth: int | None,
-           block_length: int | None, width_cap: int | None) -> Schedule:
-    """The registered schedule ``name`` with the options it takes (the draft depth the model's
-    own where none is given); what it cannot run at R in one line."""
-    from pydantic import ValidationError
-
-    from costmodel.errors import validation_message
+def _named(options: RunOptions, model: nn.Module, depth: int) -> Schedule:
+    """The registered schedule ``options`` names with the parameters it takes (the draft depth
+    the model's own where neither it nor a width is given); what it cannot run at R in one
+    line."""
     from costmodel.predict import resolve_draft_depth
 
     try:
-        kind = get(name)
+        kind = get(options.schedule)
         if not kind.drafts:
             return kind()
-        return kind.of(resolve_draft_depth(model.config, depth, None, draft_depth),
-                       block_length, width_cap)
+        draft_depth = resolve_draft_depth(model.config, depth, options.width,
+                                          options.draft_depth)
+        return kind.of(draft_depth, options.block_length, options.width_cap)
     except ValidationError as exc:
         raise GenerationError(validation_message(exc)) from None
     except ValueError as exc:
@@ -46,30 +48,34 @@ class RunSetup:
     ceil(R / 8) unless its config names one, where none is given), each prompt's plan, and each
     prompt's verifier."""
 
+    options: RunOptions
     schedule: Schedule
     depth: int
     coda_attends: bool
     exit_rule: Rule | None = None
-    draft_rule: ExitRule | None = None
 
     @classmethod
-    def of(cls, model: nn.Module, schedule: str | Schedule, depth: int | None,
-           draft_depth: int | None = None, block_length: int | None = None,
-           width_cap: int | None = None, exit_rule: Rule | None = None,
-           draft_rule: ExitRule | None = None) -> RunSetup:
-        """``schedule``: a Schedule, or a registered name with its options (those it does not
-        take are ignored)."""
-        depth = model.config.depth if depth is None else depth  # 0 is refused, not the default
-        if isinstance(schedule, str):
-            schedule = _named(schedule, model, depth, draft_depth, block_length, width_cap)
-        if exit_rule is not None:
-            check_rule(exit_rule, model, depth)
-        if draft_rule is not None:
-            if not schedule.drafts:
-                raise GenerationError("adaptive drafting (--draft-when) goes with a schedule "
-                                      "that drafts (dtv or wfd)")
-            check_rule(draft_rule, model, schedule.draft_depth)
-        return cls(schedule, depth, model.config.coda_layers > 0, exit_rule, draft_rule)
+    def of(cls, model: nn.Module, options: RunOptions, schedule: Schedule | None = None
+           ) -> RunSetup:
+        """The run ``options`` asks of ``model``, checked against it; ``schedule`` in place of
+        the one it names (auto's probe runs AR)."""
+        depth = model.config.depth if options.depth is None else options.depth
+        if schedule is None:
+            schedule = options.schedule if isinstance(options.schedule, Schedule) else \
+                _named(options, model, depth)
+        dtype = DTYPE_NAMES[next(model.parameters()).dtype]
+        if options.dtype is not None and options.dtype != dtype:
+            raise GenerationError(f"the run asks for {options.dtype}; the model is in {dtype}")
+        rule = options.rule(depth)
+        if rule is not None:
+            check_rule(rule, model, depth)
+        if options.draft_rule is not None:
+            check_rule(options.draft_rule, model, schedule.draft_depth)
+        return cls(options, schedule, depth, model.config.coda_layers > 0, rule)
+
+    @property
+    def draft_rule(self) -> ExitRule | None:
+        return self.options.draft_rule
 
     @property
     def exits(self) -> EarlyExit | None:
@@ -91,13 +97,20 @@ class RunSetup:
         except ValueError as exc:
             raise GenerationError(str(exc)) from None
 
-    def verifier(self, sampling: Sampling, prompt_length: int, max_new_tokens: int,
-                 force_acceptance: float | None, seed: int) -> Verifier:
-        """A prompt's verifier: with ``force_acceptance``, the seeded outcomes the simulator
-        draws for the same run (a schedule that drafts nothing verifies nothing)."""
-        forced = None if force_acceptance is None or not self.schedule.drafts else \
-            acceptance_draws(force_acceptance, max_new_tokens + 1, seed)
-        return Verifier(sampling, forced, first_position=prompt_length)
+    def verifier(self, prompt_length: int, max_new_tokens: int, seed: int) -> Verifier:
+        """A prompt's verifier: with forced acceptance, the seeded outcomes the simulator draws
+        for the same run (a schedule that drafts nothing verifies nothing)."""
+        accept = self.options.force_acceptance
+        forced = None if accept is None or not self.schedule.drafts else \
+            acceptance_draws(accept, max_new_tokens + 1, seed)
+        return Verifier(self.sampling, forced, first_position=prompt_length)
+
+    @property
+    def sampling(self) -> Sampling:
+        """The caller's own sampling rule, or the one of the run's temperature, top-p and
+        seed."""
+        o = self.options
+        return o.sampling if o.sampling is not None else Sampling(o.temperature, o.top_p, o.seed)
 
 
 def widest_lookahead(depth: int) -> int:
