@@ -143,7 +143,8 @@ def main() -> None:
                         help="measure adaptive drafting instead of exits")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    from wfd.runtime import committed_profiles, machine_name
+    from costmodel.store import committed_profiles
+    from wfd.runtime import machine_name
     from wfd.transplant import transplant
 
     for name in args.models:

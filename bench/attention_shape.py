@@ -1,6 +1,6 @@
 """What a call's attention shape costs, from a profile's stored block calls (no measuring).
 
-    python bench/attention_shape.py data/profiles/gpu-huginn-bf16.json [...]
+    python bench/attention_shape.py costmodel/data/profiles/gpu-huginn-bf16.json [...]
 
 Each block call the profile measured (training and held-out) reads its keys in one of three
 shapes: one position over one key set (an AR step), several positions over one key set (a DtV

@@ -38,8 +38,9 @@ import torch
 from costmodel.clitools import script_main
 from costmodel.profile import load_profile
 from costmodel.simulate import price_records
+from costmodel.store import PROFILES_DIR
 from wfd.checkpoint import load_model
-from wfd.runtime import PROFILES_DIR, Runner, make_cache
+from wfd.runtime import Runner, make_cache
 from wfd.timing import Quiet
 
 SPREAD = 40  # the most a ragged batch's contexts differ by

@@ -48,10 +48,10 @@ from costmodel.figures import batch_speedup_axes, save_figure
 from costmodel.predict import predict
 from costmodel.profile import load_profile
 from costmodel.simulate import price_records
+from costmodel.store import PROFILES_DIR
 from costmodel.workload import Workload
 from wfd.batch import Request, decode_batch
 from wfd.checkpoint import load_model
-from wfd.runtime import PROFILES_DIR
 from wfd.timing import Quiet
 
 
@@ -128,8 +128,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="huginn-small:random")
     ap.add_argument("--profile", default=None,
-                    help="calibration profile (default: data/profiles/cpu-FAMILY-DTYPE.json, or "
-                         "on CUDA gpu-FAMILY-DTYPE.json: an eager calibration of this GPU)")
+                    help="calibration profile (default: costmodel/data/profiles/"
+                         "cpu-FAMILY-DTYPE.json, or on CUDA gpu-FAMILY-DTYPE.json: an eager "
+                         "calibration of this GPU)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--block-lengths", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--context", type=int, default=32)

@@ -9,7 +9,6 @@ block call vs the number of positions in it.
     python bench/decode_speed.py block-calls [--model huginn-mid:random] [--dtype fp32 bf16]
         [--threads 1 2]
     python bench/decode_speed.py operations [--models huginn-3.5b ouro-2.6b] [--dtypes fp32 bf16]
-        [--write costmodel/data/operations.json]
 
 Runs are interleaved (each repeat runs every configuration once, in turn) and the median is
 reported. A trained model decodes for real; a random-weight model (PRESET:random) uses the
@@ -35,8 +34,8 @@ Prints a Markdown table for docs/ and, with --out, writes its rows as JSON.
 `operations` counts what the decoder dispatches per layer and per call of each part, by class, as
 a calibration counts it (calibrate.operations.decoder_operations): matrix products, attention and
 other kernels, and views (no kernel). The counts do not depend on widths, so each preset is
-counted on a narrow copy with its own layers, heads ratio and options. With --write it writes
-each family's counts by class, the table `costmodel` prices a preset's operations with.
+counted on a narrow copy with its own layers, heads ratio and options (`python -m
+calibrate.tables --write` writes the table `costmodel` prices a preset's operations with).
 """
 
 from __future__ import annotations
@@ -307,15 +306,8 @@ def block_calls(args) -> None:
 
 
 def operations(args) -> None:
-    from calibrate.operations import decoder_operations, family_operations, narrow_model
+    from calibrate.operations import decoder_operations, narrow_model
 
-    if args.write:  # the table presets are priced with (costmodel/data/operations.json)
-        data = {"command": "python bench/decode_speed.py operations --write "
-                           "costmodel/data/operations.json",
-                "dtype": "bf16", "families": family_operations("bf16")}
-        Path(args.write).write_text(json.dumps(data, indent=1) + "\n")
-        print(f"wrote {args.write}")
-        return
     print("| model | dtype | per layer: operations | kernels (matmul, attention, other) | views |"
           " per call outside the layers (prelude, block, coda) |\n|---|---|---|---|---|---|")
     for name in args.models:
@@ -367,8 +359,6 @@ def main() -> None:
     o = sub.add_parser("operations")
     o.add_argument("--models", nargs="+", default=["huginn-3.5b", "ouro-2.6b"])
     o.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
-    o.add_argument("--write", default=None,
-                   help="write each family's bf16 counts by class to this JSON file instead")
     args = parser.parse_args()
     if getattr(args, "repeats", 1) < 1:
         parser.error(f"--repeats must be at least 1, not {args.repeats}")

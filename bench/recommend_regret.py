@@ -8,9 +8,9 @@ Cases: the shipped huginn-tiny and ouro-tiny decoding for real (the acceptance b
 depth trace of AR runs over the prompts), and a random-weight model with forced acceptance
 curves alpha(d) = 1 - (1 - a0) d0 / d at a0 = 0.6, 0.8 and 0.95 (each configuration's runs
 forced at its own draft depth's acceptance). The recommendation prices with this machine's
-committed profile (data/profiles/cpu-FAMILY-fp32.json). Grid: AR; DtV d x k in {2, 4, 8}; WFD
-d x (no cap, half the width); plus the recommended configuration. Runs are interleaved, medians
-of --repeats. Regret = 1 - measured(recommended) / measured(best). Also times
+committed profile (costmodel/data/profiles/cpu-FAMILY-fp32.json). Grid: AR; DtV d x k in
+{2, 4, 8}; WFD d x (no cap, half the width); plus the recommended configuration. Runs are
+interleaved, medians of --repeats. Regret = 1 - measured(recommended) / measured(best). Also times
 `--schedule auto` against the configuration it chooses (huginn-tiny, --new-tokens).
 """
 
@@ -26,12 +26,13 @@ from costmodel import Workload, recommend
 from costmodel.clitools import script_main
 from costmodel.profile import load_profile
 from costmodel.schedules import wave_width
+from costmodel.store import PROFILES_DIR
 from costmodel.trace import atomic_write
 from studies.recommend import acceptance_curve
 from wfd.checkpoint import load_model
 from wfd.generate import generate
 
-PROFILES = Path(__file__).resolve().parents[1] / "data" / "profiles"
+PROFILES = PROFILES_DIR
 
 
 def depth_acceptance(model, new_tokens: int) -> dict[int, float]:

@@ -140,7 +140,6 @@ def _plot(rep, path: Path, title: str) -> Path | None:
 
 
 def _print_validation(profile, rep, path: Path, plot_path: Path | None, as_json: bool) -> None:
-    coefficients = profile.coefficients
     if as_json:
         print_json({"profile": str(path), "plot": str(plot_path) if plot_path else None,
                     "machine": profile.machine,
@@ -148,10 +147,19 @@ def _print_validation(profile, rep, path: Path, plot_path: Path | None, as_json:
                     "load": profile.load.model_dump() if profile.load else None,
                     **rep.model_dump()})
         return
+    _print_fit(profile)
+    _print_held_out_errors(rep)
+    _print_errors_by_mode(profile, rep)
+    typer.echo(f"profile: {path}" + (f"; plot: {plot_path}" if plot_path else ""))
+
+
+def _print_fit(profile) -> None:
+    """The fitted and held coefficients, what the calibration checked and how busy the machine
+    was."""
     threads = f", {profile.threads} threads" if profile.threads else ""
     rows = [[name, f"{v.value:.4g}", "measured" if v.unit.endswith("(measured)")
              else f"{v.stderr:.2g}", v.unit.removesuffix(" (measured)")]
-            for name, v in coefficients.items()]
+            for name, v in profile.coefficients.items()]
     rows += [[name, f"{v.value:.4g}", "-", v.reason] for name, v in profile.held.items()]
     typer.echo(text_table(["coefficient", "value", "std. error", "unit"], rows, left=(0, 3),
                           title=f"fitted on {profile.machine} ({profile.device}, "
@@ -167,11 +175,20 @@ def _print_validation(profile, rep, path: Path, plot_path: Path | None, as_json:
                    + (f", spread {load.canary_p90 / load.canary_p10:.2f}x: 90th over 10th"
                       if load.canary_p10 else "") + ")"
                    + (": written with --force, too busy to trust" if load.forced else ""))
+
+
+def _rel_errors(stats) -> list[str]:
+    """A group's median and max |relative error|."""
+    return [f"{stats['median_rel_error']:.1%}", f"{stats['max_rel_error']:.1%}"]
+
+
+def _print_held_out_errors(rep) -> None:
+    """The held-out points' errors by schedule, in all and per calibration target, and the
+    noise floor under them (each point's spread over its measurements)."""
     from calibrate.validate import FIGURES
 
     def errors(group: str, points: int, stats) -> list[str]:
-        return [group, str(points), f"{stats['median_rel_error']:.1%}",
-                f"{stats['max_rel_error']:.1%}"]
+        return [group, str(points), *_rel_errors(stats)]
 
     rows = [errors(group, int(stats["points"]), stats)
             for group, stats in rep.per_schedule.items()]
@@ -193,9 +210,13 @@ def _print_validation(profile, rep, path: Path, plot_path: Path | None, as_json:
                    + ". Errors near these are the machine's noise in that hour, not the "
                    "model's.")
 
+
+def _print_errors_by_mode(profile, rep) -> None:
+    """Errors by execution mode: of the fit on every mode, and of a fit on one mode pricing
+    another (the profile's cross-mode checks); nothing when there are neither."""
+
     def cells(*figures) -> list[str]:
-        return [f"{f['median_rel_error']:.1%} / {f['max_rel_error']:.1%}" if f else "-"
-                for f in figures]
+        return [" / ".join(_rel_errors(f)) if f else "-" for f in figures]
 
     if rep.per_mode or profile.cross_mode:
         rows = [["both", mode, *cells(stats["per_call"], stats["per_token"])]
@@ -205,7 +226,6 @@ def _print_validation(profile, rep, path: Path, plot_path: Path | None, as_json:
                  for check in profile.cross_mode]
         typer.echo(text_table(["fitted on", "priced", "calls", "runs, per token"], rows,
                               left=(0, 1), title="by execution mode (median / max |rel. error|)"))
-    typer.echo(f"profile: {path}" + (f"; plot: {plot_path}" if plot_path else ""))
 
 
 def validate_cmd(

@@ -1,6 +1,7 @@
 """What the decoder dispatches, counted by class per layer and per part (matrix products,
 attention, other kernels, views), the host time of each class, and what a CUDA graph's replay
-costs: the terms a calibration prices a call's operations by."""
+costs: the terms a calibration prices a call's operations by (the presets' table of them:
+calibrate.tables)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Fit a profile's stored calls again with this version's cost model, without measuring again.
 
-    costmodel refit data/profiles/gpu-huginn-bf16.json --out gpu-huginn-bf16.json
+    costmodel refit costmodel/data/profiles/gpu-huginn-bf16.json --out gpu-huginn-bf16.json
 
 When the cost model gains a term, a profile made before it is fitted again from the calls it
 kept: the measurements (peaks, kernel counts, a CPU's product curve) stay, every fitted

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import NamedTuple
 
 from costmodel.hardware import HardwareSpec
 from costmodel.plans import default_draft_depth
@@ -28,10 +29,15 @@ from costmodel.trace import current_commit
 from wfd.timing import CallSample, Grid, Quiet, time_call, warm_up
 
 from .curve import CURVE_ROWS, CURVE_ROWS_QUICK
-from .fit import MICROBENCHMARKS, Observation, fit, prior
+from .fit import MICROBENCHMARKS, FitResult, Observation, fit, prior
 from .machine import Peaks, measure_peaks
 from .measure import FULL, QUICK, call_grid, contexts_for, measure_runs
-from .operations import decoder_operations, graph_replay_costs, operation_host_weights
+from .operations import (
+    DecoderOperations,
+    decoder_operations,
+    graph_replay_costs,
+    operation_host_weights,
+)
 from .refit import with_streamed_start
 from .validate import ValidationPoint, run_point
 
@@ -128,6 +134,277 @@ def reused_peaks(path: Path, device: str, dtype: str, force: bool = False) -> Pe
                  checks=[reused, *checks])
 
 
+class LoadedModel(NamedTuple):
+    """A model of the calibration: its name, the model, and the spec the cost model prices it by."""
+
+    name: str
+    model: object
+    spec: object
+
+
+def load_models(family: str, checkpoint: str | None, fit_models: list[str] | None,
+                holdout_model: str | None, device: str,
+                dtype: str) -> dict[str, LoadedModel]:
+    """The models by role ("fit0", "fit1", ... and "holdout"), each checked to be of
+    ``family``."""
+    from wfd.checkpoint import CheckpointError, load_model
+
+    default_fit, default_holdout = default_models(family, checkpoint)
+    roles = {f"fit{i}": name for i, name in enumerate(fit_models or default_fit)}
+    roles["holdout"] = holdout_model or default_holdout
+    loaded = {}
+    for role, name in roles.items():
+        model = load_model(name, device=device, dtype=dtype)
+        if model.config.family != family:
+            raise CheckpointError(f"{name} is a {model.config.family} model, not {family}")
+        loaded[role] = LoadedModel(name, model, spec_for(name, model))
+    return loaded
+
+
+def machine_peaks(device: str, dtype: str, quiet: Quiet, quick: bool, progress,
+                  machine_from: Path | None, force: bool) -> Peaks:
+    """The machine's peaks, cache and a CPU's product curve: those of ``machine_from``'s
+    profile, else measured."""
+    if machine_from is not None:
+        return reused_peaks(machine_from, device, dtype, force)
+    machine_task = progress.add_task("measuring the machine: bandwidth, flops, matrix "
+                                     "products", total=None) if progress else None
+    peaks = measure_peaks(device, dtype, quiet, CURVE_ROWS_QUICK if quick else CURVE_ROWS)
+    if progress:
+        progress.remove_task(machine_task)
+    return peaks
+
+
+def operation_class_fields(ops: DecoderOperations, device: str, dtype: str,
+                           checks: list[str]) -> dict:
+    """A GPU's operations by class and each class's measured host time, as HardwareSpec fields;
+    none where the weights could not be measured (said in ``checks``)."""
+    try:
+        return {"layer_operations": ops.layer_by_class,
+                "part_extra_operations": ops.extras_by_class,
+                "operation_host_weights": operation_host_weights(device, dtype)}
+    except RuntimeError as exc:  # every operation then costs alike, as on a CPU
+        checks.append(f"operation class weights not measured ({exc}): one cost per operation")
+        return {}
+
+
+def replay_costs(device: str, checks: list[str]) -> dict[str, float]:
+    """What a replayed call costs a GPU's host, and a replayed kernel the device: where an eager
+    fit cannot see them, the starting values (calibrate.fit.MICROBENCHMARKS); none where the
+    microbenchmark failed (said in ``checks``)."""
+    replay: dict[str, float] = {}
+    try:
+        replay["replay_host_s"], replay["replay_kernel_device_s"] = graph_replay_costs(device)
+    except RuntimeError as exc:  # a device without graph capture: the priors stay
+        checks.append(f"replay microbenchmark failed ({exc}): priors kept")
+    return replay
+
+
+def measured_figures(peaks: Peaks, ops: DecoderOperations, by_class: dict,
+                     replay: dict[str, float]) -> dict[str, tuple[float, str]]:
+    """The figures a calibration measures rather than fits, each with its unit."""
+    measured = {"peak_bandwidth": (peaks.bandwidth_bytes_per_s, "B/s"),
+                "peak_flops": (peaks.flops_per_s, "flop/s"),
+                "kernels_per_layer": (ops.per_layer, "operations"),
+                **{f"{part}_extra_kernels": (count, "operations")
+                   for part, count in ops.extras.items()},
+                **{f"host_weight_{kind}": (w, "x an elementwise operation's host time")
+                   for kind, w in by_class.get("operation_host_weights", {}).items()},
+                **{key: (value, "s") for key, value in replay.items()}}
+    if peaks.matmul is not None:
+        measured["cache_knee"] = (peaks.cache_bytes, "B")
+        measured["reported_cache"] = (peaks.reported_cache_bytes, "B")
+    return measured
+
+
+def starting_hardware(loaded: dict[str, LoadedModel], peaks: Peaks, device: str, dtype: str,
+                      mode: str) -> tuple[HardwareSpec, dict[str, tuple[float, str]]]:
+    """(the hardware a fit starts from, the figures measured rather than fitted): the peaks,
+    the decoder's operations counted, and on a GPU its operation classes' host times and the
+    graph replay's costs, measured (failures said in ``peaks.checks``)."""
+    from wfd.runtime import machine_name
+
+    cuda = device.startswith("cuda")
+    # Kernels are the decoder's dispatched operations, counted; attention over several KV slots
+    # is one of them (a wave is batched), so attention adds no kernels per slot. On a GPU the
+    # classes are priced apart: each its measured host time, views no kernel (a CPU's products
+    # are in its curve, and its calibration keeps one cost per operation).
+    ops = decoder_operations([m.model for role, m in loaded.items() if role != "holdout"])
+    by_class = operation_class_fields(ops, device, dtype, peaks.checks) if cuda else {}
+    replay = replay_costs(device, peaks.checks) if cuda else {}
+    base = HardwareSpec(name=f"{machine_name(device)} ({device}, {dtype}, calibrated)",
+                        memory_bandwidth_bytes_per_s=peaks.bandwidth_bytes_per_s,
+                        peak_flops_per_s={dtype: peaks.flops_per_s},
+                        memory_capacity_bytes=_memory_capacity(device),
+                        overhead_overlaps=cuda, cuda_graphs=mode == "graphs",
+                        attention_split_by_slot=False, kernels_per_layer=ops.per_layer,
+                        attention_kernels_per_slot=0, part_extra_kernels=ops.extras,
+                        matmul=peaks.matmul, **by_class, **starting_terms(cuda, replay))
+    return base, measured_figures(peaks, ops, by_class, replay)
+
+
+# a held-out run: its schedule, the schedule's options, and its forced acceptance (None: AR)
+Schedule = tuple[str, dict, float | None]
+
+
+def holdout_schedules(depth: int, acceptances: list[float]) -> list[Schedule]:
+    """The held-out runs: AR, and WFD and DtV at a forced acceptance: one (DEFAULT_ACCEPTANCE)
+    at both draft depths, or a sweep at the model's default draft depth (what pricing each call
+    from its shape must get right at every acceptance)."""
+    if len(acceptances) > 1:
+        drafts = [default_draft_depth(depth)]
+    else:
+        drafts = sorted({default_draft_depth(depth), max(1, depth // 4)})
+    return [("ar", {}, None)] + [
+        (kind, {"draft_depth": d, **({"block_length": 4} if kind == "dtv" else {})}, alpha)
+        for alpha in acceptances for kind in ("wfd", "dtv") for d in drafts]
+
+
+class Measurements:
+    """The timed part of a calibration, on one progress line: every model's call grid in two
+    passes, and rounds of whole runs of the held-out size around them."""
+
+    def __init__(self, loaded: dict[str, LoadedModel], grid: Grid, mode: str, quiet: Quiet,
+                 progress, schedules: list[Schedule], sweep: bool, quick: bool) -> None:
+        self.loaded, self.grid, self.mode, self.quiet = loaded, grid, mode, quiet
+        self.progress, self.schedules, self.sweep = progress, schedules, sweep
+        self.plan: list[tuple[str, tuple[str, int, int, int]]] = []  # (role, call) to time
+        for role, (name, model, _) in loaded.items():
+            warm_up(model, name, max(grid.positions), max(contexts_for(model, grid)), mode)
+            self.plan += [(role, point) for point in call_grid(model, grid)]
+        self.prompt = [32 + (i * 7) % 90 for i in range(64)]
+        self.tokens = 24 if quick else 48
+        # the quick grid measures the runs twice (before and after the passes), the default
+        # three times
+        self.run_rounds = 2 if quick else 3
+        total = 2 * len(self.plan) + self.run_rounds * len(schedules)
+        self.task = progress.add_task("measuring calls", total=total) if progress else None
+        self.run_measurements: list[list[ValidationPoint]] = []  # each round of the runs
+        self.passes: list[dict[int, CallSample]] = [{}, {}]  # each pass's sample by plan index
+        self.samples: list[tuple[str, CallSample]] = []  # (role, faster pass) by plan index
+
+    def _starting(self, description: str) -> None:
+        if self.progress:
+            self.progress.update(self.task, description=description)
+
+    def _done(self) -> None:
+        if self.progress:
+            self.progress.advance(self.task)
+
+    def holdout_runs(self) -> None:
+        """A round of whole runs of the held-out size, per decoded token (forced acceptance)."""
+        name, held, spec = self.loaded["holdout"]
+        out = []
+        for schedule, kw, alpha in self.schedules:
+            self._starting(f"{name}: {schedule} run {kw}")
+            run = self.quiet.measure(lambda runs: runs[0].wall_s, measure_runs, name, held,
+                                     self.prompt, self.tokens, [(schedule, kw)], alpha,
+                                     self.mode)[0]
+            point = run_point(name, spec, run, len(self.prompt), held.config.depth)
+            if self.sweep and alpha is not None:
+                point = point.model_copy(update={"label": f"{point.label} a={alpha:g}"})
+            out.append(point)
+            self._done()
+        self.run_measurements.append(out)
+
+    def time_grid_point(self, i: int, pass_index: int) -> CallSample:
+        """Grid point i's call, timed in pass ``pass_index``."""
+        role, (kind, n, context, slots) = self.plan[i]
+        name, model, _ = self.loaded[role]
+        self._starting(f"{name}: {kind} n={n} context={context} slots={slots} "
+                       f"(pass {pass_index + 1})")
+        sample = self.quiet.measure(lambda c: c.median_s, time_call, model, name, kind, n,
+                                    context, slots, self.grid, self.mode)
+        self._done()
+        return sample
+
+    def measure_grid(self) -> None:
+        """Two passes over the grid, the second in reverse order, keeping each point's faster
+        median: a burst of load rarely hits the same point twice. The runs (seconds long, so
+        more often hit) are measured before, between and after the passes (``final_runs``),
+        keeping the fastest; quick: not between."""
+        self.holdout_runs()
+        for pass_index, order in enumerate((range(len(self.plan)),
+                                            reversed(range(len(self.plan))))):
+            if pass_index and self.run_rounds == 3:
+                self.holdout_runs()
+            for i in order:
+                self.passes[pass_index][i] = self.time_grid_point(i, pass_index)
+        self.samples = [
+            (self.plan[i][0], min(self.passes[0][i], self.passes[1][i], key=lambda s: s.median_s))
+            for i in range(len(self.plan))]
+
+    def final_runs(self) -> list[ValidationPoint]:
+        """The last round of runs, then each run at its fastest round, with every round's
+        time."""
+        self.holdout_runs()
+        return [min(each, key=lambda point: point.measured_s).model_copy(
+            update={"repeats_s": [point.measured_s for point in each]})
+            for each in zip(*self.run_measurements, strict=True)]
+
+    def in_training(self, i: int) -> bool:
+        """Whether grid point i is fitted: a fitted model's call at ``TRAIN_POSITIONS``
+        positions and at the shortest or longest context of the grid."""
+        role, s = self.samples[i]
+        contexts = contexts_for(self.loaded[role].model, self.grid)
+        return (role != "holdout" and len(s.record.positions) in TRAIN_POSITIONS
+                and min(s.record.positions) in (min(contexts), max(contexts)))
+
+    def observations(self) -> list[Observation]:
+        """The fitted calls, as the fit takes them."""
+        return [Observation(model=self.loaded[role].spec, record=s.record, seconds=s.median_s)
+                for i, (role, s) in enumerate(self.samples) if self.in_training(i)]
+
+    def call_points(self, training: bool) -> list[ValidationPoint]:
+        """The fitted calls (``training``) or the held-out ones, each kept at its faster pass,
+        with both passes' medians."""
+        points = []
+        for i, (role, s) in enumerate(self.samples):
+            if self.in_training(i) != training:
+                continue
+            points.append(ValidationPoint(
+                kind="call", model=s.model, spec=self.loaded[role].spec, group=s.record.kind,
+                measured_s=s.median_s, record=s.record,
+                repeats_s=[each[i].median_s for each in self.passes],
+                label=f"{s.record.kind} n={len(s.record.positions)} "
+                      f"context={min(s.record.positions)} "
+                      f"slots={len(s.record.slot_contexts())}"))
+        return points
+
+
+def calibration_profile(result: FitResult, measured: dict[str, tuple[float, str]],
+                        checks: list[str], measurements: Measurements,
+                        validation: list[ValidationPoint], device: str,
+                        dtype: str) -> CalibrationProfile:
+    """The profile of a fit: its hardware and coefficients, the figures measured rather than
+    fitted among them, and the calls and runs it was fitted on and validated with."""
+    import torch
+
+    from wfd.runtime import machine_name
+
+    fitted = result.coefficients()
+    for key, (value, unit) in measured.items():
+        fitted[key] = FittedValue(value=value, stderr=0.0, unit=f"{unit} (measured)")
+    cuda = device.startswith("cuda")
+    loaded, grid = measurements.loaded, measurements.grid
+    return CalibrationProfile(
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        hardware=result.hardware, machine=machine_name(device), device=device,
+        torch_version=torch.__version__, dtype=dtype, commit=current_commit(),
+        threads=None if cuda else torch.get_num_threads(),
+        models=[m.name for m in loaded.values()],
+        grid={"positions": list(grid.positions), "contexts": list(grid.contexts),
+              "repeats": [grid.repeats],
+              "train_positions": list(TRAIN_POSITIONS),
+              "train_models": [m.name for role, m in loaded.items() if role != "holdout"]},
+        coefficients=fitted, held=result.held(), checks=checks,
+        load=None if cuda else LoadReport(**measurements.quiet.report()),
+        fit_stats=result.stats(),
+        training=measurements.call_points(training=True),
+        validation=validation,
+    )
+
+
 def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu",
               dtype: str = "fp32", quick: bool = False, threads: int | None = None,
               fit_models: list[str] | None = None, holdout_model: str | None = None,
@@ -136,186 +413,26 @@ def calibrate(family: str, *, checkpoint: str | None = None, device: str = "cpu"
               retries: int | None = None) -> CalibrationProfile:
     import torch
 
-    from wfd.checkpoint import CheckpointError, load_model
-    from wfd.runtime import machine_name
-
     if threads:
         torch.set_num_threads(threads)
     grid: Grid = QUICK if quick else FULL
-    default_fit, default_holdout = default_models(family, checkpoint)
-    roles = {f"fit{i}": name for i, name in enumerate(fit_models or default_fit)}
-    roles["holdout"] = holdout_model or default_holdout
-    loaded = {}  # the models first: a wrong checkpoint fails before a minute of measuring
-    for role, name in roles.items():
-        model = load_model(name, device=device, dtype=dtype)
-        if model.config.family != family:
-            raise CheckpointError(f"{name} is a {model.config.family} model, not {family}")
-        loaded[role] = (name, model, spec_for(name, model))
+    # the models first: a wrong checkpoint fails before a minute of measuring
+    loaded = load_models(family, checkpoint, fit_models, holdout_model, device, dtype)
     cuda = device.startswith("cuda")
     # a GPU is not shared: a slow canary there is launch jitter, not load, and is not retried
     quiet = Quiet(device, retries=(0 if cuda else 4) if retries is None else retries,
                   budget_s=60.0 if quick else 120.0)
-    if machine_from is not None:
-        peaks = reused_peaks(machine_from, device, dtype, force)
-    else:
-        machine_task = progress.add_task("measuring the machine: bandwidth, flops, matrix "
-                                         "products", total=None) if progress else None
-        peaks = measure_peaks(device, dtype, quiet, CURVE_ROWS_QUICK if quick else CURVE_ROWS)
-        if progress:
-            progress.remove_task(machine_task)
-    # Kernels are the decoder's dispatched operations, counted; attention over several KV slots
-    # is one of them (a wave is batched), so attention adds no kernels per slot. On a GPU the
-    # classes are priced apart: each its measured host time, views no kernel (a CPU's products
-    # are in its curve, and its calibration keeps one cost per operation).
-    ops = decoder_operations([m for r, (_, m, _) in loaded.items() if r != "holdout"])
-    per_layer, extras = ops.per_layer, ops.extras
-    by_class: dict = {}
-    if cuda:
-        try:
-            by_class = {"layer_operations": ops.layer_by_class,
-                        "part_extra_operations": ops.extras_by_class,
-                        "operation_host_weights": operation_host_weights(device, dtype)}
-        except RuntimeError as exc:  # every operation then costs alike, as on a CPU
-            peaks.checks.append(f"operation class weights not measured ({exc}): one cost per "
-                                "operation")
-    # what a replayed call costs the host, and a replayed kernel the device: where an eager fit
-    # cannot see them, the starting values (calibrate.fit.MICROBENCHMARKS)
-    replay: dict[str, float] = {}
-    if cuda:
-        try:
-            replay["replay_host_s"], replay["replay_kernel_device_s"] = graph_replay_costs(device)
-        except RuntimeError as exc:  # a device without graph capture: the priors stay
-            peaks.checks.append(f"replay microbenchmark failed ({exc}): priors kept")
-    base = HardwareSpec(name=f"{machine_name(device)} ({device}, {dtype}, calibrated)",
-                        memory_bandwidth_bytes_per_s=peaks.bandwidth_bytes_per_s,
-                        peak_flops_per_s={dtype: peaks.flops_per_s},
-                        memory_capacity_bytes=_memory_capacity(device),
-                        overhead_overlaps=cuda, cuda_graphs=mode == "graphs",
-                        attention_split_by_slot=False, kernels_per_layer=per_layer,
-                        attention_kernels_per_slot=0, part_extra_kernels=extras,
-                        matmul=peaks.matmul, **by_class, **starting_terms(cuda, replay))
-
-    plan = []
-    for role in roles:
-        name, model, _ = loaded[role]
-        warm_up(model, name, max(grid.positions), max(contexts_for(model, grid)), mode)
-        plan += [(role, point) for point in call_grid(model, grid)]
-    held_name, held, held_spec = loaded["holdout"]
-    depth = held.config.depth
-    prompt = [32 + (i * 7) % 90 for i in range(64)]
-    tokens = 24 if quick else 48
-    drafts = sorted({default_draft_depth(depth), max(1, depth // 4)})
-    # held-out runs at a forced acceptance: one (0.85) at both draft depths, or a sweep at the
-    # model's default draft depth (what pricing each call from its shape must get right at
-    # every acceptance)
+    peaks = machine_peaks(device, dtype, quiet, quick, progress, machine_from, force)
+    base, measured = starting_hardware(loaded, peaks, device, dtype, mode)
     acceptances = acceptances or [DEFAULT_ACCEPTANCE]
-    sweep = len(acceptances) > 1
-    schedules = [("ar", {}, None)] + [
-        (kind, {"draft_depth": d, **({"block_length": 4} if kind == "dtv" else {})}, alpha)
-        for alpha in acceptances for kind in ("wfd", "dtv")
-        for d in ([default_draft_depth(depth)] if sweep else drafts)]
-    # the quick grid measures the runs twice (before and after the passes), the default three times
-    run_rounds = 2 if quick else 3
-    task = progress.add_task("measuring calls",
-                             total=2 * len(plan) + run_rounds * len(schedules)) \
-        if progress else None
-
-    def holdout_runs() -> list[ValidationPoint]:
-        """Whole runs of the held-out size, per decoded token (forced acceptance)."""
-        out = []
-        for schedule, kw, alpha in schedules:
-            if progress:
-                progress.update(task, description=f"{held_name}: {schedule} run {kw}")
-            run = quiet.measure(lambda runs: runs[0].wall_s, measure_runs, held_name, held,
-                                prompt, tokens, [(schedule, kw)], alpha, mode)[0]
-            point = run_point(held_name, held_spec, run, len(prompt), depth)
-            if sweep and alpha is not None:
-                point = point.model_copy(update={"label": f"{point.label} a={alpha:g}"})
-            out.append(point)
-            if progress:
-                progress.advance(task)
-        return out
-
-    # Two passes over the grid, the second in reverse order, keeping each point's faster median:
-    # a burst of load rarely hits the same point twice. The runs (seconds long, so more often hit)
-    # are measured before, between and after the passes, keeping the fastest; quick: not between.
-    run_measurements = [holdout_runs()]
-    passes: list[dict[int, CallSample]] = [{}, {}]
-    for pass_index, order in enumerate((range(len(plan)), reversed(range(len(plan))))):
-        if pass_index and run_rounds == 3:
-            run_measurements.append(holdout_runs())
-        for i in order:
-            role, (kind, n, context, slots) = plan[i]
-            name, model, _ = loaded[role]
-            if progress:
-                progress.update(task, description=f"{name}: {kind} n={n} context={context} "
-                                                  f"slots={slots} (pass {pass_index + 1})")
-            passes[pass_index][i] = quiet.measure(lambda c: c.median_s, time_call, model,
-                                                  name, kind, n, context, slots, grid, mode)
-            if progress:
-                progress.advance(task)
-    samples: list[tuple[str, CallSample]] = [
-        (plan[i][0], min(passes[0][i], passes[1][i], key=lambda s: s.median_s))
-        for i in range(len(plan))]
-
-    def obs(role: str, s: CallSample) -> Observation:
-        return Observation(model=loaded[role][2], record=s.record, seconds=s.median_s)
-
-    def in_training(role: str, s: CallSample) -> bool:
-        contexts = contexts_for(loaded[role][1], grid)
-        return (role != "holdout" and len(s.record.positions) in TRAIN_POSITIONS
-                and min(s.record.positions) in (min(contexts), max(contexts)))
-
-    train = [obs(r, s) for r, s in samples if in_training(r, s)]
-    result = fit(base, train, dtype)
-
-    def call_point(i: int) -> ValidationPoint:
-        """Grid point i, kept at its faster pass, with both passes' medians."""
-        role, s = samples[i]
-        return ValidationPoint(
-            kind="call", model=s.model, spec=loaded[role][2], group=s.record.kind,
-            measured_s=s.median_s, record=s.record,
-            repeats_s=[each[i].median_s for each in passes],
-            label=f"{s.record.kind} n={len(s.record.positions)} "
-                  f"context={min(s.record.positions)} slots={len(s.record.slot_contexts())}")
-
-    points = [call_point(i) for i, (r, s) in enumerate(samples) if not in_training(r, s)]
-    run_measurements.append(holdout_runs())
-    points += [min(each, key=lambda point: point.measured_s).model_copy(
-        update={"repeats_s": [point.measured_s for point in each]})
-        for each in zip(*run_measurements, strict=True)]
-
-    fitted = result.coefficients()
-    measured = {"peak_bandwidth": (peaks.bandwidth_bytes_per_s, "B/s"),
-                "peak_flops": (peaks.flops_per_s, "flop/s"),
-                "kernels_per_layer": (per_layer, "operations"),
-                **{f"{part}_extra_kernels": (count, "operations")
-                   for part, count in extras.items()},
-                **{f"host_weight_{kind}": (w, "x an elementwise operation's host time")
-                   for kind, w in by_class.get("operation_host_weights", {}).items()},
-                **{key: (value, "s") for key, value in replay.items()}}
-    if peaks.matmul is not None:
-        measured["cache_knee"] = (peaks.cache_bytes, "B")
-        measured["reported_cache"] = (peaks.reported_cache_bytes, "B")
-    for key, (value, unit) in measured.items():
-        fitted[key] = FittedValue(value=value, stderr=0.0, unit=f"{unit} (measured)")
-    profile = CalibrationProfile(
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        hardware=result.hardware, machine=machine_name(device), device=device,
-        torch_version=torch.__version__, dtype=dtype, commit=current_commit(),
-        threads=None if device.startswith("cuda") else torch.get_num_threads(),
-        models=[n for n, _, _ in loaded.values()],
-        grid={"positions": list(grid.positions), "contexts": list(grid.contexts),
-              "repeats": [grid.repeats],
-              "train_positions": list(TRAIN_POSITIONS),
-              "train_models": [loaded[r][0] for r in roles if r != "holdout"]},
-        coefficients=fitted, held=result.held(), checks=peaks.checks,
-        load=None if cuda else LoadReport(**quiet.report()),
-        fit_stats=result.stats(),
-        training=[call_point(i) for i, (r, s) in enumerate(samples) if in_training(r, s)],
-        validation=points,
-    )
-    return profile
+    schedules = holdout_schedules(loaded["holdout"].model.config.depth, acceptances)
+    measurements = Measurements(loaded, grid, mode, quiet, progress, schedules,
+                                sweep=len(acceptances) > 1, quick=quick)
+    measurements.measure_grid()
+    result = fit(base, measurements.observations(), dtype)
+    validation = measurements.call_points(training=False) + measurements.final_runs()
+    return calibration_profile(result, measured, peaks.checks, measurements, validation,
+                               device, dtype)
 
 
 def _memory_capacity(device: str) -> float:

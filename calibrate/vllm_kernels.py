@@ -1,8 +1,6 @@
 """The kernels vLLM launches per layer and per part for each family, counted in its own forward
 pass through the plugin (wfd.serving): what `costmodel predict --engine vllm` prices vLLM's AR
-with.
-
-    python -m calibrate.vllm_kernels --write costmodel/data/vllm_operations.json
+with (written, with this decoder's table, by `python -m calibrate.tables --write`).
 
 Each family's preset (huginn-3.5b, ouro-2.6b) is built narrow (its layers, heads ratio and
 options at small widths: the counts do not depend on widths), loaded into an engine in this
@@ -17,13 +15,11 @@ inside its transformer layers or outside them.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import re
 import tempfile
 from collections import Counter
-from pathlib import Path
+from functools import partial
 
 # the model's methods, by the part whose work they do (compute_logits: the head, after forward)
 PARTS = {"prelude": "prelude", "initial_state": "prelude", "step": "block",
@@ -31,73 +27,90 @@ PARTS = {"prelude": "prelude", "initial_state": "prelude", "step": "block",
 LAYER = re.compile(r"(transformer\.(prelude|core_block|coda)|model\.layers)\.\d+$")
 
 
-def count_forward(model, run_step) -> dict[str, Counter]:
-    """Kernels by part ("PART:layer" inside its transformer layers, "PART:own" outside them) and
-    class, during the last decode step ``run_step`` makes."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+def _vllm_kernels(module) -> tuple[str, int] | None:
+    """(class, kernels) one of vLLM's layers launches on a GPU per call; None for another
+    module."""
     from vllm.model_executor.layers.attention import Attention
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
+    if isinstance(module, (LinearBase, LogitsProcessor)):
+        return "matmul", 1
+    if isinstance(module, Attention):
+        return "attention", 2
+    if type(module).__module__.startswith("vllm.model_executor.layers"):
+        return "other", 1
+    return None
+
+
+class _KernelCounter:
+    """Kernels by part and class, credited as a forward enters vLLM's layers and runs tensor
+    operations, to the part whose method runs, inside its transformer layers or outside them."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, Counter] = {}
+        self.part: list[str] = []  # the part whose method runs
+        self.in_layer = 0  # > 0 inside a transformer layer
+        self.in_vllm_layer = 0  # > 0 while one of vLLM's layers runs (its work counted as a whole)
+
+    def credit(self, kind: str, n: int = 1) -> None:
+        if self.part:
+            key = f"{self.part[-1]}:{'layer' if self.in_layer else 'own'}"
+            self.counts.setdefault(key, Counter())[kind] += n
+
+    def entering(self, kernels: tuple[str, int] | None, layer: bool, module, args) -> None:
+        self.in_layer += layer
+        if kernels is not None:
+            if self.in_vllm_layer == 0:
+                self.credit(*kernels)
+            self.in_vllm_layer += 1
+
+    def leaving(self, kernels: tuple[str, int] | None, layer: bool, module, args, out) -> None:
+        self.in_layer -= layer
+        self.in_vllm_layer -= kernels is not None
+
+    def hook_modules(self, model) -> list:
+        """Hooks on every module of ``model`` that follow the layers a forward enters and
+        leaves; their handles."""
+        hooks = []
+        for name, module in model.named_modules():
+            kernels, layer = _vllm_kernels(module), bool(LAYER.search(name))
+            hooks += [module.register_forward_pre_hook(partial(self.entering, kernels, layer)),
+                      module.register_forward_hook(partial(self.leaving, kernels, layer))]
+        return hooks
+
+    def marked(self, method: str, original):
+        """``original``, the model's ``method``, with what it runs credited to its part."""
+        def run(*args, **kwargs):
+            self.part.append(PARTS[method])
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.part.pop()
+        return run
+
+
+def count_forward(model, run_step) -> dict[str, Counter]:
+    """Kernels by part ("PART:layer" inside its transformer layers, "PART:own" outside them) and
+    class, during the last decode step ``run_step`` makes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     from .operations import operation_class
 
-    counts: dict[str, Counter] = {}
-    part: list[str] = []  # the part whose method runs
-    in_layer = [0]  # > 0 inside a transformer layer
-    in_vllm_layer = [0]  # > 0 while one of vLLM's layers runs (its work counted as a whole)
-
-    def credit(kind: str, n: int = 1) -> None:
-        if part:
-            key = f"{part[-1]}:{'layer' if in_layer[0] else 'own'}"
-            counts.setdefault(key, Counter())[kind] += n
-
-    def kernels_of(module) -> tuple[str, int] | None:
-        if isinstance(module, (LinearBase, LogitsProcessor)):
-            return "matmul", 1
-        if isinstance(module, Attention):
-            return "attention", 2
-        if type(module).__module__.startswith("vllm.model_executor.layers"):
-            return "other", 1
-        return None
-
-    hooks = []
-    for name, module in model.named_modules():
-        kind, layer = kernels_of(module), bool(LAYER.search(name))
-
-        def pre(mod, args, kind=kind, layer=layer):
-            in_layer[0] += layer
-            if kind is not None:
-                if in_vllm_layer[0] == 0:
-                    credit(*kind)
-                in_vllm_layer[0] += 1
-
-        def post(mod, args, out, kind=kind, layer=layer):
-            in_layer[0] -= layer
-            in_vllm_layer[0] -= kind is not None
-
-        hooks += [module.register_forward_pre_hook(pre),
-                  module.register_forward_hook(post)]
-    originals = {method: getattr(model, method) for method in PARTS}
-
-    def marked(method: str):
-        def run(*args, **kwargs):
-            part.append(PARTS[method])
-            try:
-                return originals[method](*args, **kwargs)
-            finally:
-                part.pop()
-        return run
+    counter = _KernelCounter()
 
     class Ops(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if in_vllm_layer[0] == 0:  # as this decoder's own operations are told apart
-                credit(operation_class(func, args, out))
+            if counter.in_vllm_layer == 0:  # as this decoder's own operations are told apart
+                counter.credit(operation_class(func, args, out))
             return out
 
-    hooks.append(model.register_forward_pre_hook(lambda mod, args: counts.clear()))
+    hooks = counter.hook_modules(model)
+    originals = {method: getattr(model, method) for method in PARTS}
+    hooks.append(model.register_forward_pre_hook(lambda mod, args: counter.counts.clear()))
     for method in PARTS:
-        setattr(model, method, marked(method))
+        setattr(model, method, counter.marked(method, originals[method]))
     try:
         with Ops():
             run_step()
@@ -106,7 +119,7 @@ def count_forward(model, run_step) -> dict[str, Counter]:
             hook.remove()
         for method in PARTS:
             delattr(model, method)
-    return counts
+    return counter.counts
 
 
 def family_kernels(preset: str) -> dict[str, dict[str, int]]:
@@ -140,23 +153,3 @@ def family_kernels(preset: str) -> dict[str, dict[str, int]]:
         table[part] = {k: own.get(k, 0) // calls for k in ("matmul", "attention", "other",
                                                            "view")}
     return table
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--write", default=None, help="write the table to this JSON file")
-    args = parser.parse_args()
-    data = {"command": "python -m calibrate.vllm_kernels --write "
-                       "costmodel/data/vllm_operations.json",
-            "families": {family: family_kernels(preset)
-                         for family, preset in (("huginn", "huginn-3.5b"),
-                                                ("ouro", "ouro-2.6b"))}}
-    text = json.dumps(data, indent=1) + "\n"
-    if args.write:
-        Path(args.write).write_text(text)
-    print(text)
-
-
-if __name__ == "__main__":
-    main()

@@ -353,7 +353,7 @@ def note_undetermined(loose: list[str]) -> None:
 
 def note_machine(profile, path: Path) -> None:
     """A CPU profile carried to another machine predicts the machine it was measured on."""
-    from .profile import cpu_machine_name
+    from .store import cpu_machine_name
 
     here = cpu_machine_name()
     if profile.device == "cpu" and profile.machine != here:

@@ -161,6 +161,35 @@ def measured_products(model: LoopedModelSpec, cpu: CpuTerms, part: PartSpec, dty
             products_s - one_row_s + np.where(rest_memory_bound, 0.0, attention_s))
 
 
+def traffic(model: LoopedModelSpec, part: PartSpec, dtype: str, n_positions: ArrayLike,
+            context_sum_positions: ArrayLike, context_sum_slots: ArrayLike) -> tuple:
+    """What a call moves and computes beside its products: (weight bytes, KV bytes read, KV
+    bytes written, activation bytes, attention flops), for ``call_cost``'s arguments."""
+    width = DTYPE_BYTES[dtype]
+    kv_token_bytes = part.layers * model.kv_bytes_per_token_per_layer(dtype)
+    weight_bytes = part.weight_params * width + n_positions * model.hidden_size * width * (
+        part.lookup_params > 0)
+    logits = model.vocab_size * 4 if part.name == "coda" else 0
+    activation_bytes = n_positions * (activation_elements_per_position(model, part) * width
+                                      + logits)
+    attention_flops = 4 * model.num_heads * model.head_dim * part.layers * context_sum_positions
+    return (weight_bytes, kv_token_bytes * context_sum_slots, kv_token_bytes * n_positions,
+            activation_bytes, attention_flops)
+
+
+def host_overhead(hw: HardwareSpec, part: PartSpec, n_slots: ArrayLike, key_sets: ArrayLike,
+                  n_positions: ArrayLike) -> tuple:
+    """(the kernels a call launches, the host's time for it): per call, per layer and per
+    dispatched operation (eager: every dispatched operation costs the host its class's time; a
+    replay, each kernel)."""
+    kernels, host_operations = operations(hw, part, n_slots)
+    host_launches = kernels if hw.graphs.cuda_graphs else host_operations
+    overhead = hw.call_overhead_s + part.layers * (
+        hw.layer_host_s + attention_host_s(hw, key_sets, n_positions)
+    ) + host_launches * hw.kernel_overhead_s
+    return kernels, overhead
+
+
 def call_cost(
     model: LoopedModelSpec,
     hw: HardwareSpec,
@@ -184,7 +213,6 @@ def call_cost(
     key_sets: distinct (sequence, slot) pairs read (None: n_slots, one sequence).
     after_other_part: the call follows another part's call, so a CPU's products read from a
         working set of the whole model's weights (False: of this part's, as AR's block calls)."""
-    width = DTYPE_BYTES[dtype]
     key_sets = n_slots if key_sets is None else key_sets
     roof = hw.roofline
     bw_peak = roof.memory_bandwidth_bytes_per_s if bandwidth_bytes_per_s is None else (
@@ -194,23 +222,10 @@ def call_cost(
     if flops_peak is None:
         hw.achievable_flops_per_s(dtype)  # raises the explanatory error
 
-    kv_token_bytes = part.layers * model.kv_bytes_per_token_per_layer(dtype)
-    weight_bytes = part.weight_params * width + n_positions * model.hidden_size * width * (
-        part.lookup_params > 0)
-    kv_read = kv_token_bytes * context_sum_slots
-    kv_write = kv_token_bytes * n_positions
-    logits = model.vocab_size * 4 if part.name == "coda" else 0
-    activation_bytes = n_positions * (activation_elements_per_position(model, part) * width
-                                      + logits)
-    attention_flops = 4 * model.num_heads * model.head_dim * part.layers * context_sum_positions
+    weight_bytes, kv_read, kv_write, activation_bytes, attention_flops = traffic(
+        model, part, dtype, n_positions, context_sum_positions, context_sum_slots)
     flops = 2 * part.matmul_params * n_positions + attention_flops
-
-    kernels, host_operations = operations(hw, part, n_slots)
-    # eager: every dispatched operation costs the host its class's time; a replay, each kernel
-    host_launches = kernels if hw.graphs.cuda_graphs else host_operations
-    overhead = hw.call_overhead_s + part.layers * (
-        hw.layer_host_s + attention_host_s(hw, key_sets, n_positions)
-    ) + host_launches * hw.kernel_overhead_s
+    kernels, overhead = host_overhead(hw, part, n_slots, key_sets, n_positions)
 
     weight_bandwidth = bw_peak * roof.bandwidth_efficiency
     attention_s = attention_flops / (flops_peak * (roof.attention_flops_efficiency

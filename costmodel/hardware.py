@@ -10,10 +10,12 @@ from pydantic import Field, model_validator
 from .specs import Spec
 
 # The eager host's time per dispatched operation when no calibration gives one: the mean of the
-# two H200 eager calibrations (data/profiles/gpu-{huginn,ouro}-bf16.json: 8.34 and 9.51 us).
+# two H200 eager calibrations (costmodel/data/profiles/gpu-{huginn,ouro}-bf16.json: 8.34 and
+# 9.51 us).
 EAGER_HOST_S_PER_OPERATION = 8.93e-6
 EAGER_HOST_SOURCE = ("8.93 us per dispatched operation (the mean of the H200 eager calibrations, "
-                     "data/profiles/gpu-*-bf16.json) x this decoder's operations per call "
+                     "costmodel/data/profiles/gpu-*-bf16.json) x this decoder's operations per "
+                     "call "
                      "(costmodel/data/operations.json)")
 
 

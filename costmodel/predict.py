@@ -202,16 +202,7 @@ def predict(
     wl = Workload.model_validate(workload or {})  # a Workload, or its fields as a dict
     depth = wl.depth or spec.default_depth
     d = resolve_draft_depth(spec, depth, width, draft_depth)
-    if block_length is not None and block_length < 1:
-        raise ValueError(f"block length must be at least 1, got {block_length}")
-    if width_cap is not None and width_cap < 1:
-        raise ValueError(f"width cap must be at least 1, got {width_cap}")
-    check_kv_sharing(wl.kv_sharing, depth)
-    if wl.prompts is not None and wl.prompts * wl.new_tokens > MAX_SIMULATED_TOKENS:
-        raise ValueError(f"{wl.prompts} prompts x {wl.new_tokens} new tokens = "
-                         f"{wl.prompts * wl.new_tokens:,} tokens to simulate, more than "
-                         f"{MAX_SIMULATED_TOKENS:,}; a run this long is the steady state (leave "
-                         "out the prompts)")
+    _check_request(wl, depth, block_length, width_cap)
     if wl.adaptive:  # the exits' distribution and wave simulation, imported when asked for
         from .adaptive import exit_profile
         from .simulate import simulate_exits
@@ -255,23 +246,10 @@ def predict(
                    key=lambda f: float(f[2]["latency_s"]))
         schedule, groups, totals = best
         chosen[name] = schedule
-        latency = float(totals["latency_s"])
         readouts = len({depth} | exit_reads | ({d} if schedule.drafts else set()))
-        results[name] = ScheduleResult(
-            schedule=name, latency_per_token_s=latency,
-            tokens_per_s=wl.batch_size / latency,
-            speedup_vs_ar=1.0,
-            block_calls_per_token=float(block_calls_per_token(groups, alpha)) if groups
-            else float(totals["block_calls"]),
-            breakdown=Breakdown(**{k: float(totals[k]) for k in _TERMS}),
-            roofline_fraction=float(totals["ideal_s"]) / latency,
-            bound=_bound({k: float(totals[k]) for k in _TERMS}),
-            prefill_s=prefill_time_s(spec, hw, wl, depth, readouts),
-            kv_bytes=kv_cache_bytes(spec, wl, depth=depth, readout_depths=readouts,
-                                    lookahead=schedule.lookahead(depth),
-                                    static=hw.graphs.cuda_graphs),
-            mean_exit_depth=exits.mean_depth if exits else None,
-            acceptance=seen if schedule.drafts else None, **schedule.fields(depth))
+        results[name] = _result(spec, hw, wl, depth, schedule, groups, alpha, totals, readouts,
+                                mean_exit_depth=exits.mean_depth if exits else None,
+                                acceptance=seen if schedule.drafts else None)
     if wl.prompts is not None:
         for name, schedule in chosen.items():
             _finite_run(spec, hw, wl, depth, schedule, float(alpha), results[name])
@@ -280,6 +258,44 @@ def predict(
         r.speedup_vs_ar = baseline / r.latency_per_token_s
     return Prediction(model=spec.name, hardware=hw, workload=wl, depth=depth, memory=memory,
                       schedules=results)
+
+
+def _check_request(wl: Workload, depth: int, block_length: int | None,
+                   width_cap: int | None) -> None:
+    """Refuse what ``predict`` cannot price, in one line."""
+    if block_length is not None and block_length < 1:
+        raise ValueError(f"block length must be at least 1, got {block_length}")
+    if width_cap is not None and width_cap < 1:
+        raise ValueError(f"width cap must be at least 1, got {width_cap}")
+    check_kv_sharing(wl.kv_sharing, depth)
+    if wl.prompts is not None and wl.prompts * wl.new_tokens > MAX_SIMULATED_TOKENS:
+        raise ValueError(f"{wl.prompts} prompts x {wl.new_tokens} new tokens = "
+                         f"{wl.prompts * wl.new_tokens:,} tokens to simulate, more than "
+                         f"{MAX_SIMULATED_TOKENS:,}; a run this long is the steady state (leave "
+                         "out the prompts)")
+
+
+def _result(spec: LoopedModelSpec, hw: HardwareSpec, wl: Workload, depth: int,
+            schedule: Schedule, groups: list[CallGroup], alpha, totals: dict, readouts: int,
+            **reported) -> ScheduleResult:
+    """A schedule's prediction from its call groups (none where it was simulated) and totals per
+    token (speedup filled in against AR's later), with the prefill and KV cache of its
+    ``readouts`` coda readout depths, and what else is ``reported`` (its acceptance, the mean
+    exit depth)."""
+    latency = float(totals["latency_s"])
+    block_calls = float(block_calls_per_token(groups, alpha)) if groups \
+        else float(totals["block_calls"])
+    terms = {k: float(totals[k]) for k in _TERMS}
+    return ScheduleResult(
+        schedule=schedule.name, latency_per_token_s=latency,
+        tokens_per_s=wl.batch_size / latency, speedup_vs_ar=1.0,
+        block_calls_per_token=block_calls, breakdown=Breakdown(**terms),
+        roofline_fraction=float(totals["ideal_s"]) / latency, bound=_bound(terms),
+        prefill_s=prefill_time_s(spec, hw, wl, depth, readouts),
+        kv_bytes=kv_cache_bytes(spec, wl, depth=depth, readout_depths=readouts,
+                                lookahead=schedule.lookahead(depth),
+                                static=hw.graphs.cuda_graphs),
+        **schedule.fields(depth), **reported)
 
 
 def _finite_run(spec: LoopedModelSpec, hw: HardwareSpec, wl: Workload, depth: int,
@@ -303,6 +319,44 @@ def _finite_run(spec: LoopedModelSpec, hw: HardwareSpec, wl: Workload, depth: in
     result.breakdown = Breakdown(**breakdown)
     result.roofline_fraction = run.ideal_s / run.latency_s
     result.bound = _bound(breakdown)
+
+
+def _check_grid(depth: int, w, a, ctx, bwa, b, new_tokens: int, block_lengths: range,
+                dtype: str) -> None:
+    """Refuse a sweep's impossible points (each test as "not (valid)", so that NaN is refused
+    too)."""
+    for bad, what in ((depth < 2, f"depth R must be at least 2, got {depth}"),
+                      (np.any(~((w >= 2) & (w <= depth))), f"width must be in 2..{depth}"),
+                      (np.any(~((a >= 0) & (a <= 1))), "acceptance must be in [0, 1]"),
+                      (np.any(~(ctx >= 1)), "context must be at least 1 token"),
+                      (np.any(~(b >= 1)), "batch must be at least 1"),
+                      (np.any(~(bwa > 0)), "bandwidth must be positive"),
+                      (new_tokens < 1, f"new tokens must be at least 1, got {new_tokens}"),
+                      (not block_lengths or min(block_lengths) < 1,
+                       "block lengths must be 1 or more"),
+                      (dtype not in DTYPE_BYTES, f"unknown dtype {dtype!r}")):
+        if bad:
+            raise ValueError(what)
+
+
+def _best_block_length(pricer: _Pricer, priced, alpha: np.ndarray, draft_depth: int,
+                       depth: int, block_lengths: range) -> tuple[np.ndarray, np.ndarray]:
+    """DtV's lowest latency per token over ``block_lengths`` at each point of acceptance
+    ``alpha``, and the k that gives it (``priced`` reads a round's cost at the points)."""
+    best = np.full(alpha.shape, np.inf)
+    best_k = np.zeros(alpha.shape)
+    tokens = np.ones_like(alpha)  # expected tokens per round: sum_{i <= k} alpha^i
+    for k in range(1, max(block_lengths) + 1):
+        tokens = 1.0 + alpha * tokens
+        if k not in block_lengths:
+            continue
+        (per_round,) = pricer.basis_latency(
+            DtV(block_length=k, draft_depth=draft_depth).call_groups(depth)).values()
+        latency = priced(per_round) / tokens
+        better = latency < best
+        best = np.where(better, latency, best)
+        best_k = np.where(better, k, best_k)
+    return best, best_k
 
 
 def sweep(
@@ -336,19 +390,7 @@ def sweep(
                          np.asarray(batch, dtype=float))
     shape = np.broadcast_shapes(w.shape, a.shape, ctx.shape, bwa.shape, b.shape)
     check_kv_sharing(kv_sharing, depth)
-    # each as "not (valid)", so that NaN is refused too
-    for bad, what in ((depth < 2, f"depth R must be at least 2, got {depth}"),
-                      (np.any(~((w >= 2) & (w <= depth))), f"width must be in 2..{depth}"),
-                      (np.any(~((a >= 0) & (a <= 1))), "acceptance must be in [0, 1]"),
-                      (np.any(~(ctx >= 1)), "context must be at least 1 token"),
-                      (np.any(~(b >= 1)), "batch must be at least 1"),
-                      (np.any(~(bwa > 0)), "bandwidth must be positive"),
-                      (new_tokens < 1, f"new tokens must be at least 1, got {new_tokens}"),
-                      (not block_lengths or min(block_lengths) < 1,
-                       "block lengths must be 1 or more"),
-                      (dtype not in DTYPE_BYTES, f"unknown dtype {dtype!r}")):
-        if bad:
-            raise ValueError(what)
+    _check_grid(depth, w, a, ctx, bwa, b, new_tokens, block_lengths, dtype)
     d = -(-depth // w)
     keys = mean_decode_keys(ctx, new_tokens, hw.graphs.cuda_graphs)
     # calls priced once over the cost axes, unless those vary point by point (a scatter of
@@ -380,21 +422,8 @@ def sweep(
             if per_point else shared
         out["ar_latency_s"][sel] = priced(sum(pricer.basis_latency(
             AR().call_groups(depth)).values()))
-        best = np.full(alpha_sel.shape, np.inf)
-        best_k = np.zeros(alpha_sel.shape)
-        tokens = np.ones_like(alpha_sel)  # expected tokens per round: sum_{i <= k} alpha^i
-        for k in range(1, max(block_lengths) + 1):
-            tokens = 1.0 + alpha_sel * tokens
-            if k not in block_lengths:
-                continue
-            (per_round,) = pricer.basis_latency(
-                DtV(block_length=k, draft_depth=int(dv)).call_groups(depth)).values()
-            latency = priced(per_round) / tokens
-            better = latency < best
-            best = np.where(better, latency, best)
-            best_k = np.where(better, k, best_k)
-        out["dtv_latency_s"][sel] = best
-        out["dtv_block_length"][sel] = best_k
+        out["dtv_latency_s"][sel], out["dtv_block_length"][sel] = _best_block_length(
+            pricer, priced, alpha_sel, int(dv), depth, block_lengths)
         wfd = pricer.basis_latency(WFD(draft_depth=int(dv)).call_groups(depth, kv_sharing))
         out["wfd_latency_s"][sel] = sum(priced(cost) * basis_value(basis, alpha_sel)
                                         for basis, cost in wfd.items())

@@ -8,8 +8,6 @@ through ``upgrade`` (in memory; `costmodel upgrade-profile` writes the result).
 from __future__ import annotations
 
 import json
-import os
-import platform
 from pathlib import Path
 from typing import Literal
 
@@ -131,28 +129,6 @@ class CalibrationProfile(BaseModel):
 
 def save_profile(profile: CalibrationProfile, path: str | Path) -> None:
     atomic_write(path, profile.model_dump_json(indent=2) + "\n")
-
-
-# A machine's name as profiles record it, set by hand: a VM whose CPU reports a generic name,
-# or a check of what a command does on a machine other than this one (the test suite's)
-MACHINE_ENV = "LOOPED_DECODING_MACHINE"
-
-
-def cpu_machine_name() -> str:
-    """This CPU as profiles name it: its model name and the CPUs this process may use, or the
-    name ``LOOPED_DECODING_MACHINE`` gives."""
-    if named := os.environ.get(MACHINE_ENV, "").strip():
-        return named
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{model}, {cpus} CPUs"
 
 
 # Schema 3 hardware fields schema 4 does not have: a CPU's matrix-product formula (now a measured

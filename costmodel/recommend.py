@@ -96,17 +96,10 @@ def check_acceptance(acceptance: dict[int, float], depth: int) -> None:
 QUICK_DEPTHS = (1, 2, 3, 4, 8, 16)
 
 
-def recommend(model: str | LoopedModelSpec, hardware: str | HardwareSpec,
-              acceptance: dict[int, float], workload: Workload | dict | None = None, *,
-              top: int = 5, seed: int = 0, quick: bool = False) -> list[Choice]:
-    """The ``top`` configurations by predicted tokens/s, best first; speedups are over AR's
-    predicted latency for the same workload. The search tries every draft depth given, every
-    block length in 1..32 and every width cap, then re-prices the finalists with the simulator;
-    ``quick`` tries QUICK_DEPTHS and DtV's QUICK_BLOCK_LENGTHS and no cap, and simulates the best
-    QUICK_FINALISTS only."""
-    spec, hw = resolve(model, hardware)
-    wl = Workload.model_validate(workload or {})  # a Workload, or its fields as a dict
-    depth = wl.depth or spec.default_depth
+def _check_search(spec: LoopedModelSpec, hw: HardwareSpec, wl: Workload, depth: int,
+                  acceptance: dict[int, float]) -> None:
+    """Refuse a search ``recommend`` cannot make, or a workload that does not fit, in one
+    line."""
     if wl.adaptive or wl.prompts is not None or wl.acceptance is not None or wl.depth_trace:
         # each was ignored: the search prices fixed-depth steady states at ``acceptance``
         raise ValueError("recommend prices a full batch at fixed depth from its acceptance by "
@@ -121,6 +114,20 @@ def recommend(model: str | LoopedModelSpec, hardware: str | HardwareSpec,
                            positions_per_call=positions, lookahead=ahead)
     if not memory.fits:
         raise DoesNotFit(f"on {hw.name}: {does_not_fit(memory, wl)}")
+
+
+def recommend(model: str | LoopedModelSpec, hardware: str | HardwareSpec,
+              acceptance: dict[int, float], workload: Workload | dict | None = None, *,
+              top: int = 5, seed: int = 0, quick: bool = False) -> list[Choice]:
+    """The ``top`` configurations by predicted tokens/s, best first; speedups are over AR's
+    predicted latency for the same workload. The search tries every draft depth given, every
+    block length in 1..32 and every width cap, then re-prices the finalists with the simulator;
+    ``quick`` tries QUICK_DEPTHS and DtV's QUICK_BLOCK_LENGTHS and no cap, and simulates the best
+    QUICK_FINALISTS only."""
+    spec, hw = resolve(model, hardware)
+    wl = Workload.model_validate(workload or {})  # a Workload, or its fields as a dict
+    depth = wl.depth or spec.default_depth
+    _check_search(spec, hw, wl, depth, acceptance)
     pricer = _Pricer(spec, hw, wl.dtype, np.asarray(decode_keys(wl, hw)),
                      np.asarray(float(wl.batch_size)), None)
 

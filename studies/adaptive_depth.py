@@ -20,6 +20,7 @@ from pathlib import Path
 
 from costmodel import get_hardware, predict
 from costmodel.hardware import HardwareSpec
+from costmodel.store import PROFILES_DIR
 
 from .common import StudyResult, workload
 
@@ -78,11 +79,39 @@ def measured_shape(tiny: str) -> dict[float, float] | None:
     return {int(r) / depth: p for r, p in record["exit_depths"].items()}
 
 
-def cpu_hardware(family: str) -> HardwareSpec | None:
+def cpu_hardware(family: str) -> HardwareSpec:
+    """The committed CPU calibration of ``family`` (package data: always there)."""
     from costmodel.profile import load_profile
 
-    path = ROOT / "data" / "profiles" / f"cpu-{family}-fp32.json"
-    return load_profile(path).hardware if path.is_file() else None
+    return load_profile(PROFILES_DIR / f"cpu-{family}-fp32.json").hardware
+
+
+def draw(fig, rows: list[dict]) -> None:
+    """Per model and device, WFD's and DtV's speedup (top) and WFD's and AR's tokens/s
+    (bottom) against the mean exit depth, a colour per shape."""
+    keys = list(dict.fromkeys((r["model"], r["hardware"]) for r in rows))
+    axes = fig.subplots(2, len(keys), squeeze=False)
+    for col, (model, hw) in enumerate(keys):
+        top, bottom = axes[0][col], axes[1][col]
+        labels = list(dict.fromkeys(r["shape"] for r in rows if r["model"] == model))
+        for i, label in enumerate(labels):
+            mine = [r for r in rows if (r["model"], r["hardware"], r["shape"]) ==
+                    (model, hw, label)]
+            x = [r["mean_exit_depth"] for r in mine]
+            top.plot(x, [r["wfd_speedup"] for r in mine], marker="o", markersize=3,
+                     color=f"C{i}", label=f"WFD, {label}")
+            top.plot(x, [r["dtv_speedup"] for r in mine], linestyle=":", color=f"C{i}")
+            bottom.plot(x, [r["wfd_tokens_per_s"] for r in mine], marker="o",
+                        markersize=3, color=f"C{i}")
+            bottom.plot(x, [r["ar_tokens_per_s"] for r in mine], linestyle="--",
+                        color=f"C{i}")
+        top.set_title(f"{model}\n{hw}", fontsize=7)
+        top.invert_xaxis()
+        bottom.invert_xaxis()
+        bottom.set_xlabel("mean exit depth", fontsize=8)
+    axes[0][0].set_ylabel("speedup over AR-with-exit\n(WFD solid, DtV dotted)", fontsize=8)
+    axes[1][0].set_ylabel("tokens/s\n(WFD solid, AR dashed)", fontsize=8)
+    axes[0][0].legend(fontsize=6)
 
 
 def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult:
@@ -93,8 +122,7 @@ def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult
         # the GPUs in graphs mode: the device's work decides the answer, not an eager host's
         hardware = [get_hardware(g).in_mode("graphs").model_copy(update={"name": f"{g} graphs"})
                     for g in GPUS[:1 if small else 2]]
-        own = profile if profile is not None else cpu_hardware(family)
-        hardware += [own] if own is not None else []
+        hardware.append(profile if profile is not None else cpu_hardware(family))
         shapes = {"point": point, "spread": spread}
         measured = measured_shape(tiny)
         if measured is not None:
@@ -120,30 +148,5 @@ def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult
                         "wfd_speedup": s["wfd"].speedup_vs_ar,
                         "wfd_block_calls_per_token": s["wfd"].block_calls_per_token})
 
-    def draw(fig) -> None:
-        keys = list(dict.fromkeys((r["model"], r["hardware"]) for r in rows))
-        axes = fig.subplots(2, len(keys), squeeze=False)
-        for col, (model, hw) in enumerate(keys):
-            top, bottom = axes[0][col], axes[1][col]
-            labels = list(dict.fromkeys(r["shape"] for r in rows if r["model"] == model))
-            for i, label in enumerate(labels):
-                mine = [r for r in rows if (r["model"], r["hardware"], r["shape"]) ==
-                        (model, hw, label)]
-                x = [r["mean_exit_depth"] for r in mine]
-                top.plot(x, [r["wfd_speedup"] for r in mine], marker="o", markersize=3,
-                         color=f"C{i}", label=f"WFD, {label}")
-                top.plot(x, [r["dtv_speedup"] for r in mine], linestyle=":", color=f"C{i}")
-                bottom.plot(x, [r["wfd_tokens_per_s"] for r in mine], marker="o",
-                            markersize=3, color=f"C{i}")
-                bottom.plot(x, [r["ar_tokens_per_s"] for r in mine], linestyle="--",
-                            color=f"C{i}")
-            top.set_title(f"{model}\n{hw}", fontsize=7)
-            top.invert_xaxis()
-            bottom.invert_xaxis()
-            bottom.set_xlabel("mean exit depth", fontsize=8)
-        axes[0][0].set_ylabel("speedup over AR-with-exit\n(WFD solid, DtV dotted)", fontsize=8)
-        axes[1][0].set_ylabel("tokens/s\n(WFD solid, AR dashed)", fontsize=8)
-        axes[0][0].legend(fontsize=6)
-
     return StudyResult("adaptive-depth", "Speedup over AR with the same exits, as the mean exit "
-                       "depth falls", rows, draw)
+                       "depth falls", rows, lambda fig: draw(fig, rows))

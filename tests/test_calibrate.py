@@ -30,10 +30,10 @@ from costmodel.profile import (
     HeldValue,
     LoadReport,
     ProfileError,
-    cpu_machine_name,
     load_profile,
     save_profile,
 )
+from costmodel.store import PROFILES_DIR, cpu_machine_name
 from costmodel.trace import CallRecord
 
 CPU = HardwareSpec(name="synthetic cpu", memory_bandwidth_bytes_per_s=20e9,
@@ -171,7 +171,7 @@ def test_profile_round_trip(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["profile.json"]
 
 
-PROFILES = sorted((Path(__file__).parents[1] / "data" / "profiles").glob("*-*-*.json"))
+PROFILES = sorted((PROFILES_DIR).glob("*-*-*.json"))
 # each committed profile's held-out runs per token, median and max, as docs/calibration.md
 # reports them (`costmodel validate --profile FILE`)
 PER_TOKEN = {"cpu-huginn-fp32": (0.028, 0.094), "cpu-ouro-fp32": (0.012, 0.018),
@@ -201,7 +201,7 @@ def test_committed_profiles_still_predict_their_runs(path):
 def test_validate_reports_calls_and_runs_apart(tmp_path):
     """The targets' two figures: the median over the held-out calls, and over the runs' decode
     time per token, each apart from the other."""
-    path = Path(__file__).parents[1] / "data" / "profiles" / "cpu-ouro-fp32.json"
+    path = PROFILES_DIR / "cpu-ouro-fp32.json"
     args = [sys.executable, "-m", "costmodel", "validate", "--profile", str(path)]
     args += ["--plot", str(tmp_path / "plot.png")]
     out = subprocess.run(args + ["--json"], capture_output=True, text=True, timeout=60)
@@ -232,7 +232,7 @@ def test_validate_reports_calls_and_runs_apart(tmp_path):
 def test_validate_reports_how_far_apart_each_points_measurements_ran(tmp_path):
     """The floor under the errors, from the profile itself: each point's slowest measurement
     over its fastest (the calls' two passes, the runs' rounds), as median and max per kind."""
-    path = Path(__file__).parents[1] / "data" / "profiles" / "cpu-ouro-fp32.json"
+    path = PROFILES_DIR / "cpu-ouro-fp32.json"
     profile = load_profile(path)
     calls = [p for p in profile.validation if p.kind == "call"]
     runs = [p for p in profile.validation if p.kind == "run"]
@@ -257,7 +257,7 @@ def test_validate_reports_how_far_apart_each_points_measurements_ran(tmp_path):
 
 
 def test_predict_says_what_a_profile_does_not_determine():
-    gpu = Path(__file__).parents[1] / "data" / "profiles" / "gpu-huginn-bf16.json"
+    gpu = PROFILES_DIR / "gpu-huginn-bf16.json"
     args = [sys.executable, "-m", "costmodel", "predict", "--profile", str(gpu)]
     as_json = subprocess.run(args + ["--json"], capture_output=True, text=True, timeout=60)
     assert as_json.returncode == 0, as_json.stderr
@@ -405,7 +405,7 @@ def test_calibrate_rejects_bad_input(tmp_path):
 def test_a_file_that_is_not_a_profile_says_so():
     # a validation report beside its profile said "schema version None ... recalibrate"
     with pytest.raises(ProfileError, match="is not a calibration profile"):
-        load_profile(Path(__file__).parents[1] / "data/profiles/gpu-huginn-bf16.validation.json")
+        load_profile(PROFILES_DIR / "gpu-huginn-bf16.validation.json")
 
 
 def test_calibrate_with_a_checkpoint_of_the_wrong_family(tmp_path):
@@ -519,7 +519,7 @@ def test_the_gpu_script_rehearsed_as_the_gpu_image_runs_it(tmp_path):
     assert probe.returncode != 0  # the rehearsal's interpreter is as bare as the image
     reference, ref_wheels = stand_in_reference(tmp_path)
     # the machine's measurements come from a shipped profile (their own test measures them)
-    machine = Path(__file__).parents[1] / "data" / "profiles" / "cpu-ouro-fp32-quick.json"
+    machine = PROFILES_DIR / "cpu-ouro-fp32-quick.json"
     results = tmp_path / "run"
     env = {"DEVICE": "cpu", "DTYPE": "fp32", "QUICK": "1", "SIZES": "smallest",
            "RESULTS": str(results), "ARCHIVE": str(tmp_path / "back" / "campaign.tar.gz"),
@@ -646,7 +646,7 @@ def test_machine_measurements_are_reused_only_from_the_same_setting():
     from calibrate.run import reused_peaks
     from wfd.checkpoint import CheckpointError
 
-    path = Path(__file__).parents[1] / "data" / "profiles" / "cpu-ouro-fp32-quick.json"
+    path = PROFILES_DIR / "cpu-ouro-fp32-quick.json"
     with pytest.raises(CheckpointError, match="another setting: .*dtype fp32 \\(here bf16\\)"):
         reused_peaks(path, "cpu", "bf16")
     peaks = reused_peaks(path, "cpu", "bf16", force=True)
@@ -854,7 +854,7 @@ def test_calibrate_refuses_a_busy_machines_profile_unless_forced(monkeypatch, tm
     import calibrate.run
     from costmodel import cli
 
-    quiet_profile = load_profile(Path(__file__).parents[1] / "data" / "profiles"
+    quiet_profile = load_profile(PROFILES_DIR
                                  / "cpu-ouro-fp32-quick.json")
     busy = quiet_profile.model_copy(update={"load": LoadReport(
         measurements=100, retaken_fraction=0.4, loaded_fraction=0.9, canary_tolerance=1.2,
@@ -876,7 +876,7 @@ def test_calibrate_refuses_a_busy_machines_profile_unless_forced(monkeypatch, tm
     assert load_profile(out).load.forced  # written, flagged
 
 
-PROFILE_DIR = Path(__file__).parent.parent / "data" / "profiles"
+PROFILE_DIR = PROFILES_DIR
 
 
 def _tiny_calls_profile(scale: float) -> CalibrationProfile:

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUTS = ROOT / "tests" / "data" / "cli_outputs.json"
-P = "data/profiles/"  # run from the repository root
+P = "costmodel/data/profiles/"  # run from the repository root
 
 COMMANDS = [
     "predict",

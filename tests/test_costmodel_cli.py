@@ -4,12 +4,13 @@ exit code."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from costmodel.store import PROFILES_DIR
+
 COSTMODEL = [sys.executable, "-m", "costmodel"]
-CPU_PROFILE = str(Path(__file__).resolve().parents[1] / "data" / "profiles"
+CPU_PROFILE = str(PROFILES_DIR
                   / "cpu-huginn-fp32-quick.json")
 
 
@@ -221,7 +222,7 @@ def test_a_preset_says_where_its_host_terms_come_from():
                 "--host-speed", "2")
     assert "3us per dispatched operation (--launch-overhead) x" in given.stderr
     assert "/ 2 (--host-speed)" in given.stderr
-    profile = Path(__file__).resolve().parents[1] / "data" / "profiles" / "gpu-ouro-bf16.json"
+    profile = PROFILES_DIR / "gpu-ouro-bf16.json"
     profiled = json.loads(run("predict", "--profile", str(profile), "--json").stdout)
     assert profiled["host_source"] is None  # the profile's own counts and costs
 
@@ -247,7 +248,7 @@ def test_predict_prices_ar_as_vllm_runs_it():
     graphs = ar("--mode", "graphs")
     assert (vllm["schedules"]["ar"]["latency_per_token_s"]
             == pytest.approx(graphs["schedules"]["ar"]["latency_per_token_s"], rel=1e-3))
-    profile = str(Path(__file__).resolve().parents[1] / "data" / "profiles" / "gpu-ouro-bf16.json")
+    profile = str(PROFILES_DIR / "gpu-ouro-bf16.json")
     floor = ar("--profile", profile, "--mode", "graphs")["schedules"]["ar"]["latency_per_token_s"]
     assert ar("--profile", profile, "--engine", "vllm")["schedules"]["ar"][
         "latency_per_token_s"] < floor

@@ -2,6 +2,7 @@ import pytest
 
 from costmodel import HARDWARE, MODELS, get_model
 from costmodel.presets import UnknownPresetError, get_hardware
+from costmodel.store import PROFILES_DIR
 
 
 def test_parameter_counts_match_the_published_figures():
@@ -48,12 +49,11 @@ def test_unknown_presets_list_the_known_ones():
 
 
 def test_the_eager_host_default_is_what_the_gpu_eager_calibrations_measured():
-    from pathlib import Path
 
     from costmodel.hardware import EAGER_HOST_S_PER_OPERATION, Host
     from costmodel.profile import load_profile
 
-    profiles = Path(__file__).resolve().parents[1] / "data" / "profiles"
+    profiles = PROFILES_DIR
     measured = [load_profile(profiles / f"gpu-{family}-bf16.json").hardware.host.launch_overhead_s
                 for family in ("huginn", "ouro")]
     assert EAGER_HOST_S_PER_OPERATION == pytest.approx(sum(measured) / 2, rel=1e-3)
@@ -111,12 +111,11 @@ def test_every_query_takes_preset_names_or_specs():
 def test_a_cpu_spec_has_no_cuda_graphs():
     """Graphs mode and vLLM's engine replay CUDA graphs: a CPU's spec refuses them however they
     are asked for (a mode, an engine, a term)."""
-    from pathlib import Path
 
     from costmodel.engines import for_engine
     from costmodel.profile import load_profile
 
-    cpu = load_profile(Path(__file__).resolve().parents[1] / "data" / "profiles"
+    cpu = load_profile(PROFILES_DIR
                        / "cpu-ouro-fp32.json").hardware
     assert cpu.in_mode("eager") is cpu
     for ask in (lambda: cpu.in_mode("graphs"), lambda: cpu.with_terms(cuda_graphs=True),

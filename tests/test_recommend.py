@@ -15,7 +15,7 @@ from costmodel.recommend import QUICK_DEPTHS, parse_acceptance_by_depth
 from costmodel.trace import DepthRecord, TraceHeader, write_jsonl
 from wfd.generate import GenerationError, generate
 
-CPU_PROFILE = "data/profiles/cpu-huginn-fp32.json"
+CPU_PROFILE = "costmodel/data/profiles/cpu-huginn-fp32.json"
 
 
 def test_the_finalists_are_priced_by_the_simulator_and_agree_with_predict():
@@ -127,10 +127,10 @@ def test_this_machines_profile_is_found_or_the_error_says_how_to_make_one(monkey
                                                                             tmp_path):
     import shutil
 
-    import wfd.runtime as runtime
+    import costmodel.store as store
     from wfd.transplant import profile_for
 
-    monkeypatch.setattr(runtime, "PROFILES_DIR", tmp_path)
+    monkeypatch.setattr(store, "PROFILES_DIR", tmp_path)
     monkeypatch.setenv("LOOPED_DECODING_CACHE", str(tmp_path / "cache"))
     huginn, ouro = tiny_model("huginn"), tiny_model("ouro")
     with pytest.raises(GenerationError, match="costmodel calibrate --model huginn"):

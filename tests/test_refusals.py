@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-PROFILES = Path(__file__).resolve().parents[1] / "data" / "profiles"
+from costmodel.store import PROFILES_DIR
+
+PROFILES = PROFILES_DIR
 HUGINN = str(PROFILES / "cpu-huginn-fp32-quick.json")
 OURO = str(PROFILES / "cpu-ouro-fp32-quick.json")
 ELSEWHERE = "Another CPU, 4 CPUs"

@@ -270,9 +270,10 @@ def test_the_kernel_table_is_what_vllm_runs(tmp_path):
     """costmodel/data/vllm_operations.json (what `costmodel predict --engine vllm` prices),
     counted again in vLLM's forward: a change to the plugin that adds or removes a kernel fails
     here until the table is regenerated (the command it names)."""
-    out = tmp_path / "counted.json"
-    done = subprocess.run([sys.executable, "-m", "calibrate.vllm_kernels", "--write", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=UNBOUND)
+    out = tmp_path / "vllm_operations.json"
+    done = subprocess.run([sys.executable, "-m", "calibrate.tables", "--tables", "vllm",
+                           "--write", "--out-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=UNBOUND)
     assert done.returncode == 0, done.stderr[-3000:]
     committed = json.loads((ROOT / "costmodel" / "data" / "vllm_operations.json").read_text())
     assert json.loads(out.read_text())["families"] == committed["families"]

@@ -197,3 +197,20 @@ except AttributeError as exc:
     out = _python(code)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "module 'wfd' has no attribute 'nothing'"
+
+
+def test_the_committed_profiles_ship_inside_the_cost_model_package():
+    """Profiles are package data (a wheel carries them), found without torch."""
+    import tomllib
+
+    from costmodel.store import PROFILES_DIR, committed_profiles
+
+    root = Path(__file__).resolve().parents[1]
+    assert PROFILES_DIR.is_relative_to(root / "costmodel")
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"]["costmodel"]
+    shipped = {p for pattern in patterns for p in (root / "costmodel").glob(pattern)}
+    found = [path for family in ("huginn", "ouro") for device in ("cpu", "cuda")
+             for path, _ in committed_profiles(family, device)]
+    assert len(found) == 6 and set(found) <= shipped
+    assert {p.device.split(":")[0] for _, p in committed_profiles("ouro", "cuda")} == {"cuda"}

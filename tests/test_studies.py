@@ -4,7 +4,6 @@ import importlib
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -12,6 +11,7 @@ import studies
 from costmodel import Workload, get_hardware, get_model, predict
 from costmodel.profile import load_profile
 from costmodel.slots import mean_decode_keys
+from costmodel.store import PROFILES_DIR
 from studies.common import to_csv, to_markdown
 from studies.paper_table import derive_overhead, derived_hardware
 
@@ -243,7 +243,7 @@ def test_cli_json_and_unknown_study(tmp_path):
     assert blocked.returncode == 2 and "is a file" in blocked.stderr
 
 
-PROFILES = Path(__file__).resolve().parents[1] / "data" / "profiles"
+PROFILES = PROFILES_DIR
 
 
 @pytest.mark.parametrize("name", list(studies.STUDIES))

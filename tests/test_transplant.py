@@ -12,9 +12,10 @@ from conftest import tiny_model
 from costmodel import get_hardware
 from costmodel.cost import call_cost
 from costmodel.profile import load_profile
+from costmodel.store import PROFILES_DIR
 from wfd.transplant import SHAPES, factors, profile_for
 
-PROFILES = Path(__file__).parents[1] / "data" / "profiles"
+PROFILES = PROFILES_DIR
 
 
 @pytest.fixture

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from costmodel.store import PROFILES_DIR
+
 WFD = [sys.executable, "-m", "wfd"]
 
 
@@ -80,9 +82,8 @@ def test_bad_input_is_one_line_and_exit_2(args):
 
 def test_auto_refuses_a_profile_of_another_device_or_dtype():
     # it read a GPU's bf16 profile for a CPU fp32 run: "has no peak flops for fp32"
-    from pathlib import Path
 
-    gpu = Path(__file__).parents[1] / "data" / "profiles" / "gpu-huginn-bf16.json"
+    gpu = PROFILES_DIR / "gpu-huginn-bf16.json"
     out = run("generate", "--model", "huginn-tiny", "--prompt", "x", "--schedule", "auto",
               "--profile", str(gpu))
     assert out.returncode == 2 and "calibrated on cuda in bf16" in out.stderr, out.stderr

@@ -309,20 +309,24 @@ def _generate_file(net, tok, prompts_file: Path, out: Path | None, options, *, m
                                        schedule=run.stats["schedule"],
                                        extra={"batch_size": run.stats["batch_size"]}),
                     run.records)
-    totals = {"prompts": len(lines), "served": len(run.results), "skipped": len(bad),
+    _report_batch(run, len(lines), len(bad), as_json)
+    if bad:
+        raise typer.Exit(1)
+
+
+def _report_batch(run, prompts: int, skipped: int, as_json: bool) -> None:
+    """A batched run's totals: one JSON object, or a summary line on stderr."""
+    totals = {"prompts": prompts, "served": len(run.results), "skipped": skipped,
               "new_tokens": run.tokens, "wall_s": run.wall_s,
               "tokens_per_s": run.tokens / run.wall_s, "prefill_s": run.prefill_s,
               "decode_tokens_per_s": run.decode_tokens_per_s, **run.stats}
     if as_json:
         print_json(totals)
-    else:
-        typer.echo(f"[{run.stats['schedule']} x{run.stats['batch_size']}] "
-                   f"{len(run.results)} prompts, "
-                   f"{run.tokens} tokens in {run.wall_s:.2f} s "
-                   f"({totals['tokens_per_s']:.1f} tokens/s), {run.stats['block_calls']} block "
-                   f"calls" + (f", {len(bad)} bad lines skipped" if bad else ""), err=True)
-    if bad:
-        raise typer.Exit(1)
+        return
+    typer.echo(f"[{run.stats['schedule']} x{run.stats['batch_size']}] {len(run.results)} "
+               f"prompts, {run.tokens} tokens in {run.wall_s:.2f} s "
+               f"({totals['tokens_per_s']:.1f} tokens/s), {run.stats['block_calls']} block "
+               f"calls" + (f", {skipped} bad lines skipped" if skipped else ""), err=True)
 
 
 main = run(app)

@@ -7,7 +7,6 @@ import numbers
 import os
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -171,34 +170,14 @@ def check_fits(kv_bytes: int, device: torch.device, what: str,
                               f"{device.type} has {free / 1e9:.2f} GB free: {room}")
 
 
-PROFILES_DIR = Path(__file__).resolve().parents[1] / "data" / "profiles"
-
-
 def machine_name(device: str) -> str:
     """The GPU's model name, or the CPU's with the CPUs this process may use, as profiles
-    record it."""
-    from costmodel.profile import cpu_machine_name
+    record it (costmodel.store)."""
+    from costmodel.store import cpu_machine_name
 
     if device.startswith("cuda"):
         return torch.cuda.get_device_name()
     return cpu_machine_name()
-
-
-def committed_profiles(family: str, device: str):
-    """(path, profile) of each calibration profile of a model family and this device kind
-    (cpu, cuda) in data/profiles/, the default grid's before the quick one's."""
-    from costmodel.profile import ProfileError, load_profile
-
-    kind = "cuda" if device.startswith("cuda") else "cpu"
-    paths = [p for p in PROFILES_DIR.glob(f"*{family}*.json")
-             if not p.name.endswith(".validation.json")]  # reports beside the profiles
-    for path in sorted(paths, key=lambda p: "quick" in p.name):
-        try:
-            profile = load_profile(path)
-        except ProfileError:
-            continue
-        if profile.device.split(":")[0] == kind:
-            yield path, profile
 
 
 MODES = ("eager", "static", "graphs")

@@ -36,6 +36,7 @@ import math
 import sysconfig
 import time
 import tokenize
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -269,24 +270,42 @@ def train_gate(args, train: torch.Tensor, gen: torch.Generator) -> tuple[object,
     for p in gate.parameters():
         p.requires_grad_(True)
     opt = torch.optim.AdamW(gate.parameters(), lr=args.lr, weight_decay=0.0)
+    steps, log = optimise(opt, train, args, gen,
+                          lambda x, y, step, frac: (gate_loss(model, x, y), {}))
+    return model, steps, log
+
+
+def optimise(opt: torch.optim.Optimizer, train: torch.Tensor, args, gen: torch.Generator,
+             step_loss: Callable[[torch.Tensor, torch.Tensor, int, float],
+                                 tuple[torch.Tensor, dict]],
+             clip_model: torch.nn.Module | None = None) -> tuple[int, list]:
+    """Steps ``opt`` on random windows of ``train`` until ``args.minutes`` have passed;
+    ``step_loss(x, y, steps so far, elapsed fraction of the budget)`` gives a step's loss and the
+    fields it adds to the log line printed every 50 steps. With ``clip_model``, that model's
+    gradients are clipped to norm 1 before each step. Returns the steps taken and the log."""
+    budget = args.minutes * 60
     start, step, log = time.time(), 0, []
     for x, y in batches(train, args.batch, args.length, gen):
         elapsed = time.time() - start
-        if elapsed > args.minutes * 60:
+        if elapsed > budget:
             break
-        loss = gate_loss(model, x, y)
+        loss, fields = step_loss(x, y, step, elapsed / budget)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if clip_model is not None:
+            torch.nn.utils.clip_grad_norm_(clip_model.parameters(), 1.0)
         opt.step()
         step += 1
         if step % 50 == 0:
-            line = {"step": step, "minutes": round(elapsed / 60, 1), "loss": round(loss.item(), 4)}
+            line = {"step": step, "minutes": round(elapsed / 60, 1), "loss": round(loss.item(), 4),
+                    **fields}
             log.append(line)
             print(json.dumps(line), flush=True)
-    return model, step, log
+    return step, log
 
 
-def main() -> None:
+def parse_arguments() -> argparse.Namespace:
+    """The command line, with the numbers training cannot use refused (exit status 2)."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", choices=("huginn", "ouro"), required=True)
@@ -319,6 +338,47 @@ def main() -> None:
 
     if args.gate_only and args.family != "ouro":
         parser.error("--gate-only trains an Ouro model's exit gate")
+    return args
+
+
+def pretraining_loss(model, opt: torch.optim.Optimizer, args, gen: torch.Generator,
+                     x: torch.Tensor, y: torch.Tensor, step: int,
+                     frac: float) -> tuple[torch.Tensor, dict]:
+    """One step of training the language model: sets the step's learning rate, and returns the
+    loss of the family's recipe (module docstring) and the rate, for the log."""
+    # cosine decay over the time budget, after a short warm-up
+    lr = args.lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * frac))
+    for group in opt.param_groups:
+        group["lr"] = lr
+    if args.family == "ouro":
+        depth = model.config.depth
+        losses = forward_losses(model, x, y, depth, depth, gen, "ouro")
+        loss = sum(losses) / len(losses)
+    else:
+        mean_depth = ramped_mean_depth(args.mean_depth, args.depth_ramp, frac)
+        depth = sample_depth(mean_depth, args.max_depth, gen)
+        losses = forward_losses(model, x, y, depth, args.backprop_depth, gen, "huginn",
+                                intermediate=args.intermediate_weight != 0)
+        loss = losses[-1]
+        if len(losses) > 1:
+            loss = loss + args.intermediate_weight * sum(losses[:-1]) / (len(losses) - 1)
+    return loss, {"lr": lr}
+
+
+def write_training_record(args, start: float, steps: int, log: list, train: torch.Tensor,
+                          heldout: torch.Tensor, metrics: dict) -> None:
+    """``training.json`` in ``--out``: how the model was trained and how it scored held out."""
+    (args.out / "training.json").write_text(json.dumps({
+        "command": "python -m wfd.train " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        "corpus": args.corpus, "steps": steps, "minutes": round((time.time() - start) / 60, 1),
+        "train_bytes": train.numel(), "heldout_bytes": heldout.numel(),
+        "torch": torch.__version__, "heldout": metrics, "log": log,
+    }, indent=2) + "\n")
+
+
+def main() -> None:
+    args = parse_arguments()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
@@ -331,51 +391,16 @@ def main() -> None:
                                        dtype=torch.uint8).long() for split in ("train", "heldout"))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                             weight_decay=0.01)
-    budget = args.minutes * 60
     start = time.time()
-    step = 0
-    log = []
-    for x, y in batches(train, args.batch, args.length, gen):
-        elapsed = time.time() - start
-        if elapsed > budget:
-            break
-        # cosine decay over the time budget, after a short warm-up
-        frac = elapsed / budget
-        lr = args.lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * frac))
-        for group in opt.param_groups:
-            group["lr"] = lr
-        if args.family == "ouro":
-            losses = forward_losses(model, x, y, cfg.depth, cfg.depth, gen, "ouro")
-            loss = sum(losses) / len(losses)
-        else:
-            mean_depth = ramped_mean_depth(args.mean_depth, args.depth_ramp, frac)
-            depth = sample_depth(mean_depth, args.max_depth, gen)
-            losses = forward_losses(model, x, y, depth, args.backprop_depth, gen, "huginn",
-                                    intermediate=args.intermediate_weight != 0)
-            loss = losses[-1]
-            if len(losses) > 1:
-                loss = loss + args.intermediate_weight * sum(losses[:-1]) / (len(losses) - 1)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step += 1
-        if step % 50 == 0:
-            line = {"step": step, "minutes": round(elapsed / 60, 1), "loss": round(loss.item(), 4),
-                    "lr": lr}
-            log.append(line)
-            print(json.dumps(line), flush=True)
+    steps, log = optimise(
+        opt, train, args, gen,
+        lambda x, y, step, frac: pretraining_loss(model, opt, args, gen, x, y, step, frac),
+        clip_model=model)
     model.eval()
     metrics = evaluate(model, heldout, cfg.depth,
                        max_depth=args.max_depth if args.family == "huginn" else None)
     save(model, args.out)
-    (args.out / "training.json").write_text(json.dumps({
-        "command": "python -m wfd.train " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
-        "corpus": args.corpus, "steps": step, "minutes": round((time.time() - start) / 60, 1),
-        "train_bytes": train.numel(), "heldout_bytes": heldout.numel(),
-        "torch": torch.__version__, "heldout": metrics, "log": log,
-    }, indent=2) + "\n")
+    write_training_record(args, start, steps, log, train, heldout, metrics)
     print(json.dumps(metrics))
 
 

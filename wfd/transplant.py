@@ -11,11 +11,9 @@ the two differently. The measured calls are kept as the profile's validation poi
 from __future__ import annotations
 
 import datetime as dt
-import os
 import re
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -108,16 +106,6 @@ def still_holds(profile: CalibrationProfile, model, name: str) -> bool:
     return abs(np.log(statistics.median(ratios))) <= np.log1p(TOLERANCE)
 
 
-def cache_dir() -> Path:
-    """Where profiles made here are kept: $LOOPED_DECODING_CACHE, or looped-decoding/ in the
-    user's cache directory ($XDG_CACHE_HOME, ~/.cache)."""
-    own = os.environ.get("LOOPED_DECODING_CACHE")
-    if own:
-        return Path(own)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "looped-decoding"
-
-
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-").lower()
 
@@ -129,9 +117,11 @@ def profile_for(model, name: str, device: str, say=print) -> tuple[str, Calibrat
     else a committed profile of this device kind transplanted here (about a second), and kept
     in ``cache_dir()``. ``say`` hears what it did, in a line."""
     from costmodel.profile import ProfileError, load_profile, save_profile
+    from costmodel.store import cache_dir, committed_profiles
 
     from .checkpoint import DTYPE_NAMES
-    from .runtime import GenerationError, committed_profiles, machine_name
+    from .options import GenerationError
+    from .runtime import machine_name
 
     family, machine = model.config.family, machine_name(device)
     dtype = DTYPE_NAMES[next(model.parameters()).dtype]
