@@ -86,8 +86,8 @@ def sharded(folder: Path) -> Path:
     return folder
 
 
-def ar_tokens(model, prompts, **options) -> list[list[int]]:
-    return [generate(model, p, max_new_tokens=NEW_TOKENS, schedule="ar", **options).tokens
+def ar_tokens(model, prompts, max_new_tokens: int = NEW_TOKENS, **options) -> list[list[int]]:
+    return [generate(model, p, max_new_tokens=max_new_tokens, schedule="ar", **options).tokens
             for p in prompts]
 
 
@@ -160,6 +160,64 @@ def test_dtv_on_vllm_drafts_with_its_own_checkpoint_and_emits_ar_tokens(tmp_path
     if pvalue <= 0.001:
         pytest.xfail(f"vLLM's speculative sampling on its CPU build is not AR's (p = "
                      f"{pvalue:.1e}); greedy is exact")
+
+
+@pytest.mark.parametrize("name, draft_depth", [("huginn-tiny", 2), ("ouro-tiny", 1)])
+def test_wfd_in_vllm_emits_ar_tokens_and_verifies_what_wfd_s_wave_verifies(tmp_path, name,
+                                                                          draft_depth):
+    """WaveFront Decoding inside the engine (hf_overrides schedule wfd): wfd's AR tokens one
+    request at a time and eight together, the drafts it accepts those wfd's own WFD accepts
+    (the engine verifies each token but the last: vLLM samples that one and stops). Huginn with
+    its KV cache held to 6 blocks: eight requests of 120 tokens are preempted and start their
+    waves again, and keep AR's tokens. Ouro sampled (T = 1, a seed a request): the tokens vLLM's
+    own AR samples with the same seeds, since every committed token is vLLM's sample from a
+    depth-R readout."""
+    prompts = [list(text.encode()) for text in CODE]
+    runs = [{"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 1},
+            {"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 8}]
+    squeezed = name == "huginn-tiny"
+    if squeezed:
+        runs.append({"prompts": prompts, "max_tokens": 110, "batch": 8})
+    sampled = [] if squeezed else [{"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 8,
+                                    "temperature": 1.0, "seed": 3}]
+    folder = ROOT / "wfd" / "models" / name
+    job = vllm_job(tmp_path, folder, runs + sampled,
+                   overrides={"schedule": "wfd", "draft_depth": draft_depth},
+                   kv_blocks=6 if squeezed else None)
+    model = load_model(name)
+    verified = accepted = 0
+    for run, done in zip(runs, job["runs"], strict=False):
+        wave = [generate(model, p, max_new_tokens=run["max_tokens"], schedule="wfd",
+                         draft_depth=draft_depth) for p in prompts]
+        assert done["tokens"] == [w.tokens for w in wave] == ar_tokens(
+            model, prompts, max_new_tokens=run["max_tokens"]), run
+        # each request's verifications but its last
+        outcomes = [ok for w in wave for p, ok in w.outcomes.items() if p != max(w.outcomes)]
+        verified, accepted = verified + len(outcomes), accepted + sum(outcomes)
+        if not (squeezed and run["max_tokens"] == 110):  # a preempted wave verifies again
+            assert (done["wave"]["verified"], done["wave"]["accepted"]) == (verified, accepted)
+    assert 0 < accepted < verified
+    if squeezed:
+        assert job["counters"]["preemptions"] > 0
+        return
+    ar = vllm_job(tmp_path, folder, sampled)["runs"][0]["tokens"]
+    assert job["runs"][-1]["tokens"] == ar
+    assert ar != job["runs"][1]["tokens"]  # sampled, not greedy
+
+
+def test_a_schedule_the_plugin_refuses_is_one_line(tmp_path):
+    """Refused where vLLM makes its config, before an engine starts: one line, exit code 2
+    (the config's other refusals: tests/test_serving_config.py)."""
+    job, out = tmp_path / "job.json", tmp_path / "out.json"
+    job.write_text(json.dumps({"model": str(ROOT / "wfd" / "models" / "huginn-tiny"),
+                               "overrides": {"schedule": "wfd", "draft_depth": 8},
+                               "in_process": True,
+                               "runs": [{"prompts": [[1, 2, 3]], "max_tokens": 2}]}))
+    done = subprocess.run([sys.executable, "-m", "wfd.serving.offline", str(job), str(out)],
+                          capture_output=True, text=True, timeout=300, env=UNBOUND)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: draft_depth must be in 1..7 (below R = 8), got 8")
 
 
 @pytest.mark.parametrize("family, speculative_tokens, kv_sharing", [

@@ -4,12 +4,14 @@
 Installed with the ``serve`` extra (``serve-cpu`` for vLLM's CPU build), it is found through
 vLLM's ``vllm.general_plugins`` entry point, so ``vllm serve PATH`` and ``LLM(model=PATH)`` load
 a checkpoint folder in either family's public layout. Decoding is autoregressive at a fixed
-depth, or DtV through vLLM's speculative decoding (method ``draft_model`` with the checkpoint
-itself as drafter, at its draft depth); each (recurrence step, core layer) has its own KV cache,
-as in ``wfd``'s decoder. Options, as ``hf_overrides`` (or keys in config.json):
+depth, DtV through vLLM's speculative decoding (method ``draft_model`` with the checkpoint
+itself as drafter, at its draft depth), or WFD (``schedule`` "wfd"); each (recurrence step,
+core layer) has its own KV cache, as in ``wfd``'s decoder. Options, as ``hf_overrides`` (or
+keys in config.json):
 ``recurrence_depth`` (R; default the checkpoint's), ``kv_sharing`` (0: a KV slot per depth; S in
-1..R: S shared slots), ``draft_depth`` (DtV's d), and for Huginn ``init_scale`` and
-``state_seed`` (its initial state, as ``wfd generate --init-scale --seed``).
+1..R: S shared slots), ``draft_depth`` (DtV's and WFD's d), ``schedule`` ("wfd": WaveFront
+Decoding in the engine, ``wfd.serving.wave``; with ``width_cap``), and for Huginn
+``init_scale`` and ``state_seed`` (its initial state, as ``wfd generate --init-scale --seed``).
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ def register() -> None:
     """Called by vLLM in each of its processes (idempotent): each family's config class where
     vLLM looks up a model_type, each model class in its registry (imported when first used)."""
     from vllm import ModelRegistry
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
     from vllm.transformers_utils import config as vllm_config
 
     from .configs import CONFIGS
+    from .wave import ScheduleHook
 
     for model_type, config_class in CONFIGS.items():
         vllm_config._CONFIG_REGISTRY[model_type] = config_class
     for architecture, path in ARCHITECTURES.items():
         ModelRegistry.register_model(architecture, path)
+        MODELS_CONFIG_MAP[architecture] = ScheduleHook

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -23,6 +24,7 @@ from wfd.checkpoint import _OPTIONAL
 from wfd.config import ModelConfig
 
 from .configs import LoopedConfig
+from .wave import WaveDecoder
 
 
 class CheckpointError(ValueError):
@@ -103,31 +105,49 @@ class LoopedForCausalLM(nn.Module):
         self.arch = arch = cfg.looped
         self.prelude_layers, self.core_layers = arch.prelude_layers, arch.core_layers
         self.core_slots = arch.core_slots(self.depth, self.kv_sharing)
+        wave = cfg.wave if vllm_config.model_config.runner_type != "draft" else None
+        if wave is not None and get_tensor_model_parallel_world_size() > 1:
+            raise ValueError("schedule wfd runs on one tensor-parallel rank for now")
+        # WFD reads out at d too: the coda's caches for those readouts (slot 1)
+        readout_slots = 1 if wave is None else 2
         heads, kv_heads = heads_per_rank(arch)
         self.caches = nn.ModuleList(
             Attention(heads, arch.head_dim, arch.head_dim ** -0.5, num_kv_heads=kv_heads,
                       cache_config=vllm_config.cache_config,
                       quant_config=vllm_config.quant_config,
                       prefix=maybe_prefix(prefix, f"caches.{i}"))
-            for i in range(arch.kv_layer_slots(self.depth, self.kv_sharing)))
+            for i in range(arch.kv_layer_slots(self.depth, self.kv_sharing, readout_slots)))
         self.logits_processor = LogitsProcessor(arch.vocab_size)
+        self.wave = None if wave is None else WaveDecoder(self, *wave)
 
     # -- which cache each layer reads ---------------------------------------------------------
     def prelude_caches(self) -> list[Attention]:
         return list(self.caches[:self.prelude_layers])
 
+    def core_layer_index(self, depth: int, layer: int) -> int:
+        """The cache of core layer ``layer`` at recurrence step ``depth`` (1-based)."""
+        return self.prelude_layers + core_slot(depth, self.kv_sharing) * self.core_layers + layer
+
     def core_caches(self, depth: int) -> list[Attention]:
-        """The caches of the core layers at recurrence step ``depth`` (1-based)."""
-        start = self.prelude_layers + core_slot(depth, self.kv_sharing) * self.core_layers
-        return list(self.caches[start:start + self.core_layers])
+        return [self.caches[self.core_layer_index(depth, j)] for j in range(self.core_layers)]
+
+    def coda_layer_index(self, slot: int, layer: int) -> int:
+        """The cache of coda layer ``layer`` for readouts of slot ``slot`` (0: at R; 1: WFD's
+        at d)."""
+        return (self.prelude_layers + self.core_slots * self.core_layers
+                + slot * self.arch.coda_layers + layer)
 
     def coda_caches(self) -> list[Attention]:
-        return list(self.caches[self.prelude_layers + self.core_slots * self.core_layers:])
+        return [self.caches[self.coda_layer_index(0, j)] for j in range(self.arch.coda_layers)]
 
     # -- the pass ----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors=None, inputs_embeds: torch.Tensor | None = None
                 ) -> torch.Tensor:
+        if self.wave is not None:  # a profiling run has no metadata: it runs as AR
+            metadata = get_forward_context().attn_metadata
+            if metadata:
+                return self.wave.forward(input_ids, positions, next(iter(metadata.values())))
         e = self.prelude(input_ids, positions, inputs_embeds)
         state = self.initial_state(positions, e)
         for depth in range(1, self.depth + 1):

@@ -23,6 +23,11 @@ class LoopedConfig(PretrainedConfig):
     # DtV (speculative_config method draft_model, the same checkpoint as drafter): the drafter's
     # depth d; None: the model's default draft depth
     draft_depth: int | None = None
+    # "wfd": WaveFront Decoding in the engine (wfd.serving.wave), at draft_depth, with at most
+    # width_cap positions in flight; "ar": one position at a time (or DtV, by vLLM's
+    # speculative_config)
+    schedule: str = "ar"
+    width_cap: int | None = None
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -63,10 +68,27 @@ class LoopedConfig(PretrainedConfig):
         return d, min(self.kv_sharing, d)
 
     @property
+    def wave(self) -> tuple[int, int | None] | None:
+        """(draft depth, width cap) of WFD in the engine; None for AR."""
+        if self.schedule not in ("ar", "wfd"):
+            raise ValueError(f"schedule must be ar or wfd (DtV: vLLM's speculative_config), "
+                             f"got {self.schedule!r}")
+        if self.schedule == "ar":
+            return None
+        if self.kv_sharing:
+            raise ValueError("schedule wfd keeps a KV slot per depth (kv_sharing 0): with "
+                             "shared slots a wave's drafts would overwrite what verification "
+                             "reads")
+        if self.width_cap is not None and self.width_cap < 1:
+            raise ValueError(f"width_cap must be at least 1, got {self.width_cap}")
+        return self.drafter[0], self.width_cap
+
+    @property
     def kv_layers(self) -> int:
         """The attention caches a token passes through, each holding its own KV: what vLLM's
         cache is sized by."""
-        return self.looped.kv_layer_slots(self.depth, self.kv_sharing)
+        return self.looped.kv_layer_slots(self.depth, self.kv_sharing,
+                                          1 if self.wave is None else 2)
 
     @property
     def looped(self) -> ModelConfig:

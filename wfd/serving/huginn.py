@@ -132,9 +132,10 @@ class RavenForCausalLM(LoopedForCausalLM):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.transformer.wte(input_ids) * self.embed_scale
 
-    def prelude(self, input_ids, positions, inputs_embeds=None) -> torch.Tensor:
+    def prelude(self, input_ids, positions, inputs_embeds=None, caches=None) -> torch.Tensor:
         x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
-        for block, cache in zip(self.transformer.prelude, self.prelude_caches(), strict=True):
+        caches = self.prelude_caches() if caches is None else caches
+        for block, cache in zip(self.transformer.prelude, caches, strict=True):
             x = block(x, positions, cache)
         return x
 
@@ -147,8 +148,9 @@ class RavenForCausalLM(LoopedForCausalLM):
             x = block(x, positions, cache)
         return x
 
-    def readout(self, state: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def readout(self, state: torch.Tensor, positions: torch.Tensor, caches=None) -> torch.Tensor:
         x = self.transformer.ln_f(state)
-        for block, cache in zip(self.transformer.coda, self.coda_caches(), strict=True):
+        caches = self.coda_caches() if caches is None else caches
+        for block, cache in zip(self.transformer.coda, caches, strict=True):
             x = block(x, positions, cache)
         return self.transformer.ln_f(x)

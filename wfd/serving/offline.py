@@ -9,6 +9,8 @@ draft_depth, ...), "speculative_tokens": k (DtV: the same checkpoint drafts k to
 draft depth, vLLM's draft_model method; the output adds vLLM's counters), "kv_blocks": N (the
 KV cache held to N blocks: preemption; the output adds vLLM's counters),
 "speculative_options": {...} (more of vLLM's speculative_config, e.g. draft_sample_method),
+overrides {"schedule": "wfd", "draft_depth": d} (WFD in the engine: each run adds the wave's
+counters),
 "dtype": "float32", "eager": true (false: vLLM's torch.compile), "in_process": false (true: the
 engine core in this process, VLLM_ENABLE_V1_MULTIPROCESSING=0), "tensor_parallel": 1,
 "max_model_len": null (the model's), "runs": [{"prompts": [[ids], ...], "max_tokens": N,
@@ -32,6 +34,8 @@ def run_job(job: dict) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: the tiny models need little
     if job.get("in_process"):  # no engine-core process: starts in seconds, not tens
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if (job.get("overrides") or {}).get("schedule") == "wfd":  # the wave's counters, read by a
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # function sent to it
     ranks = job.get("tensor_parallel", 1)
     if ranks > 1:  # vLLM's CPU build binds each rank's threads to a NUMA node, or to these cores
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(ranks))))
@@ -55,6 +59,7 @@ def run_job(job: dict) -> dict:
           "kv_cache_bytes": cache.kv_cache_memory_bytes, "kv_block_tokens": cache.block_size} \
         if cache.num_gpu_blocks else {}
     results = []
+    wave = (job.get("overrides") or {}).get("schedule") == "wfd"
     for run in job["runs"]:
         temperature, seed = run.get("temperature", 0.0), run.get("seed")
         params = [SamplingParams(temperature=temperature, top_p=run.get("top_p", 1.0),
@@ -67,10 +72,19 @@ def run_job(job: dict) -> dict:
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[i:i + batch]],
                                    params[i:i + batch], use_tqdm=False)
             tokens += [list(out.outputs[0].token_ids) for out in outputs]
-        results.append({"tokens": tokens, "seconds": time.perf_counter() - started})
+        results.append({"tokens": tokens, "seconds": time.perf_counter() - started,
+                        **({"wave": wave_counters(llm)} if wave else {})})
     counted = speculative or job.get("kv_blocks")
     return {"engine_s": engine_s, **kv, "runs": results,
             **({"counters": engine_counters(llm)} if counted else {})}
+
+
+def wave_counters(llm) -> dict[str, int]:
+    """WFD in the engine: drafts verified and accepted, positions flushed and block calls, over
+    the engine's life so far (wfd.serving.wave)."""
+    from wfd.serving.wave import counters  # by its module's name: sent to the engine's process
+
+    return llm.apply_model(counters)[0]
 
 
 def engine_counters(llm) -> dict[str, int]:
@@ -83,7 +97,22 @@ def engine_counters(llm) -> dict[str, int]:
     return {names[m.name]: int(m.value) for m in llm.get_metrics() if m.name in names}
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """Run the job; a setting the plugin refuses (vLLM raises it while making its config) as
+    one line and exit code 2."""
+    from pydantic import ValidationError
+
+    from costmodel.errors import validation_message
+
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    result = run_job(json.loads(Path(sys.argv[1]).read_text()))
+    try:
+        result = run_job(json.loads(Path(sys.argv[1]).read_text()))
+    except (ValidationError, ValueError) as exc:
+        message = validation_message(exc) if isinstance(exc, ValidationError) else exc
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
     Path(sys.argv[2]).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

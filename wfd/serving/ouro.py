@@ -113,7 +113,7 @@ class OuroForCausalLM(LoopedForCausalLM):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
-    def prelude(self, input_ids, positions, inputs_embeds=None) -> torch.Tensor:
+    def prelude(self, input_ids, positions, inputs_embeds=None, caches=None) -> torch.Tensor:
         return self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
 
     def initial_state(self, positions: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
@@ -125,5 +125,5 @@ class OuroForCausalLM(LoopedForCausalLM):
             x = layer(x, positions, cache)
         return self.model.norm(x)
 
-    def readout(self, state: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def readout(self, state: torch.Tensor, positions: torch.Tensor, caches=None) -> torch.Tensor:
         return state

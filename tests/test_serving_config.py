@@ -1,0 +1,35 @@
+"""The plugin's options as its config reads them (no engine): the schedules it runs and what it
+refuses, each in one line (wfd.serving.configs, wfd.serving.wave)."""
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from wfd.serving.configs import RavenConfig  # noqa: E402
+
+
+def config(**options) -> RavenConfig:
+    import json
+
+    from wfd.checkpoint import SHIPPED_DIR
+
+    raw = json.loads((SHIPPED_DIR / "huginn-tiny" / "config.json").read_text())
+    return RavenConfig(**{**raw, **options})
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"schedule": "wfd", "draft_depth": 8}, r"draft_depth must be in 1\.\.7"),
+    ({"schedule": "wfd", "kv_sharing": 2}, "schedule wfd keeps a KV slot per depth"),
+    ({"schedule": "wfd", "width_cap": 0}, "width_cap must be at least 1"),
+    ({"schedule": "beam"}, "schedule must be ar or wfd"),
+])
+def test_a_schedule_it_cannot_run_is_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        _ = config(**options).wave
+
+
+def test_wfd_reads_out_at_two_depths_and_ar_at_one():
+    ar, wfd = config(), config(schedule="wfd", draft_depth=2, width_cap=3)
+    assert ar.wave is None and wfd.wave == (2, 3)
+    coda = ar.looped.coda_layers
+    assert coda > 0 and wfd.kv_layers == ar.kv_layers + coda  # the coda's caches at d
