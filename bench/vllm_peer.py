@@ -1,5 +1,6 @@
 """vLLM as a peer: the same tiny models, prompts and weights decoded by vLLM (through the plugin
-in wfd/serving: its AR, and DtV with the checkpoint drafting for itself at its draft depth) and
+in wfd/serving: its AR, DtV with the checkpoint drafting for itself at its draft depth, and WFD
+in the engine, hf_overrides schedule wfd) and
 by this project's AR, DtV and WFD, one request at a time and eight together, greedy, fp32, on
 this machine's CPU.
 
@@ -11,7 +12,8 @@ Needs the serve-cpu extra (vLLM's CPU build). vLLM runs in a process of its own
 and configuration, its engine start excluded, twice: as vLLM runs by default (its engine core a
 process of its own, beside the worker) and with the engine core in the client's process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0), and DtV (vLLM's draft_model method, k = --block-length
-drafts at the model's draft depth, the engine core in-process). Each decodes the eight code
+drafts at the model's draft depth, the engine core in-process), and WFD (the plugin's wave at
+the model's draft depth, the engine core in-process). Each decodes the eight code
 prompts one request at a time,
 then all eight together, --repeats times, and the median run is reported. This decoder runs
 the same prompts with `generate` (batch 1) and `decode_batch` (batch 8) in this process, each
@@ -47,17 +49,20 @@ SCHEDULES = ("ar", "dtv", "wfd")
 
 
 def vllm_runs(folder: Path, prompts: list[list[int]], new_tokens: int, repeats: int,
-              threads: int, in_process: bool, speculative_tokens: int | None = None
+              threads: int, in_process: bool, speculative_tokens: int | None = None,
+              overrides: dict | None = None
               ) -> tuple[list[float], list[float], list[list[list[int]]]]:
     """(seconds per batch-1 run, seconds per batch-8 run, each run's tokens) from one engine
-    (``speculative_tokens``: DtV, the checkpoint drafting that many tokens for itself)."""
+    (``speculative_tokens``: DtV, the checkpoint drafting that many tokens for itself;
+    ``overrides``: the plugin's options, e.g. WFD's)."""
     runs = [{"prompts": prompts, "max_tokens": new_tokens, "batch": batch}
             for _ in range(repeats) for batch in (1, 8)]
     with tempfile.TemporaryDirectory() as tmp:
         job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job.write_text(json.dumps({"model": str(folder), "runs": runs,
                                    "in_process": in_process,
-                                   "speculative_tokens": speculative_tokens}))
+                                   "speculative_tokens": speculative_tokens,
+                                   "overrides": overrides}))
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         done = subprocess.run([sys.executable, "-m", "wfd.serving.offline", str(job), str(out)],
                               capture_output=True, text=True, env=env)
@@ -96,9 +101,9 @@ def main() -> None:
     total = len(prompts) * args.new_tokens
     rows = []
     print(f"| model | batch | vLLM AR | vLLM AR, engine in-process | vLLM DtV k={args.block_length}"
-          f" | AR | DtV k={args.block_length} | WFD | vLLM AR / AR | vLLM DtV / vLLM AR "
-          "| WFD / vLLM AR |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          f" | vLLM WFD | AR | DtV k={args.block_length} | WFD | vLLM AR / AR | vLLM DtV / vLLM AR "
+          "| vLLM WFD / vLLM AR | WFD / vLLM AR |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models:
         model = load_model(name)
         folder = ROOT / "wfd" / "models" / name
@@ -109,6 +114,9 @@ def main() -> None:
         one_dtv, eight_dtv, dtv_tokens = vllm_runs(folder, prompts, args.new_tokens,
                                                    args.repeats, args.threads, in_process=True,
                                                    speculative_tokens=args.block_length)
+        one_wfd, eight_wfd, wfd_tokens = vllm_runs(folder, prompts, args.new_tokens,
+                                                   args.repeats, args.threads, in_process=True,
+                                                   overrides={"schedule": "wfd"})
         times = {(s, b): [] for s in SCHEDULES for b in (1, 8)}
         for _ in range(args.repeats):  # interleaved: each repeat runs every configuration
             for schedule in SCHEDULES:
@@ -116,26 +124,28 @@ def main() -> None:
                     seconds, tokens = ours(model, prompts, schedule, batch, args.new_tokens,
                                            args.block_length)
                     times[schedule, batch].append(seconds)
-                    for mode, runs in (("AR", vllm_tokens), ("DtV", dtv_tokens)):
+                    for mode, runs in (("AR", vllm_tokens), ("DtV", dtv_tokens),
+                                       ("WFD", wfd_tokens)):
                         if schedule == "ar" and batch == 1 and any(t != tokens for t in runs):
                             sys.exit(f"error: vLLM's {mode} greedy tokens differ from AR's on "
                                      f"{name}")
-        for batch, vllm_s, vllm_in_s, dtv_s in ((1, one, one_in, one_dtv),
-                                                (8, eight, eight_in, eight_dtv)):
+        for batch, vllm_s, vllm_in_s, dtv_s, wfd_s in (
+                (1, one, one_in, one_dtv, one_wfd), (8, eight, eight_in, eight_dtv, eight_wfd)):
             speed = {s: total / statistics.median(times[s, batch]) for s in SCHEDULES}
-            peer, peer_in, peer_dtv = (total / statistics.median(v)
-                                       for v in (vllm_s, vllm_in_s, dtv_s))
+            peer, peer_in, peer_dtv, peer_wfd = (total / statistics.median(v)
+                                                 for v in (vllm_s, vllm_in_s, dtv_s, wfd_s))
             rows.append({"model": name, "batch": batch, "vllm_ar_tokens_per_s": peer,
                          "vllm_ar_in_process_tokens_per_s": peer_in,
-                         "vllm_dtv_tokens_per_s": peer_dtv,
+                         "vllm_dtv_tokens_per_s": peer_dtv, "vllm_wfd_tokens_per_s": peer_wfd,
                          **{f"{s}_tokens_per_s": v for s, v in speed.items()},
                          "vllm_runs_s": vllm_s, "vllm_in_process_runs_s": vllm_in_s,
-                         "vllm_dtv_runs_s": dtv_s,
+                         "vllm_dtv_runs_s": dtv_s, "vllm_wfd_runs_s": wfd_s,
                          "runs_s": {s: times[s, batch] for s in SCHEDULES}})
             print(f"| {name} | {batch} | {peer:.1f} | {peer_in:.1f} | {peer_dtv:.1f} | "
-                  f"{speed['ar']:.1f} | {speed['dtv']:.1f} | {speed['wfd']:.1f} | "
-                  f"{peer / speed['ar']:.2f}x, {peer_in / speed['ar']:.2f}x | "
-                  f"{peer_dtv / peer_in:.2f}x | {speed['wfd'] / peer:.2f}x |")
+                  f"{peer_wfd:.1f} | {speed['ar']:.1f} | {speed['dtv']:.1f} | "
+                  f"{speed['wfd']:.1f} | {peer / speed['ar']:.2f}x, {peer_in / speed['ar']:.2f}x"
+                  f" | {peer_dtv / peer_in:.2f}x | {peer_wfd / peer_in:.2f}x | "
+                  f"{speed['wfd'] / peer:.2f}x |")
     if args.out:
         Path(args.out).write_text(json.dumps({"new_tokens": args.new_tokens,
                                               "prompts": len(prompts), "rows": rows}, indent=1))

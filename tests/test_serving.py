@@ -205,6 +205,52 @@ def test_wfd_in_vllm_emits_ar_tokens_and_verifies_what_wfd_s_wave_verifies(tmp_p
     assert ar != job["runs"][1]["tokens"]  # sampled, not greedy
 
 
+ABORTING = """
+import json, sys
+from vllm import LLM, SamplingParams
+
+if __name__ == "__main__":
+    folder, prompts = sys.argv[1], json.loads(sys.argv[2])
+    llm = LLM(model=folder, dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
+              max_num_seqs=4, hf_overrides={"schedule": "wfd", "draft_depth": 2})
+    engine, done, steps = llm.llm_engine, {}, 0
+    params = SamplingParams(temperature=0, max_tokens=int(sys.argv[3]), detokenize=False,
+                            ignore_eos=True)
+    for i, prompt in enumerate(prompts[:3]):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        steps += 1
+        if steps == 5:  # mid-stream, its wave half built
+            engine.abort_request(["1"])
+        if steps == 7:  # a new request in its place, its prompt the aborted one's
+            engine.add_request("3", {"prompt_token_ids": prompts[1]}, params)
+    print(json.dumps(done))
+"""
+
+
+def test_a_request_aborted_mid_wave_leaves_the_others_their_tokens(tmp_path):
+    """WFD in the engine: one of three requests aborted after five engine steps, a new one
+    added two steps later (with the aborted one's prompt): the others' and the new one's
+    tokens are wfd's AR's, the aborted one's wave gone with it."""
+    prompts = [list(text.encode()) for text in CODE[:2]] + [list(CODE[2].encode())]
+    script = tmp_path / "aborting.py"
+    script.write_text(ABORTING)
+    folder = ROOT / "wfd" / "models" / "huginn-tiny"
+    done = subprocess.run([sys.executable, str(script), str(folder), json.dumps(prompts),
+                           str(NEW_TOKENS)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**UNBOUND, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                               "VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    tokens = json.loads(done.stdout.strip().splitlines()[-1])
+    expected = ar_tokens(load_model("huginn-tiny"), prompts)
+    assert set(tokens) == {"0", "2", "3"}
+    assert [tokens["0"], tokens["3"], tokens["2"]] == expected
+
+
 def test_a_schedule_the_plugin_refuses_is_one_line(tmp_path):
     """Refused where vLLM makes its config, before an engine starts: one line, exit code 2
     (the config's other refusals: tests/test_serving_config.py)."""

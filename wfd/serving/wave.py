@@ -81,19 +81,23 @@ class PagedKV:
         self.values = page[..., size * dim:].unflatten(-1, (size, dim))  # [n, h, b, d]
         self.block = size
 
-    def _where(self, block_row: torch.Tensor, positions: torch.Tensor):
-        return block_row[positions // self.block].long(), positions % self.block
-
-    def write(self, block_row: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+    def write(self, tables: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
-        """k, v: [positions, kv heads, head dim]."""
-        n, b = self._where(block_row, positions)
+        """Row i's k, v ([kv heads, head dim]) at ``positions[i]`` of the sequence whose block
+        table is ``tables[i]``."""
+        n = tables.gather(1, (positions // self.block)[:, None])[:, 0].long()
+        b = positions % self.block
         self.keys[n, :, :, b] = k
         self.values[n, :, b, :] = v
 
-    def read(self, block_row: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of positions 0..length-1: [length, kv heads, head dim]."""
-        n, b = self._where(block_row, torch.arange(length))
+    def read(self, tables: torch.Tensor, written: torch.Tensor, length: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions 0..length-1 of each sequence ([sequences, length, kv
+        heads, head dim]), read up to position ``written[i]`` (past it: a copy of that one's,
+        for the caller to replace)."""
+        at = torch.minimum(torch.arange(length)[None, :], written[:, None])
+        n = tables.gather(1, at // self.block).long()
+        b = at % self.block
         return self.keys[n, :, :, b], self.values[n, :, b, :]
 
 
@@ -116,34 +120,26 @@ class Wave:
 
 
 class WaveAttention:
-    """Stands in for a vLLM ``Attention`` layer in one call of a wave: each row's k and v
-    written to the cache of its own layer (its recurrence step's), and attention over that
-    layer's keys up to the row's position (causal)."""
+    """Stands in for a vLLM ``Attention`` layer in one call over the waves of a step: each row's
+    k and v written to the cache of its own layer (its recurrence step's) in its own request's
+    sequence, and attention over that layer's keys up to the row's position (causal)."""
 
-    def __init__(self, decoder: WaveDecoder, wave: Wave, positions: list[int],
-                 layers: list[int]):
-        self.decoder, self.wave, self.positions, self.layers = decoder, wave, positions, layers
+    def __init__(self, decoder: WaveDecoder, rows: list[tuple[Wave, int]], layers: list[int]):
+        self.decoder, self.rows, self.layers = decoder, rows, layers
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         some = self.decoder.model.caches[self.layers[0]]
         heads, kv_heads, dim = some.num_heads, some.num_kv_heads, some.head_size
         q = q.view(-1, heads, dim)
         k, v = k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim)
-        for i, (p, layer) in enumerate(zip(self.positions, self.layers, strict=True)):
-            self.decoder.store(self.wave, layer, p, k[i], v[i])
         out = torch.empty_like(q)
-        for layer in dict.fromkeys(self.layers):  # rows of one layer attend together
-            rows = [i for i, lay in enumerate(self.layers) if lay == layer]
-            last = max(self.positions[i] for i in rows)
-            keys, values = self.decoder.keys(self.wave, layer, last + 1)
-            group = heads // kv_heads
-            keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+        by_layer: dict[int, list[int]] = {}
+        for i, layer in enumerate(self.layers):
+            by_layer.setdefault(layer, []).append(i)
+        for layer, rows in by_layer.items():
             index = torch.tensor(rows)
-            own = torch.tensor([self.positions[i] for i in rows])
-            mask = torch.arange(last + 1)[None, :] <= own[:, None]  # [rows, keys]
-            scores = torch.einsum("rhd,khd->hrk", q[index], keys) * self.decoder.scale
-            scores = scores.masked_fill(~mask[None], float("-inf"))
-            out[index] = torch.einsum("hrk,khd->rhd", scores.softmax(-1), values)
+            out[index] = self.decoder.attend(layer, [self.rows[i] for i in rows], q[index],
+                                             k[index], v[index])
         return out.flatten(1)
 
 
@@ -202,11 +198,14 @@ class WaveDecoder:
         out = torch.zeros(len(input_ids), self.model.arch.hidden_size,
                           dtype=self.model.lm_head.weight.dtype)
         starts = metadata.query_start_loc.tolist()
+        waves = []
         for i, req in enumerate(_BATCH):
             rows = slice(starts[i], starts[i + 1])
             tokens, where = input_ids[rows].tolist(), positions[rows].tolist()
-            wave = self.begin(req, tokens, where, metadata.block_table[i])
-            out[starts[i + 1] - 1] = self.run(wave)
+            waves.append(self.begin(req, tokens, where, metadata.block_table[i]))
+        self.run(waves)
+        for i, wave in enumerate(waves):
+            out[starts[i + 1] - 1] = wave.readouts[wave.pending.position]
         return out
 
     def begin(self, req: str, tokens: list[int], where: list[int], block_row: torch.Tensor
@@ -236,26 +235,42 @@ class WaveDecoder:
         else:
             wave.pending = None
         for layer, p in [key for key in wave.ahead if key[1] == position]:
-            self.paged_kv(layer).write(wave.block_row, torch.tensor([p]),
+            self.paged_kv(layer).write(wave.block_row[None], torch.tensor([p]),
                                        *(t[None] for t in wave.ahead.pop((layer, p))))
         return wave
 
-    def run(self, wave: Wave) -> torch.Tensor:
-        """The wave's events up to its next commit; the readout at R that commit samples."""
+    def run(self, waves: list[Wave]) -> None:
+        """Every wave's events up to its next commit (the readout at R that vLLM samples the
+        token from), the calls of the same part over several waves run as one: a coda call
+        before a prelude call before a block call, so that waves in step share every call of
+        a tick."""
+        calls = {id(wave): self.next_call(wave) for wave in waves}
+        while any(calls.values()):
+            kind = next(k for k in ("coda", "prelude", "block")
+                        if any(c is not None and c.kind == k for c in calls.values()))
+            together = [w for w in waves if calls[id(w)] is not None
+                        and calls[id(w)].kind == kind]
+            self.call(kind, [(w, calls[id(w)]) for w in together])
+            for wave in together:
+                calls[id(wave)] = self.next_call(wave)
+
+    def next_call(self, wave: Wave) -> Call | None:
+        """The wave's events up to its next call (returned, not run), or None where it commits
+        a token (``wave.pending``: vLLM samples it)."""
         reply, wave.pending = wave.pending, None
         while True:
             event = wave.steps.send(reply)
             reply = None
             if isinstance(event, Call):
-                self.call(wave, event)
-            elif isinstance(event, Draft):
+                return event
+            if isinstance(event, Draft):
                 token = int(self.model.compute_logits(wave.readouts[event.position][None])
                             .argmax(-1))
                 wave.drafts[event.position] = token
                 wave.token_at[event.position + 1] = token
             elif isinstance(event, Verify | Bonus):
                 wave.pending = event
-                return wave.readouts[event.position]
+                return None
             elif isinstance(event, Rollback):
                 self.totals["flushed_positions"] += event.flushed
                 self.rollback(wave, event.length)
@@ -263,39 +278,42 @@ class WaveDecoder:
                 raise RuntimeError("WFD on vLLM runs without exit rules")
 
     # -- calls ---------------------------------------------------------------------------------
-    def call(self, wave: Wave, call: Call) -> None:
-        model, positions = self.model, list(call.positions)
-        where = torch.tensor(positions)
-        if call.kind == "prelude":
-            tokens = torch.tensor([wave.token_at[p] for p in positions])
-            layers = [[j] * len(positions) for j in range(model.prelude_layers)]
-            e = model.prelude(tokens, where, caches=self.stand_ins(wave, positions, layers))
+    def call(self, kind: str, calls: list[tuple[Wave, Call]]) -> None:
+        """One call of a part over the rows of several waves (each its positions and depths)."""
+        model = self.model
+        rows = [(wave, p) for wave, call in calls for p in call.positions]
+        depths = [r for _, call in calls for r in call.depths]
+        where = torch.tensor([p for _, p in rows])
+        if kind == "prelude":
+            tokens = torch.tensor([wave.token_at[p] for wave, p in rows])
+            layers = [[j] * len(rows) for j in range(model.prelude_layers)]
+            e = model.prelude(tokens, where, caches=self.stand_ins(rows, layers))
             states = model.initial_state(where, e)
-            for i, p in enumerate(positions):
+            for i, (wave, p) in enumerate(rows):
                 wave.injections[p], wave.states[p] = e[i], states[i]
-        elif call.kind == "block":
+            return
+        states = torch.stack([wave.states[p] for wave, p in rows])
+        if kind == "block":
             self.totals["block_calls"] += 1
-            layers = [[model.core_layer_index(r, j) for r in call.depths]
+            layers = [[model.core_layer_index(r, j) for r in depths]
                       for j in range(model.core_layers)]
-            states = torch.stack([wave.states[p] for p in positions])
-            e = torch.stack([wave.injections[p] for p in positions])
-            new = model.step(states, e, where, self.stand_ins(wave, positions, layers))
-            for i, p in enumerate(positions):
+            e = torch.stack([wave.injections[p] for wave, p in rows])
+            new = model.step(states, e, where, self.stand_ins(rows, layers))
+            for i, (wave, p) in enumerate(rows):
                 wave.states[p] = new[i]
-        else:
-            slots = [0 if r == model.depth else 1 for r in call.depths]
-            layers = [[model.coda_layer_index(s, j) for s in slots]
-                      for j in range(model.arch.coda_layers)]
-            states = torch.stack([wave.states[p] for p in positions])
-            out = model.readout(states, where, caches=self.stand_ins(wave, positions, layers))
-            for i, p in enumerate(positions):
-                wave.readouts[p] = out[i]
+            return
+        slots = [0 if r == model.depth else 1 for r in depths]
+        layers = [[model.coda_layer_index(s, j) for s in slots]
+                  for j in range(model.arch.coda_layers)]
+        out = model.readout(states, where, caches=self.stand_ins(rows, layers))
+        for i, (wave, p) in enumerate(rows):
+            wave.readouts[p] = out[i]
 
-    def stand_ins(self, wave: Wave, positions: list[int], layers: list[list[int]]
+    def stand_ins(self, rows: list[tuple[Wave, int]], layers: list[list[int]]
                   ) -> list[WaveAttention]:
         """The caches a part's layers attend with in this call: layer j's rows each in the
         cache ``layers[j][row]``."""
-        return [WaveAttention(self, wave, positions, rows) for rows in layers]
+        return [WaveAttention(self, rows, own) for own in layers]
 
     def rollback(self, wave: Wave, length: int) -> None:
         """Positions from ``length`` on are discarded (their KV ahead dropped; what they wrote in
@@ -314,21 +332,55 @@ class WaveDecoder:
             known = self.paged[layer] = PagedKV(cache)
         return known
 
-    def store(self, wave: Wave, layer: int, position: int, k: torch.Tensor,
-              v: torch.Tensor) -> None:
-        if position <= wave.scheduled:
-            self.paged_kv(layer).write(wave.block_row, torch.tensor([position]), k[None],
-                                       v[None])
-        else:
-            wave.ahead[(layer, position)] = (k.clone(), v.clone())
+    def attend(self, layer: int, rows: list[tuple[Wave, int]], q: torch.Tensor,
+               k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Rows of one layer (each a wave's position): k and v written (the paged cache at a
+        scheduled position, the wave's own buffer ahead of it), then each row's attention over
+        the layer's keys up to its position. A wave's several rows (a prompt) attend over its
+        keys gathered once; single rows of several waves (a tick) together."""
+        paged = self.paged_kv(layer)
+        inside = [i for i, (wave, p) in enumerate(rows) if p <= wave.scheduled]
+        if inside:
+            at = torch.tensor([rows[i][1] for i in inside])
+            tables = torch.stack([rows[i][0].block_row for i in inside])
+            paged.write(tables, at, k[inside], v[inside])
+        for i, (wave, p) in enumerate(rows):
+            if p > wave.scheduled:
+                wave.ahead[(layer, p)] = (k[i].clone(), v[i].clone())
+        out = torch.empty_like(q)
+        count: dict[int, list[int]] = {}
+        for i, (wave, _) in enumerate(rows):
+            count.setdefault(id(wave), []).append(i)
+        singles = [own[0] for own in count.values() if len(own) == 1]
+        groups = [own for own in count.values() if len(own) > 1] + ([singles] if singles else [])
+        for group in groups:
+            index = torch.tensor(group)
+            out[index] = self._attention(paged, layer, [rows[i] for i in group], q[index])
+        return out
 
-    def keys(self, wave: Wave, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of positions 0..length-1 in ``layer``: the scheduled ones from the
-        paged cache, those ahead from the wave's own."""
-        keys, values = self.paged_kv(layer).read(wave.block_row,
-                                                 min(length, wave.scheduled + 1))
-        ahead = [wave.ahead[(layer, p)] for p in range(wave.scheduled + 1, length)]
-        if ahead:
-            keys = torch.cat([keys, torch.stack([k for k, _ in ahead])])
-            values = torch.cat([values, torch.stack([v for _, v in ahead])])
-        return keys, values
+    def _attention(self, paged: PagedKV, layer: int, rows: list[tuple[Wave, int]],
+                   q: torch.Tensor) -> torch.Tensor:
+        """Causal attention of ``rows`` (all of one wave, or each of its own) over ``layer``."""
+        own = torch.tensor([p for _, p in rows])
+        length = int(own.max()) + 1
+        waves = list(dict.fromkeys(id(w) for w, _ in rows))
+        one_wave = len(waves) == 1
+        keys_of = [rows[0]] if one_wave else rows
+        keys, values = paged.read(
+            torch.stack([w.block_row for w, _ in keys_of]),
+            torch.tensor([w.scheduled for w, _ in keys_of]), length)  # [w, length, h, d]
+        for i, (wave, _) in enumerate(keys_of):
+            for a in range(wave.scheduled + 1, length):
+                if (layer, a) in wave.ahead:
+                    keys[i, a], values[i, a] = wave.ahead[(layer, a)]
+        repeat = q.shape[1] // keys.shape[2]
+        keys, values = keys.repeat_interleave(repeat, 2), values.repeat_interleave(repeat, 2)
+        mask = torch.arange(length)[None, :] <= own[:, None]  # [rows, keys]
+        if one_wave:
+            scores = torch.einsum("rhd,khd->rhk", q, keys[0])
+        else:
+            scores = torch.einsum("rhd,rkhd->rhk", q, keys)
+        scores = (scores * self.scale).masked_fill(~mask[:, None, :], float("-inf"))
+        if one_wave:
+            return torch.einsum("rhk,khd->rhd", scores.softmax(-1), values[0])
+        return torch.einsum("rhk,rkhd->rhd", scores.softmax(-1), values)
