@@ -162,47 +162,49 @@ def test_dtv_on_vllm_drafts_with_its_own_checkpoint_and_emits_ar_tokens(tmp_path
                      f"{pvalue:.1e}); greedy is exact")
 
 
-@pytest.mark.parametrize("name, draft_depth", [("huginn-tiny", 2), ("ouro-tiny", 1)])
-def test_wfd_in_vllm_emits_ar_tokens_and_verifies_what_wfd_s_wave_verifies(tmp_path, name,
-                                                                          draft_depth):
-    """WaveFront Decoding inside the engine (hf_overrides schedule wfd): wfd's AR tokens one
-    request at a time and eight together, the drafts it accepts those wfd's own WFD accepts
-    (the engine verifies each token but the last: vLLM samples that one and stops). Huginn with
-    its KV cache held to 6 blocks: eight requests of 120 tokens are preempted and start their
-    waves again, and keep AR's tokens. Ouro sampled (T = 1, a seed a request): the tokens vLLM's
-    own AR samples with the same seeds, since every committed token is vLLM's sample from a
-    depth-R readout."""
+@pytest.mark.parametrize("name, schedule, draft_depth", [
+    ("huginn-tiny", "wfd", 2), ("ouro-tiny", "wfd", 1), ("huginn-tiny", "dtv", 2)])
+def test_the_plugin_s_wfd_and_dtv_emit_ar_tokens_and_verify_what_wfd_verifies(
+        tmp_path, name, schedule, draft_depth):
+    """The plugin's own schedules in the engine (hf_overrides schedule wfd, or dtv with nested
+    reuse, k = 3): wfd's AR tokens one request at a time and eight together, the drafts
+    verified and accepted those wfd's own schedule verifies and accepts (but the last token's:
+    vLLM samples it and stops). WFD on Huginn with its KV cache
+    held to 6 blocks of 128 tokens: eight requests of 110 tokens are preempted and start their
+    waves again, and keep AR's tokens. WFD on Ouro sampled (T = 1, a seed a request): the tokens
+    vLLM's own AR samples with the same seeds, since every committed token is vLLM's sample
+    from a depth-R readout."""
     prompts = [list(text.encode()) for text in CODE]
-    runs = [{"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 1},
-            {"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 8}]
-    squeezed = name == "huginn-tiny"
+    runs = [{"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": b} for b in (1, 8)]
+    squeezed = (name, schedule) == ("huginn-tiny", "wfd")
     if squeezed:
         runs.append({"prompts": prompts, "max_tokens": 110, "batch": 8})
-    sampled = [] if squeezed else [{"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 8,
-                                    "temperature": 1.0, "seed": 3}]
+    sampled = [{"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 8, "temperature": 1.0,
+                "seed": 3}] if name == "ouro-tiny" else []
     folder = ROOT / "wfd" / "models" / name
-    job = vllm_job(tmp_path, folder, runs + sampled,
-                   overrides={"schedule": "wfd", "draft_depth": draft_depth},
+    options = {"schedule": schedule, "draft_depth": draft_depth, "block_length": 3}
+    job = vllm_job(tmp_path, folder, runs + sampled, overrides=options,
                    kv_blocks=6 if squeezed else None)
     model = load_model(name)
     verified = accepted = 0
     for run, done in zip(runs, job["runs"], strict=False):
-        wave = [generate(model, p, max_new_tokens=run["max_tokens"], schedule="wfd",
-                         draft_depth=draft_depth) for p in prompts]
-        assert done["tokens"] == [w.tokens for w in wave] == ar_tokens(
+        ours = [generate(model, p, max_new_tokens=run["max_tokens"], schedule=schedule,
+                         draft_depth=draft_depth, block_length=3) for p in prompts]
+        assert done["tokens"] == [w.tokens for w in ours] == ar_tokens(
             model, prompts, max_new_tokens=run["max_tokens"]), run
-        # each request's verifications but its last
-        outcomes = [ok for w in wave for p, ok in w.outcomes.items() if p != max(w.outcomes)]
+        # each request's verifications but that of its last token (vLLM samples it and stops)
+        outcomes = [ok for w in ours for p, ok in w.outcomes.items()
+                    if p != len(w.prompt) + len(w.tokens) - 2]
         verified, accepted = verified + len(outcomes), accepted + sum(outcomes)
-        if not (squeezed and run["max_tokens"] == 110):  # a preempted wave verifies again
+        if run["max_tokens"] != 110:  # a preempted request verifies its tokens again
             assert (done["wave"]["verified"], done["wave"]["accepted"]) == (verified, accepted)
     assert 0 < accepted < verified
     if squeezed:
         assert job["counters"]["preemptions"] > 0
-        return
-    ar = vllm_job(tmp_path, folder, sampled)["runs"][0]["tokens"]
-    assert job["runs"][-1]["tokens"] == ar
-    assert ar != job["runs"][1]["tokens"]  # sampled, not greedy
+    if sampled:
+        ar = vllm_job(tmp_path, folder, sampled)["runs"][0]["tokens"]
+        assert job["runs"][-1]["tokens"] == ar
+        assert ar != job["runs"][1]["tokens"]  # sampled, not greedy
 
 
 ABORTING = """

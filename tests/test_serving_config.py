@@ -21,15 +21,20 @@ def config(**options) -> RavenConfig:
     ({"schedule": "wfd", "draft_depth": 8}, r"draft_depth must be in 1\.\.7"),
     ({"schedule": "wfd", "kv_sharing": 2}, "schedule wfd keeps a KV slot per depth"),
     ({"schedule": "wfd", "width_cap": 0}, "width_cap must be at least 1"),
-    ({"schedule": "beam"}, "schedule must be ar or wfd"),
+    ({"schedule": "dtv", "block_length": 0}, "block_length must be at least 1"),
+    ({"schedule": "beam"}, "schedule must be ar, dtv or wfd"),
 ])
 def test_a_schedule_it_cannot_run_is_refused(options, message):
     with pytest.raises(ValueError, match=message):
         _ = config(**options).wave
 
 
-def test_wfd_reads_out_at_two_depths_and_ar_at_one():
+def test_wfd_and_dtv_read_out_at_two_depths_and_ar_at_one():
     ar, wfd = config(), config(schedule="wfd", draft_depth=2, width_cap=3)
-    assert ar.wave is None and wfd.wave == (2, 3)
+    dtv = config(schedule="dtv", draft_depth=1, block_length=3)
+    assert ar.wave is None
+    assert (wfd.wave.name, wfd.wave.draft_depth, wfd.wave.width_cap) == ("wfd", 2, 3)
+    assert (dtv.wave.name, dtv.wave.draft_depth, dtv.wave.block_length) == ("dtv", 1, 3)
+    assert dtv.kv_layers == wfd.kv_layers
     coda = ar.looped.coda_layers
     assert coda > 0 and wfd.kv_layers == ar.kv_layers + coda  # the coda's caches at d

@@ -107,8 +107,8 @@ class LoopedForCausalLM(nn.Module):
         self.core_slots = arch.core_slots(self.depth, self.kv_sharing)
         wave = cfg.wave if vllm_config.model_config.runner_type != "draft" else None
         if wave is not None and get_tensor_model_parallel_world_size() > 1:
-            raise ValueError("schedule wfd runs on one tensor-parallel rank for now")
-        # WFD reads out at d too: the coda's caches for those readouts (slot 1)
+            raise ValueError(f"schedule {cfg.schedule} runs on one tensor-parallel rank for now")
+        # DtV and WFD read out at d too: the coda's caches for those readouts (slot 1)
         readout_slots = 1 if wave is None else 2
         heads, kv_heads = heads_per_rank(arch)
         self.caches = nn.ModuleList(
@@ -118,7 +118,7 @@ class LoopedForCausalLM(nn.Module):
                       prefix=maybe_prefix(prefix, f"caches.{i}"))
             for i in range(arch.kv_layer_slots(self.depth, self.kv_sharing, readout_slots)))
         self.logits_processor = LogitsProcessor(arch.vocab_size)
-        self.wave = None if wave is None else WaveDecoder(self, *wave)
+        self.wave = None if wave is None else WaveDecoder(self, wave)
 
     # -- which cache each layer reads ---------------------------------------------------------
     def prelude_caches(self) -> list[Attention]:

@@ -23,11 +23,13 @@ class LoopedConfig(PretrainedConfig):
     # DtV (speculative_config method draft_model, the same checkpoint as drafter): the drafter's
     # depth d; None: the model's default draft depth
     draft_depth: int | None = None
-    # "wfd": WaveFront Decoding in the engine (wfd.serving.wave), at draft_depth, with at most
-    # width_cap positions in flight; "ar": one position at a time (or DtV, by vLLM's
-    # speculative_config)
+    # the plugin's own schedule (wfd.serving.wave): "wfd", WaveFront Decoding at draft_depth with
+    # at most width_cap positions in flight, or "dtv", DtV at draft_depth drafting block_length
+    # tokens a round with nested reuse; "ar": one position at a time (or vLLM's DtV, with a
+    # second copy of the weights, by its speculative_config)
     schedule: str = "ar"
     width_cap: int | None = None
+    block_length: int = 4
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -68,20 +70,24 @@ class LoopedConfig(PretrainedConfig):
         return d, min(self.kv_sharing, d)
 
     @property
-    def wave(self) -> tuple[int, int | None] | None:
-        """(draft depth, width cap) of WFD in the engine; None for AR."""
-        if self.schedule not in ("ar", "wfd"):
-            raise ValueError(f"schedule must be ar or wfd (DtV: vLLM's speculative_config), "
-                             f"got {self.schedule!r}")
+    def wave(self):
+        """The plugin's own schedule (a costmodel Schedule: WFD's or DtV's) at its options; None
+        for AR."""
+        from costmodel.schedules import get
+
+        if self.schedule not in ("ar", "dtv", "wfd"):
+            raise ValueError(f"schedule must be ar, dtv or wfd, got {self.schedule!r}")
         if self.schedule == "ar":
             return None
         if self.kv_sharing:
-            raise ValueError("schedule wfd keeps a KV slot per depth (kv_sharing 0): with "
-                             "shared slots a wave's drafts would overwrite what verification "
-                             "reads")
+            raise ValueError(f"schedule {self.schedule} keeps a KV slot per depth (kv_sharing "
+                             "0): with shared slots its drafts would overwrite what "
+                             "verification reads")
         if self.width_cap is not None and self.width_cap < 1:
             raise ValueError(f"width_cap must be at least 1, got {self.width_cap}")
-        return self.drafter[0], self.width_cap
+        if self.block_length < 1:
+            raise ValueError(f"block_length must be at least 1, got {self.block_length}")
+        return get(self.schedule).of(self.drafter[0], self.block_length, self.width_cap)
 
     @property
     def kv_layers(self) -> int:

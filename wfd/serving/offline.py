@@ -9,8 +9,8 @@ draft_depth, ...), "speculative_tokens": k (DtV: the same checkpoint drafts k to
 draft depth, vLLM's draft_model method; the output adds vLLM's counters), "kv_blocks": N (the
 KV cache held to N blocks: preemption; the output adds vLLM's counters),
 "speculative_options": {...} (more of vLLM's speculative_config, e.g. draft_sample_method),
-overrides {"schedule": "wfd", "draft_depth": d} (WFD in the engine: each run adds the wave's
-counters),
+overrides {"schedule": "wfd" or "dtv", "draft_depth": d} (the plugin's own WFD or DtV in the
+engine: each run adds the wave's counters),
 "dtype": "float32", "eager": true (false: vLLM's torch.compile), "in_process": false (true: the
 engine core in this process, VLLM_ENABLE_V1_MULTIPROCESSING=0), "tensor_parallel": 1,
 "max_model_len": null (the model's), "runs": [{"prompts": [[ids], ...], "max_tokens": N,
@@ -34,8 +34,9 @@ def run_job(job: dict) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: the tiny models need little
     if job.get("in_process"):  # no engine-core process: starts in seconds, not tens
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if (job.get("overrides") or {}).get("schedule") == "wfd":  # the wave's counters, read by a
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # function sent to it
+    wave = (job.get("overrides") or {}).get("schedule") in ("dtv", "wfd")
+    if wave:  # the wave's counters are read by a function sent to the engine
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     ranks = job.get("tensor_parallel", 1)
     if ranks > 1:  # vLLM's CPU build binds each rank's threads to a NUMA node, or to these cores
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(ranks))))
@@ -59,7 +60,6 @@ def run_job(job: dict) -> dict:
           "kv_cache_bytes": cache.kv_cache_memory_bytes, "kv_block_tokens": cache.block_size} \
         if cache.num_gpu_blocks else {}
     results = []
-    wave = (job.get("overrides") or {}).get("schedule") == "wfd"
     for run in job["runs"]:
         temperature, seed = run.get("temperature", 0.0), run.get("seed")
         params = [SamplingParams(temperature=temperature, top_p=run.get("top_p", 1.0),

@@ -1,4 +1,5 @@
-"""WaveFront Decoding inside vLLM (``hf_overrides={"schedule": "wfd", "draft_depth": d}``).
+"""WaveFront Decoding inside vLLM (``hf_overrides={"schedule": "wfd", "draft_depth": d}``), and
+DtV with nested reuse by the same machinery (``"schedule": "dtv"``, ``"block_length": k``).
 
 Each request keeps a wave across engine steps: ``costmodel.schedules.wfd``'s plan, the one the
 decoder and the simulator execute, run here against vLLM's KV cache. An engine step schedules
@@ -9,7 +10,10 @@ whose sampler commits the next token. The step after, the wave compares that tok
 draft it made for the position: equal, the position is already deep in the wave (the work the
 wave saved); not, the younger positions are flushed and the token re-enters at depth 0. The
 committed tokens are vLLM's samples from depth-R readouts, as in AR, so greedy and sampled
-decoding are exact by construction; drafts are greedy (argmax at d).
+decoding are exact by construction; drafts are greedy (argmax at d). DtV's plan runs the same
+way: a round drafts k positions one by one at d, continues them all to R in R - d block calls
+(one copy of the weights, the drafts' latents and KV reused), and its verifications and bonus
+then commit a token a step, from readouts already made.
 
 KV: position p at recurrence step r writes the cache of its (step, layer), as in AR; the
 positions vLLM has scheduled write its paged cache at their slots, the positions ahead of them
@@ -32,7 +36,6 @@ import torch
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
 from costmodel.plans import Bonus, Call, Check, Draft, Rollback, Verify
-from costmodel.schedules import get
 
 # The engine step's request ids in batch order, published by the runner hook before each
 # forward; the requests to forget (finished, aborted, preempted) before the next.
@@ -157,7 +160,8 @@ class ScheduleHook(VerifyAndUpdateConfig):
         if getattr(cfg, "wave", None) is None:
             return
         if vllm_config.speculative_config is not None:
-            raise ValueError("schedule wfd drafts for itself: leave out speculative_config")
+            raise ValueError(f"schedule {cfg.schedule} drafts for itself: leave out "
+                             "speculative_config")
         vllm_config.cache_config.enable_prefix_caching = False
         scheduler = vllm_config.scheduler_config
         scheduler.enable_chunked_prefill = False
@@ -166,14 +170,14 @@ class ScheduleHook(VerifyAndUpdateConfig):
 
 
 class WaveDecoder:
-    """WFD(d, cap) for every request of the engine's batches, on a model of the plugin
-    (``LoopedForCausalLM``: its parts, its head, its caches; ``coda_caches(slot)`` the coda's
-    caches for readouts at R (slot 0) or at d (slot 1))."""
+    """A drafting schedule's plan (WFD's wave, or DtV's rounds) for every request of the
+    engine's batches, on a model of the plugin (``LoopedForCausalLM``: its parts, its head, its
+    caches: the coda's for readouts at R, slot 0, or at d, slot 1)."""
 
-    def __init__(self, model, draft_depth: int, width_cap: int | None):
+    def __init__(self, model, schedule):
         self.model = model
-        self.schedule = get("wfd").of(draft_depth, None, width_cap)
-        self.schedule.check(model.depth)
+        self.schedule = schedule
+        schedule.check(model.depth)
         self.waves: dict[str, Wave] = {}
         self.paged: dict[int, PagedKV] = {}
         self.scale = model.arch.head_dim ** -0.5
