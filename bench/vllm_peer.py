@@ -1,6 +1,6 @@
 """vLLM as a peer: the same tiny models, prompts and weights decoded by vLLM (through the plugin
-in wfd/serving: its AR, DtV with the checkpoint drafting for itself at its draft depth, and WFD
-in the engine, hf_overrides schedule wfd) and
+in wfd/serving: its AR, vLLM's DtV with the checkpoint drafting for itself at its draft depth,
+and the plugin's own WFD and DtV in the engine, hf_overrides schedule wfd and dtv) and
 by this project's AR, DtV and WFD, one request at a time and eight together, greedy, fp32, on
 this machine's CPU.
 
@@ -12,12 +12,12 @@ Needs the serve-cpu extra (vLLM's CPU build). vLLM runs in a process of its own
 and configuration, its engine start excluded, twice: as vLLM runs by default (its engine core a
 process of its own, beside the worker) and with the engine core in the client's process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0), and DtV (vLLM's draft_model method, k = --block-length
-drafts at the model's draft depth, the engine core in-process), and WFD (the plugin's wave at
-the model's draft depth, the engine core in-process). Each decodes the eight code
-prompts one request at a time,
-then all eight together, --repeats times, and the median run is reported. This decoder runs
-the same prompts with `generate` (batch 1) and `decode_batch` (batch 8) in this process, each
-schedule --repeats times, interleaved. Tokens/s: new tokens over the run's wall time, prefills
+drafts at the model's draft depth, the engine core in-process), and the plugin's WFD and DtV
+(k = --block-length, nested reuse) at the model's draft depth, the engine core in-process.
+Each decodes the eight code prompts one request at a time, then all eight together, --repeats
+times, and the median run is reported. This decoder runs the same prompts with `generate`
+(batch 1) and `decode_batch` (batch 8) in this process, each schedule --repeats times,
+interleaved. Tokens/s: new tokens over the run's wall time, prefills
 included (vLLM's requests carry their prefill). Each vLLM mode's greedy tokens are checked
 against AR's (exit 1 when they differ).
 """
@@ -101,9 +101,9 @@ def main() -> None:
     total = len(prompts) * args.new_tokens
     rows = []
     print(f"| model | batch | vLLM AR | vLLM AR, engine in-process | vLLM DtV k={args.block_length}"
-          f" | vLLM WFD | AR | DtV k={args.block_length} | WFD | vLLM AR / AR | vLLM DtV / vLLM AR "
-          "| vLLM WFD / vLLM AR | WFD / vLLM AR |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          f" | vLLM WFD | vLLM plugin DtV | AR | DtV k={args.block_length} | WFD | vLLM AR / AR | "
+          "vLLM DtV / vLLM AR | vLLM WFD / vLLM AR | vLLM plugin DtV / vLLM AR | WFD / vLLM AR |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models:
         model = load_model(name)
         folder = ROOT / "wfd" / "models" / name
@@ -117,6 +117,9 @@ def main() -> None:
         one_wfd, eight_wfd, wfd_tokens = vllm_runs(folder, prompts, args.new_tokens,
                                                    args.repeats, args.threads, in_process=True,
                                                    overrides={"schedule": "wfd"})
+        one_own, eight_own, own_tokens = vllm_runs(
+            folder, prompts, args.new_tokens, args.repeats, args.threads, in_process=True,
+            overrides={"schedule": "dtv", "block_length": args.block_length})
         times = {(s, b): [] for s in SCHEDULES for b in (1, 8)}
         for _ in range(args.repeats):  # interleaved: each repeat runs every configuration
             for schedule in SCHEDULES:
@@ -125,27 +128,30 @@ def main() -> None:
                                            args.block_length)
                     times[schedule, batch].append(seconds)
                     for mode, runs in (("AR", vllm_tokens), ("DtV", dtv_tokens),
-                                       ("WFD", wfd_tokens)):
+                                       ("WFD", wfd_tokens), ("plugin DtV", own_tokens)):
                         if schedule == "ar" and batch == 1 and any(t != tokens for t in runs):
                             sys.exit(f"error: vLLM's {mode} greedy tokens differ from AR's on "
                                      f"{name}")
-        for batch, vllm_s, vllm_in_s, dtv_s, wfd_s in (
-                (1, one, one_in, one_dtv, one_wfd), (8, eight, eight_in, eight_dtv, eight_wfd)):
+        for batch, vllm_s, vllm_in_s, dtv_s, wfd_s, own_s in (
+                (1, one, one_in, one_dtv, one_wfd, one_own),
+                (8, eight, eight_in, eight_dtv, eight_wfd, eight_own)):
             speed = {s: total / statistics.median(times[s, batch]) for s in SCHEDULES}
-            peer, peer_in, peer_dtv, peer_wfd = (total / statistics.median(v)
-                                                 for v in (vllm_s, vllm_in_s, dtv_s, wfd_s))
+            peer, peer_in, peer_dtv, peer_wfd, peer_own = (
+                total / statistics.median(v) for v in (vllm_s, vllm_in_s, dtv_s, wfd_s, own_s))
             rows.append({"model": name, "batch": batch, "vllm_ar_tokens_per_s": peer,
                          "vllm_ar_in_process_tokens_per_s": peer_in,
                          "vllm_dtv_tokens_per_s": peer_dtv, "vllm_wfd_tokens_per_s": peer_wfd,
+                         "vllm_plugin_dtv_tokens_per_s": peer_own,
                          **{f"{s}_tokens_per_s": v for s, v in speed.items()},
                          "vllm_runs_s": vllm_s, "vllm_in_process_runs_s": vllm_in_s,
                          "vllm_dtv_runs_s": dtv_s, "vllm_wfd_runs_s": wfd_s,
+                         "vllm_plugin_dtv_runs_s": own_s,
                          "runs_s": {s: times[s, batch] for s in SCHEDULES}})
             print(f"| {name} | {batch} | {peer:.1f} | {peer_in:.1f} | {peer_dtv:.1f} | "
-                  f"{peer_wfd:.1f} | {speed['ar']:.1f} | {speed['dtv']:.1f} | "
+                  f"{peer_wfd:.1f} | {peer_own:.1f} | {speed['ar']:.1f} | {speed['dtv']:.1f} | "
                   f"{speed['wfd']:.1f} | {peer / speed['ar']:.2f}x, {peer_in / speed['ar']:.2f}x"
                   f" | {peer_dtv / peer_in:.2f}x | {peer_wfd / peer_in:.2f}x | "
-                  f"{speed['wfd'] / peer:.2f}x |")
+                  f"{peer_own / peer_in:.2f}x | {speed['wfd'] / peer:.2f}x |")
     if args.out:
         Path(args.out).write_text(json.dumps({"new_tokens": args.new_tokens,
                                               "prompts": len(prompts), "rows": rows}, indent=1))

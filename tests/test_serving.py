@@ -44,16 +44,16 @@ UNBOUND = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 def vllm_job(tmp_path: Path, model: Path, runs: list[dict], overrides: dict | None = None,
              tensor_parallel: int = 1, speculative_tokens: int | None = None,
-             kv_blocks: int | None = None) -> dict:
+             kv_blocks: int | None = None, block_tokens: int | None = None) -> dict:
     """wfd.serving.offline's output for this job, from an engine of its own (``kv_blocks``: its
-    KV cache held to that many blocks, its sequences to 256 tokens)."""
+    KV cache held to that many blocks of ``block_tokens``, its sequences to 256 tokens)."""
     job, out = tmp_path / "job.json", tmp_path / "out.json"
     # the engine core in the test's process (starts in seconds); two ranks: vLLM's default
     job.write_text(json.dumps({"model": str(model), "runs": runs, "overrides": overrides,
                                "tensor_parallel": tensor_parallel,
                                "in_process": tensor_parallel == 1,
                                "speculative_tokens": speculative_tokens,
-                               "kv_blocks": kv_blocks,
+                               "kv_blocks": kv_blocks, "block_tokens": block_tokens,
                                "max_model_len": 256 if kv_blocks else None}))
     done = subprocess.run([sys.executable, "-m", "wfd.serving.offline", str(job), str(out)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path,
@@ -169,35 +169,35 @@ def test_the_plugin_s_wfd_and_dtv_emit_ar_tokens_and_verify_what_wfd_verifies(
     """The plugin's own schedules in the engine (hf_overrides schedule wfd, or dtv with nested
     reuse, k = 3): wfd's AR tokens one request at a time and eight together, the drafts
     verified and accepted those wfd's own schedule verifies and accepts (but the last token's:
-    vLLM samples it and stops). WFD on Huginn with its KV cache
-    held to 6 blocks of 128 tokens: eight requests of 110 tokens are preempted and start their
-    waves again, and keep AR's tokens. WFD on Ouro sampled (T = 1, a seed a request): the tokens
-    vLLM's own AR samples with the same seeds, since every committed token is vLLM's sample
-    from a depth-R readout."""
+    vLLM samples it and stops). WFD on Huginn with its KV cache held to 12 blocks of 32 tokens:
+    eight requests together are preempted and start their waves again, and keep AR's tokens.
+    WFD on Ouro sampled (T = 1, a seed a request): the tokens vLLM's own AR samples with the same
+    seeds, since every committed token is vLLM's sample from a depth-R readout."""
     prompts = [list(text.encode()) for text in CODE]
     runs = [{"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": b} for b in (1, 8)]
     squeezed = (name, schedule) == ("huginn-tiny", "wfd")
     if squeezed:
-        runs.append({"prompts": prompts, "max_tokens": 110, "batch": 8})
+        runs.append({"prompts": prompts, "max_tokens": 40, "batch": 8})
     sampled = [{"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 8, "temperature": 1.0,
                 "seed": 3}] if name == "ouro-tiny" else []
     folder = ROOT / "wfd" / "models" / name
     options = {"schedule": schedule, "draft_depth": draft_depth, "block_length": 3}
     job = vllm_job(tmp_path, folder, runs + sampled, overrides=options,
-                   kv_blocks=6 if squeezed else None)
+                   kv_blocks=12 if squeezed else None, block_tokens=32 if squeezed else None)
     model = load_model(name)
+    ours = {n: [generate(model, p, max_new_tokens=n, schedule=schedule, draft_depth=draft_depth,
+                         block_length=3) for p in prompts] for n in {r["max_tokens"] for r in runs}}
     verified = accepted = 0
     for run, done in zip(runs, job["runs"], strict=False):
-        ours = [generate(model, p, max_new_tokens=run["max_tokens"], schedule=schedule,
-                         draft_depth=draft_depth, block_length=3) for p in prompts]
-        assert done["tokens"] == [w.tokens for w in ours] == ar_tokens(
-            model, prompts, max_new_tokens=run["max_tokens"]), run
+        theirs = ours[run["max_tokens"]]
+        assert done["tokens"] == [w.tokens for w in theirs], run
         # each request's verifications but that of its last token (vLLM samples it and stops)
-        outcomes = [ok for w in ours for p, ok in w.outcomes.items()
+        outcomes = [ok for w in theirs for p, ok in w.outcomes.items()
                     if p != len(w.prompt) + len(w.tokens) - 2]
         verified, accepted = verified + len(outcomes), accepted + sum(outcomes)
-        if run["max_tokens"] != 110:  # a preempted request verifies its tokens again
+        if not squeezed or run["batch"] == 1:  # a preempted request verifies tokens again
             assert (done["wave"]["verified"], done["wave"]["accepted"]) == (verified, accepted)
+    assert [w.tokens for w in ours[NEW_TOKENS]] == ar_tokens(model, prompts)  # AR's tokens
     assert 0 < accepted < verified
     if squeezed:
         assert job["counters"]["preemptions"] > 0

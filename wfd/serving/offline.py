@@ -7,7 +7,8 @@ processes, so it runs here under ``__main__``:
 JOB: {"model": folder, "overrides": {...} (hf_overrides: recurrence_depth, kv_sharing,
 draft_depth, ...), "speculative_tokens": k (DtV: the same checkpoint drafts k tokens at its
 draft depth, vLLM's draft_model method; the output adds vLLM's counters), "kv_blocks": N (the
-KV cache held to N blocks: preemption; the output adds vLLM's counters),
+KV cache held to N blocks: preemption; the output adds vLLM's counters), "block_tokens": B
+(vLLM's KV block, a multiple of 32 on its CPU build; null: its default),
 "speculative_options": {...} (more of vLLM's speculative_config, e.g. draft_sample_method),
 overrides {"schedule": "wfd" or "dtv", "draft_depth": d} (the plugin's own WFD or DtV in the
 engine: each run adds the wave's counters),
@@ -53,6 +54,7 @@ def run_job(job: dict) -> dict:
               tensor_parallel_size=ranks,
               hf_overrides=job.get("overrides") or None, speculative_config=speculative,
               num_gpu_blocks_override=job.get("kv_blocks"),
+              block_size=job.get("block_tokens"),
               disable_log_stats=not (speculative or job.get("kv_blocks")))
     engine_s = time.perf_counter() - started
     cache = llm.llm_engine.vllm_config.cache_config  # filled in where the engine core ran
