@@ -268,18 +268,19 @@ def test_a_schedule_the_plugin_refuses_is_one_line(tmp_path):
         "error: draft_depth must be in 1..7 (below R = 8), got 8")
 
 
-@pytest.mark.parametrize("family, speculative_tokens, kv_sharing", [
-    ("huginn", 3, 0),  # DtV: the checkpoint drafts for itself, split over the ranks as well
-    ("ouro", None, 2)])  # AR with two shared KV slots
+@pytest.mark.parametrize("family, speculative_tokens, kv_sharing, schedule", [
+    ("huginn", 3, 0, "ar"),  # vLLM's DtV: the checkpoint drafts for itself, over both ranks too
+    ("ouro", None, 2, "ar"),  # AR with two shared KV slots
+    ("ouro", None, 0, "wfd")])  # the plugin's WFD, each rank its heads of every wave
 def test_random_sharded_checkpoints_decode_as_wfd_ar_at_another_depth_on_two_ranks(
-        tmp_path, family, speculative_tokens, kv_sharing):
+        tmp_path, family, speculative_tokens, kv_sharing, schedule):
     """One request at a time and four together, at another depth than the checkpoint's, over
     two tensor-parallel ranks (vLLM's CPU build splits the heads, projections and head, one core
     each): the same tokens as wfd's AR with the same options. Huginn with DtV (target and
     drafter each over both ranks), Ouro with AR and shared KV slots: with shared slots a DtV
     verification's positions, run together, read each other's earlier steps where AR's read
-    their last (as in wfd's DtV: not exact then). One engine each: the shipped models check one
-    rank at the checkpoint's depth, with AR and with DtV."""
+    their last (as in wfd's DtV: not exact then); Ouro with the plugin's WFD. One engine each:
+    the shipped models check one rank at the checkpoint's depth, with AR and with DtV."""
     # vLLM's CPU attention takes head sizes of 32 and up; damped: fp32 rounding flips no token
     cfg = TINY_CONFIGS[family].model_copy(update={"hidden_size": 128, "head_dim": 32})
     model = damped(init_random(build(cfg)))
@@ -291,7 +292,8 @@ def test_random_sharded_checkpoints_decode_as_wfd_ar_at_another_depth_on_two_ran
     runs = [{"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": b} for b in (1, 4)]
     one, four = vllm_tokens(tmp_path, folder, runs, tensor_parallel=2,
                             speculative_tokens=speculative_tokens,
-                            overrides={"recurrence_depth": depth, "kv_sharing": kv_sharing})
+                            overrides={"recurrence_depth": depth, "kv_sharing": kv_sharing,
+                                       "schedule": schedule})
     assert one == four == ar_tokens(model, prompts, depth=depth, kv_sharing=kv_sharing)
     assert one != ar_tokens(model, prompts)  # the depth is the engine's, not the checkpoint's
 

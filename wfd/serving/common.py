@@ -106,8 +106,6 @@ class LoopedForCausalLM(nn.Module):
         self.prelude_layers, self.core_layers = arch.prelude_layers, arch.core_layers
         self.core_slots = arch.core_slots(self.depth, self.kv_sharing)
         wave = cfg.wave if vllm_config.model_config.runner_type != "draft" else None
-        if wave is not None and get_tensor_model_parallel_world_size() > 1:
-            raise ValueError(f"schedule {cfg.schedule} runs on one tensor-parallel rank for now")
         # DtV and WFD read out at d too: the coda's caches for those readouts (slot 1)
         readout_slots = 1 if wave is None else 2
         heads, kv_heads = heads_per_rank(arch)
