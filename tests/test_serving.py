@@ -314,11 +314,12 @@ def post(url: str, payload: dict) -> tuple[int, dict]:
         return error.code, json.loads(error.read() or b"{}")
 
 
-def test_vllm_serve_with_dtv_answers_completions_and_refuses_a_prompt_too_long(tmp_path):
-    """A shipped model with a tokenizer file of its byte vocabulary, served with DtV (the
-    checkpoint drafting for itself): token ids and text in, AR's tokens out, vLLM's speculative
-    counters on /metrics (one family: the server is the same for both, whose plugins the tests
-    above check)."""
+@pytest.mark.parametrize("mode", ["dtv", "wfd"])
+def test_vllm_serve_answers_completions_and_refuses_a_prompt_too_long(tmp_path, mode):
+    """A shipped model with a tokenizer file of its byte vocabulary, served with vLLM's DtV (the
+    checkpoint drafting for itself) or the plugin's WFD: token ids and text in, AR's tokens out;
+    DtV's speculative counters on /metrics (one family: the server is the same for both, whose
+    plugins the tests above check)."""
     name = "huginn-tiny"
     model = tmp_path / name
     model.mkdir()
@@ -327,16 +328,17 @@ def test_vllm_serve_with_dtv_answers_completions_and_refuses_a_prompt_too_long(t
     write_byte_tokenizer(model, max_length=256)
     port = free_port()
     env = {**UNBOUND, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    modes = {"dtv": ["--hf-overrides", json.dumps({"draft_depth": 2}), "--speculative-config",
+                     json.dumps({"method": "draft_model", "model": str(model),
+                                 "num_speculative_tokens": 3})],
+             "wfd": ["--hf-overrides", json.dumps({"schedule": "wfd", "draft_depth": 2})]}
     # what `vllm serve PATH` runs; the CPU build's `vllm` command itself stops at reading the
     # version of a package named vllm (it is installed as vllm-cpu)
     server = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
          "--host",
          "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-         "--max-model-len", "256", "--max-num-seqs", "4", "--hf-overrides",
-         json.dumps({"draft_depth": 2}), "--speculative-config",
-         json.dumps({"method": "draft_model", "model": str(model),
-                     "num_speculative_tokens": 3})],
+         "--max-model-len", "256", "--max-num-seqs", "4", *modes[mode]],
         stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "w"), env=env,
         cwd=tmp_path)
     base = f"http://127.0.0.1:{port}"
@@ -364,6 +366,8 @@ def test_vllm_serve_with_dtv_answers_completions_and_refuses_a_prompt_too_long(t
         assert status == 400 and "256" in json.dumps(answer)  # vLLM's own error: the limit
         status, _ = post(f"{base}/v1/completions", request)
         assert status == 200  # and the server is still up
+        if mode == "wfd":
+            return
         with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
             metrics = response.read().decode()
         accepted = [line for line in metrics.splitlines()

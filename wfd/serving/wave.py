@@ -209,8 +209,20 @@ class WaveDecoder:
             waves.append(self.begin(req, tokens, where, metadata.block_table[i]))
         self.run(waves)
         for i, wave in enumerate(waves):
-            out[starts[i + 1] - 1] = wave.readouts[wave.pending.position]
+            first, last = starts[i], starts[i + 1] - 1
+            out[last] = wave.readouts[wave.pending.position]
+            for p in range(last - first):  # a prompt's other rows: their readouts at R too
+                # (prompt logprobs); with no coda the readout is the state
+                out[first + p] = wave.readouts.get(p, wave.states[p])
+            self.prune(wave)
         return out
+
+    def prune(self, wave: Wave) -> None:
+        """Forget what positions before the newest scheduled one hold: they are committed and
+        at R, and nothing the plan does reads them again (their KV stays in the cache)."""
+        for kept in (wave.states, wave.injections, wave.readouts):
+            for p in [p for p in kept if p < wave.scheduled]:
+                del kept[p]
 
     def begin(self, req: str, tokens: list[int], where: list[int], block_row: torch.Tensor
               ) -> Wave:
