@@ -253,21 +253,6 @@ def test_a_request_aborted_mid_wave_leaves_the_others_their_tokens(tmp_path):
     assert [tokens["0"], tokens["3"], tokens["2"]] == expected
 
 
-def test_a_schedule_the_plugin_refuses_is_one_line(tmp_path):
-    """Refused where vLLM makes its config, before an engine starts: one line, exit code 2
-    (the config's other refusals: tests/test_serving_config.py)."""
-    job, out = tmp_path / "job.json", tmp_path / "out.json"
-    job.write_text(json.dumps({"model": str(ROOT / "wfd" / "models" / "huginn-tiny"),
-                               "overrides": {"schedule": "wfd", "draft_depth": 8},
-                               "in_process": True,
-                               "runs": [{"prompts": [[1, 2, 3]], "max_tokens": 2}]}))
-    done = subprocess.run([sys.executable, "-m", "wfd.serving.offline", str(job), str(out)],
-                          capture_output=True, text=True, timeout=300, env=UNBOUND)
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert done.stderr.strip().splitlines()[-1] == (
-        "error: draft_depth must be in 1..7 (below R = 8), got 8")
-
-
 @pytest.mark.parametrize("family, speculative_tokens, kv_sharing, schedule", [
     ("huginn", 3, 0, "ar"),  # vLLM's DtV: the checkpoint drafts for itself, over both ranks too
     ("ouro", None, 2, "ar"),  # AR with two shared KV slots
@@ -289,13 +274,16 @@ def test_random_sharded_checkpoints_decode_as_wfd_ar_at_another_depth_on_two_ran
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(vocab, (n,), generator=gen).tolist() for n in (3, 9, 17, 30)]
     depth = model.config.depth - 1
-    runs = [{"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": b} for b in (1, 4)]
+    # a few tokens each: two ranks on two cores synchronize every step (the cost here)
+    new = 10
+    runs = [{"prompts": prompts, "max_tokens": new, "batch": b} for b in (1, 4)]
     one, four = vllm_tokens(tmp_path, folder, runs, tensor_parallel=2,
                             speculative_tokens=speculative_tokens,
                             overrides={"recurrence_depth": depth, "kv_sharing": kv_sharing,
                                        "schedule": schedule})
-    assert one == four == ar_tokens(model, prompts, depth=depth, kv_sharing=kv_sharing)
-    assert one != ar_tokens(model, prompts)  # the depth is the engine's, not the checkpoint's
+    assert one == four == ar_tokens(model, prompts, new, depth=depth, kv_sharing=kv_sharing)
+    assert one != ar_tokens(model, prompts, new)  # the depth is the engine's, not the
+    # checkpoint's
 
 
 def free_port() -> int:

@@ -38,3 +38,34 @@ def test_wfd_and_dtv_read_out_at_two_depths_and_ar_at_one():
     assert dtv.kv_layers == wfd.kv_layers
     coda = ar.looped.coda_layers
     assert coda > 0 and wfd.kv_layers == ar.kv_layers + coda  # the coda's caches at d
+
+
+def test_the_config_hook_refuses_in_one_line_and_gives_the_wave_whole_prompts():
+    """What vLLM runs where it makes the engine's config (wfd.serving.wave.ScheduleHook): a
+    draft depth at R refused before any engine starts; WFD given no prefix caching and no
+    chunked prefill, its token budget at least a whole sequence."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm.model_executor.models.config")
+    from wfd.serving.wave import ScheduleHook
+
+    def engine(cfg, speculative=None):
+        return SimpleNamespace(
+            model_config=SimpleNamespace(hf_config=cfg, max_model_len=2048),
+            speculative_config=speculative,
+            cache_config=SimpleNamespace(enable_prefix_caching=True),
+            scheduler_config=SimpleNamespace(enable_chunked_prefill=True,
+                                             max_num_batched_tokens=512))
+
+    with pytest.raises(ValueError, match=r"draft_depth must be in 1\.\.7"):
+        ScheduleHook.verify_and_update_config(engine(config(draft_depth=8), speculative=object()))
+    with pytest.raises(ValueError, match="drafts for itself: leave out speculative_config"):
+        ScheduleHook.verify_and_update_config(engine(config(schedule="wfd"), object()))
+    wave = engine(config(schedule="wfd", draft_depth=2))
+    ScheduleHook.verify_and_update_config(wave)
+    assert not wave.cache_config.enable_prefix_caching
+    assert not wave.scheduler_config.enable_chunked_prefill
+    assert wave.scheduler_config.max_num_batched_tokens == 2048
+    plain = engine(config())
+    ScheduleHook.verify_and_update_config(plain)
+    assert plain.cache_config.enable_prefix_caching  # AR keeps vLLM's defaults
