@@ -43,6 +43,7 @@ _BATCH: list[str] = []
 _FORGOTTEN: set[str] = set()
 
 
+
 def install_hooks() -> None:
     """Wrap the model runner's forward (to publish the batch's request ids) and its state
     update (to hear which requests ended or were preempted); once per process."""
@@ -72,36 +73,49 @@ def counters(model) -> dict[str, int]:
 
 
 class PagedKV:
-    """One layer's paged cache in vLLM's CPU layout: [blocks, kv heads, block, 2 x head dim],
-    each (block, head) page holding its keys transposed ([head dim, block]) then its values
-    ([block, head dim])."""
+    """Every layer's paged cache in vLLM's CPU layout, as one view: vLLM allocates the layers'
+    caches back to back in one buffer, each [blocks, kv heads, block, 2 x head dim], a (block,
+    head) page holding its keys transposed ([head dim, block]) then its values ([block, head
+    dim]). Reading and writing rows of several layers is then one indexing each."""
 
-    def __init__(self, kv_cache: torch.Tensor):
-        blocks, heads, size, twice = kv_cache.shape
+    def __init__(self, caches: list[torch.Tensor]):
+        first = caches[0]
+        blocks, heads, size, twice = first.shape
+        step = first.numel()
+        regular = all(c.shape == first.shape and c.is_contiguous()
+                      and c.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                      and c.data_ptr() - first.data_ptr() == i * step * c.element_size()
+                      for i, c in enumerate(caches))
+        if not regular:
+            raise RuntimeError("the plugin's schedules read vLLM's KV caches as one buffer, "
+                               "layer after layer; this vLLM lays them out otherwise")
         dim = twice // 2
-        page = kv_cache.view(blocks, heads, size * twice)
-        self.keys = page[..., :size * dim].unflatten(-1, (dim, size))  # [n, h, d, b]
-        self.values = page[..., size * dim:].unflatten(-1, (size, dim))  # [n, h, b, d]
+        pages = first.as_strided((len(caches), blocks, heads, size * twice),
+                                 (step, heads * size * twice, size * twice, 1))
+        self.keys = pages[..., :size * dim].unflatten(-1, (dim, size))  # [l, n, h, d, b]
+        self.values = pages[..., size * dim:].unflatten(-1, (size, dim))  # [l, n, h, b, d]
         self.block = size
+        self.pointer = first.data_ptr()
 
-    def write(self, tables: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> None:
-        """Row i's k, v ([kv heads, head dim]) at ``positions[i]`` of the sequence whose block
-        table is ``tables[i]``."""
+    def write(self, layers: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        """Row i's k, v ([kv heads, head dim]) in layer ``layers[i]`` at ``positions[i]`` of the
+        sequence whose block table is ``tables[i]``."""
         n = tables.gather(1, (positions // self.block)[:, None])[:, 0].long()
         b = positions % self.block
-        self.keys[n, :, :, b] = k
-        self.values[n, :, b, :] = v
+        self.keys[layers, n, :, :, b] = k
+        self.values[layers, n, :, b, :] = v
 
-    def read(self, tables: torch.Tensor, written: torch.Tensor, length: int
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of positions 0..length-1 of each sequence ([sequences, length, kv
-        heads, head dim]), read up to position ``written[i]`` (past it: a copy of that one's,
-        for the caller to replace)."""
+    def read(self, layers: torch.Tensor, tables: torch.Tensor, written: torch.Tensor,
+             length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions 0..length-1 ([rows, length, kv heads, head dim]) of row
+        i's layer and sequence, read up to position ``written[i]`` (past it: a copy of that
+        one's, for the caller to replace)."""
         at = torch.minimum(torch.arange(length)[None, :], written[:, None])
         n = tables.gather(1, at // self.block).long()
         b = at % self.block
-        return self.keys[n, :, :, b], self.values[n, :, b, :]
+        layer = layers[:, None].expand_as(n)
+        return self.keys[layer, n, :, :, b], self.values[layer, n, :, b, :]
 
 
 @dataclass
@@ -135,15 +149,7 @@ class WaveAttention:
         heads, kv_heads, dim = some.num_heads, some.num_kv_heads, some.head_size
         q = q.view(-1, heads, dim)
         k, v = k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim)
-        out = torch.empty_like(q)
-        by_layer: dict[int, list[int]] = {}
-        for i, layer in enumerate(self.layers):
-            by_layer.setdefault(layer, []).append(i)
-        for layer, rows in by_layer.items():
-            index = torch.tensor(rows)
-            out[index] = self.decoder.attend(layer, [self.rows[i] for i in rows], q[index],
-                                             k[index], v[index])
-        return out.flatten(1)
+        return self.decoder.attend(self.rows, self.layers, q, k, v).flatten(1)
 
 
 class ScheduleHook(VerifyAndUpdateConfig):
@@ -179,7 +185,7 @@ class WaveDecoder:
         self.schedule = schedule
         schedule.check(model.depth)
         self.waves: dict[str, Wave] = {}
-        self.paged: dict[int, PagedKV] = {}
+        self.paged: PagedKV | None = None
         self.scale = model.arch.head_dim ** -0.5
         self.totals = {"verified": 0, "accepted": 0, "flushed_positions": 0, "block_calls": 0}
         install_hooks()
@@ -250,10 +256,20 @@ class WaveDecoder:
             wave.pending = ok  # the outcome the plan is sent
         else:
             wave.pending = None
-        for layer, p in [key for key in wave.ahead if key[1] == position]:
-            self.paged_kv(layer).write(wave.block_row[None], torch.tensor([p]),
-                                       *(t[None] for t in wave.ahead.pop((layer, p))))
+        self.settle(wave, position, position)
         return wave
+
+    def settle(self, wave: Wave, first: int, last: int) -> None:
+        """Positions first..last are scheduled now: what they wrote ahead moves into their
+        slots of the paged cache."""
+        keys = [key for key in wave.ahead if first <= key[1] <= last]
+        if keys:
+            moved = [wave.ahead.pop(key) for key in keys]
+            self.paged_kv().write(torch.tensor([layer for layer, _ in keys]),
+                                  wave.block_row[None].expand(len(keys), -1),
+                                  torch.tensor([p for _, p in keys]),
+                                  torch.stack([k for k, _ in moved]),
+                                  torch.stack([v for _, v in moved]))
 
     def run(self, waves: list[Wave]) -> None:
         """Every wave's events up to its next commit (the readout at R that vLLM samples the
@@ -341,54 +357,57 @@ class WaveDecoder:
                 del kept[p]
 
     # -- KV ------------------------------------------------------------------------------------
-    def paged_kv(self, layer: int) -> PagedKV:
-        cache = self.model.caches[layer].kv_cache
-        known = self.paged.get(layer)
-        if known is None or known.keys.data_ptr() != cache.data_ptr():
-            known = self.paged[layer] = PagedKV(cache)
-        return known
+    def paged_kv(self) -> PagedKV:
+        caches = [cache.kv_cache for cache in self.model.caches]
+        if self.paged is None or self.paged.pointer != caches[0].data_ptr():
+            self.paged = PagedKV(caches)
+        return self.paged
 
-    def attend(self, layer: int, rows: list[tuple[Wave, int]], q: torch.Tensor,
+    def attend(self, rows: list[tuple[Wave, int]], layers: list[int], q: torch.Tensor,
                k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Rows of one layer (each a wave's position): k and v written (the paged cache at a
-        scheduled position, the wave's own buffer ahead of it), then each row's attention over
-        the layer's keys up to its position. A wave's several rows (a prompt) attend over its
-        keys gathered once; single rows of several waves (a tick) together."""
-        paged = self.paged_kv(layer)
+        """Rows of a call (each a wave's position, in its own layer): k and v written (the
+        paged cache at a scheduled position, the wave's own buffer ahead of it), then each row's
+        attention over its layer's keys up to its position. A wave's several rows (a prompt, all
+        in one layer) attend over its keys gathered once; single rows of waves (a tick)
+        together."""
+        paged = self.paged_kv()
         inside = [i for i, (wave, p) in enumerate(rows) if p <= wave.scheduled]
         if inside:
-            at = torch.tensor([rows[i][1] for i in inside])
-            tables = torch.stack([rows[i][0].block_row for i in inside])
-            paged.write(tables, at, k[inside], v[inside])
+            paged.write(torch.tensor([layers[i] for i in inside]),
+                        torch.stack([rows[i][0].block_row for i in inside]),
+                        torch.tensor([rows[i][1] for i in inside]), k[inside], v[inside])
         for i, (wave, p) in enumerate(rows):
             if p > wave.scheduled:
-                wave.ahead[(layer, p)] = (k[i].clone(), v[i].clone())
+                wave.ahead[(layers[i], p)] = (k[i].clone(), v[i].clone())
         out = torch.empty_like(q)
-        count: dict[int, list[int]] = {}
+        count: dict[tuple[int, int], list[int]] = {}  # (wave, layer) -> its rows
         for i, (wave, _) in enumerate(rows):
-            count.setdefault(id(wave), []).append(i)
+            count.setdefault((id(wave), layers[i]), []).append(i)
         singles = [own[0] for own in count.values() if len(own) == 1]
         groups = [own for own in count.values() if len(own) > 1] + ([singles] if singles else [])
         for group in groups:
             index = torch.tensor(group)
-            out[index] = self._attention(paged, layer, [rows[i] for i in group], q[index])
+            out[index] = self._attention(paged, [rows[i] for i in group],
+                                         [layers[i] for i in group], q[index])
         return out
 
-    def _attention(self, paged: PagedKV, layer: int, rows: list[tuple[Wave, int]],
+    def _attention(self, paged: PagedKV, rows: list[tuple[Wave, int]], layers: list[int],
                    q: torch.Tensor) -> torch.Tensor:
-        """Causal attention of ``rows`` (all of one wave, or each of its own) over ``layer``."""
+        """Causal attention of ``rows`` (all of one wave and layer, or each of its own) over
+        their layers' keys."""
         own = torch.tensor([p for _, p in rows])
         length = int(own.max()) + 1
-        waves = list(dict.fromkeys(id(w) for w, _ in rows))
-        one_wave = len(waves) == 1
-        keys_of = [rows[0]] if one_wave else rows
+        one_wave = len({(id(w), layer) for (w, _), layer in zip(rows, layers, strict=True)}) == 1
+        keys_of = [0] if one_wave else range(len(rows))
         keys, values = paged.read(
-            torch.stack([w.block_row for w, _ in keys_of]),
-            torch.tensor([w.scheduled for w, _ in keys_of]), length)  # [w, length, h, d]
-        for i, (wave, _) in enumerate(keys_of):
+            torch.tensor([layers[i] for i in keys_of]),
+            torch.stack([rows[i][0].block_row for i in keys_of]),
+            torch.tensor([rows[i][0].scheduled for i in keys_of]), length)
+        for j, i in enumerate(keys_of):
+            wave, layer = rows[i][0], layers[i]
             for a in range(wave.scheduled + 1, length):
                 if (layer, a) in wave.ahead:
-                    keys[i, a], values[i, a] = wave.ahead[(layer, a)]
+                    keys[j, a], values[j, a] = wave.ahead[(layer, a)]
         repeat = q.shape[1] // keys.shape[2]
         keys, values = keys.repeat_interleave(repeat, 2), values.repeat_interleave(repeat, 2)
         mask = torch.arange(length)[None, :] <= own[:, None]  # [rows, keys]
@@ -400,3 +419,4 @@ class WaveDecoder:
         if one_wave:
             return torch.einsum("rhk,khd->rhd", scores.softmax(-1), values[0])
         return torch.einsum("rhk,rkhd->rhd", scores.softmax(-1), values)
+
