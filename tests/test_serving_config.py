@@ -42,17 +42,18 @@ def test_wfd_and_dtv_read_out_at_two_depths_and_ar_at_one():
 
 def test_the_config_hook_refuses_in_one_line_and_gives_the_wave_whole_prompts():
     """What vLLM runs where it makes the engine's config (wfd.serving.wave.ScheduleHook): a
-    draft depth at R refused before any engine starts; WFD given no prefix caching and no
-    chunked prefill, its token budget at least a whole sequence."""
+    draft depth at R refused before any engine starts, and WFD off the CPU build (it reads the
+    CPU backend's cache layout); WFD given no prefix caching and no chunked prefill, its token
+    budget at least a whole sequence."""
     from types import SimpleNamespace
 
     pytest.importorskip("vllm.model_executor.models.config")
     from wfd.serving.wave import ScheduleHook
 
-    def engine(cfg, speculative=None):
+    def engine(cfg, speculative=None, device="cpu"):
         return SimpleNamespace(
             model_config=SimpleNamespace(hf_config=cfg, max_model_len=2048),
-            speculative_config=speculative,
+            speculative_config=speculative, device_config=SimpleNamespace(device_type=device),
             cache_config=SimpleNamespace(enable_prefix_caching=True),
             scheduler_config=SimpleNamespace(enable_chunked_prefill=True,
                                              max_num_batched_tokens=512))
@@ -61,6 +62,8 @@ def test_the_config_hook_refuses_in_one_line_and_gives_the_wave_whole_prompts():
         ScheduleHook.verify_and_update_config(engine(config(draft_depth=8), speculative=object()))
     with pytest.raises(ValueError, match="drafts for itself: leave out speculative_config"):
         ScheduleHook.verify_and_update_config(engine(config(schedule="wfd"), object()))
+    with pytest.raises(ValueError, match="runs on vLLM's CPU build for now, not on cuda"):
+        ScheduleHook.verify_and_update_config(engine(config(schedule="wfd"), device="cuda"))
     wave = engine(config(schedule="wfd", draft_depth=2))
     ScheduleHook.verify_and_update_config(wave)
     assert not wave.cache_config.enable_prefix_caching

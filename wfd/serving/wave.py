@@ -168,6 +168,10 @@ class ScheduleHook(VerifyAndUpdateConfig):
         if vllm_config.speculative_config is not None:
             raise ValueError(f"schedule {cfg.schedule} drafts for itself: leave out "
                              "speculative_config")
+        device = getattr(vllm_config.device_config, "device_type", "cpu")
+        if device != "cpu":  # it reads the paged cache in the CPU backend's layout
+            raise ValueError(f"schedule {cfg.schedule} runs on vLLM's CPU build for now, not "
+                             f"on {device}")
         vllm_config.cache_config.enable_prefix_caching = False
         scheduler = vllm_config.scheduler_config
         scheduler.enable_chunked_prefill = False
