@@ -115,7 +115,7 @@ def test_dtv_on_vllm_drafts_with_its_own_checkpoint_and_emits_ar_tokens(tmp_path
     depth as drafter, k = 3: its rejection sampler keeps wfd's AR tokens, one request at a time
     and eight together, and the drafts it accepts are those wfd's DtV(3, d) accepts (and, past
     the last token asked for, at most one more round's: vLLM verifies a whole round). Huginn
-    with its KV cache held to 6 blocks of 128 tokens: eight requests of 120 tokens are preempted
+    with its KV cache held to 12 blocks of 32 tokens: eight requests of 48 tokens are preempted
     and recomputed, and keep AR's tokens. Sampled (Ouro), its tokens should be distributed as
     AR's: an expected failure on the CPU build."""
     prompts = [list(text.encode()) for text in CODE]
@@ -123,12 +123,12 @@ def test_dtv_on_vllm_drafts_with_its_own_checkpoint_and_emits_ar_tokens(tmp_path
             {"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 8}]
     squeezed = name == "huginn-tiny"
     if squeezed:  # preemption: more tokens in flight than the cache holds
-        runs.append({"prompts": prompts, "max_tokens": 120, "batch": 8})
+        runs.append({"prompts": prompts, "max_tokens": 48, "batch": 8})
     sampled = [{"prompts": [prompts[0]] * SAMPLES, "max_tokens": 4, "batch": 50,
                 "temperature": 1.0, "seed": 0}] if not squeezed else []
     job = vllm_job(tmp_path, ROOT / "wfd" / "models" / name, runs + sampled,
                    overrides={"draft_depth": draft_depth}, speculative_tokens=3,
-                   kv_blocks=6 if squeezed else None)
+                   kv_blocks=12 if squeezed else None, block_tokens=32 if squeezed else None)
     model = load_model(name)
     ar, dtv = {}, {}  # by new tokens: AR's tokens, and the drafts wfd's DtV(3, d) accepts
     for n in {run["max_tokens"] for run in runs}:
