@@ -12,9 +12,10 @@ import argparse
 import json
 from pathlib import Path
 
+from costmodel.presets import DATA_DIR
+
 from .operations import FAMILY_PRESETS, family_operations
 
-DATA_DIR = Path(__file__).resolve().parents[1] / "costmodel" / "data"
 WRITE_COMMAND = "python -m calibrate.tables --write"
 
 

@@ -94,8 +94,6 @@ def run(app: typer.Typer, user_errors: tuple[type[BaseException], ...] = ()) -> 
         except ClickException as exc:  # a usage error's code is 2
             typer.echo(f"error: {exc.format_message()}", err=True)
             return exc.exit_code
-        except ValidationError as exc:
-            message = validation_message(exc)
         except ModuleNotFoundError as exc:
             message = missing_extra(exc)
             if message is None:
@@ -109,7 +107,10 @@ def run(app: typer.Typer, user_errors: tuple[type[BaseException], ...] = ()) -> 
 
 
 def error_text(exc: BaseException) -> str:
-    """Bad input's one line; a file that cannot be read or written by its name and why."""
+    """Bad input's one line (a pydantic model's refusal as ``validation_message`` words it); a
+    file that cannot be read or written by its name and why."""
+    if isinstance(exc, ValidationError):
+        return validation_message(exc)
     if not isinstance(exc, OSError):
         return str(exc)
     named = exc.filename and str(exc.filename) not in str(exc.strerror)

@@ -5,13 +5,14 @@ Installed with the ``serve`` extra (``serve-cpu`` for vLLM's CPU build), it is f
 vLLM's ``vllm.general_plugins`` entry point, so ``vllm serve PATH`` and ``LLM(model=PATH)`` load
 a checkpoint folder in either family's public layout. Decoding is autoregressive at a fixed
 depth, DtV through vLLM's speculative decoding (method ``draft_model`` with the checkpoint
-itself as drafter, at its draft depth), or WFD (``schedule`` "wfd"); each (recurrence step,
-core layer) has its own KV cache, as in ``wfd``'s decoder. Options, as ``hf_overrides`` (or
-keys in config.json):
+itself as drafter, at its draft depth), or the plugin's own WFD or DtV (``schedule``); each
+(recurrence step, core layer) has its own KV cache, as in ``wfd``'s decoder. Options, as
+``hf_overrides`` (or keys in config.json):
 ``recurrence_depth`` (R; default the checkpoint's), ``kv_sharing`` (0: a KV slot per depth; S in
 1..R: S shared slots), ``draft_depth`` (DtV's and WFD's d), ``schedule`` ("wfd": WaveFront
-Decoding in the engine, ``wfd.serving.wave``; with ``width_cap``), and for Huginn
-``init_scale`` and ``state_seed`` (its initial state, as ``wfd generate --init-scale --seed``).
+Decoding in the engine, with ``width_cap``; "dtv": DtV with nested reuse, with
+``block_length``; ``wfd.serving.wave``), and for Huginn ``init_scale`` and ``state_seed`` (its
+initial state, as ``wfd generate --init-scale --seed``).
 """
 
 from __future__ import annotations

@@ -100,21 +100,12 @@ def engine_counters(llm) -> dict[str, int]:
 
 
 def main() -> None:
-    """Run the job; a setting the plugin refuses (vLLM raises it while making its config) as
-    one line and exit code 2."""
-    from pydantic import ValidationError
-
-    from costmodel.errors import validation_message
-
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    try:
-        result = run_job(json.loads(Path(sys.argv[1]).read_text()))
-    except (ValidationError, ValueError) as exc:
-        message = validation_message(exc) if isinstance(exc, ValidationError) else exc
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
+    result = run_job(json.loads(Path(sys.argv[1]).read_text()))
     Path(sys.argv[2]).write_text(json.dumps(result))
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # a setting the plugin refuses (vLLM raises it while making its
+    from costmodel.clitools import script_main  # config) as one line and exit code 2
+
+    script_main(main)

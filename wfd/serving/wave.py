@@ -43,7 +43,6 @@ _BATCH: list[str] = []
 _FORGOTTEN: set[str] = set()
 
 
-
 def install_hooks() -> None:
     """Wrap the model runner's forward (to publish the batch's request ids) and its state
     update (to hear which requests ended or were preempted); once per process."""
@@ -134,6 +133,13 @@ class Wave:
     drafts: dict[int, int] = field(default_factory=dict)
     ahead: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict)  # (layer, position) -> k, v of a position vLLM has not scheduled
+
+
+def _forget(wave: Wave, gone) -> None:
+    """Drop the states, injections and readouts of the positions ``gone(position)`` names."""
+    for kept in (wave.states, wave.injections, wave.readouts):
+        for p in [p for p in kept if gone(p)]:
+            del kept[p]
 
 
 class WaveAttention:
@@ -230,9 +236,7 @@ class WaveDecoder:
     def prune(self, wave: Wave) -> None:
         """Forget what positions before the newest scheduled one hold: they are committed and
         at R, and nothing the plan does reads them again (their KV stays in the cache)."""
-        for kept in (wave.states, wave.injections, wave.readouts):
-            for p in [p for p in kept if p < wave.scheduled]:
-                del kept[p]
+        _forget(wave, lambda p: p < wave.scheduled)
 
     def begin(self, req: str, tokens: list[int], where: list[int], block_row: torch.Tensor
               ) -> Wave:
@@ -260,13 +264,13 @@ class WaveDecoder:
             wave.pending = ok  # the outcome the plan is sent
         else:
             wave.pending = None
-        self.settle(wave, position, position)
+        self.settle(wave, position)
         return wave
 
-    def settle(self, wave: Wave, first: int, last: int) -> None:
-        """Positions first..last are scheduled now: what they wrote ahead moves into their
-        slots of the paged cache."""
-        keys = [key for key in wave.ahead if first <= key[1] <= last]
+    def settle(self, wave: Wave, position: int) -> None:
+        """``position`` is scheduled now: what it wrote ahead moves into its slot of the paged
+        cache."""
+        keys = [key for key in wave.ahead if key[1] == position]
         if keys:
             moved = [wave.ahead.pop(key) for key in keys]
             self.paged_kv().write(torch.tensor([layer for layer, _ in keys]),
@@ -356,9 +360,7 @@ class WaveDecoder:
         the paged cache is written again when they re-enter)."""
         for key in [key for key in wave.ahead if key[1] >= length]:
             del wave.ahead[key]
-        for kept in (wave.states, wave.injections, wave.readouts):
-            for p in [p for p in kept if p >= length]:
-                del kept[p]
+        _forget(wave, lambda p: p >= length)
 
     # -- KV ------------------------------------------------------------------------------------
     def paged_kv(self) -> PagedKV:
