@@ -89,11 +89,14 @@ step() {  # step NAME OUTPUT COMMAND...: run it under the step's timeout, its st
     FAILED+=("$name (skipped)")
     return 1
   fi
+  local started=$SECONDS
   if [ "$output" = - ]; then
     timeout "$((left < STEP_SECONDS ? left : STEP_SECONDS))" "$@" || rc=$?
   else
     timeout "$((left < STEP_SECONDS ? left : STEP_SECONDS))" "$@" > "$output" || rc=$?
   fi
+  # each step's seconds in the log: what a lease's time went to
+  echo "STEP: $name, $((SECONDS - started)) s (exit $rc)" >&2
   [ "$rc" -eq 0 ] && return 0
   [ "$rc" -eq 124 ] && echo "TIMED OUT: $name" >&2
   echo "FAILED: $name (exit $rc)" >&2

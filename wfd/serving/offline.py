@@ -3,6 +3,13 @@ what the tests and the bench compare with ``wfd``'s decoder. vLLM's engine start
 processes, so it runs here under ``__main__``:
 
     python -m wfd.serving.offline JOB.json OUT.json   # writes {"engine_s": ..., "runs": [...]}
+    python -m wfd.serving.offline --jobs   # lines "JOB.json OUT.json" on standard input
+
+With ``--jobs`` the jobs run one after another in this process, each engine shut down before
+the next starts (vLLM imported once: a job then costs its engine's start, about 2 s for a tiny
+model, not the 8-10 s of a process of its own); each line is answered on standard output by
+``wfd.serving.offline: done OUT.json`` once OUT is written. Its engines run in-process, on one
+rank. A job that fails ends the process (its one line on standard error, exit 2).
 
 JOB: {"model": folder, "overrides": {...} (hf_overrides: recurrence_depth, kv_sharing,
 draft_depth, ...), "speculative_tokens": k (DtV: the same checkpoint drafts k tokens at its
@@ -77,8 +84,23 @@ def run_job(job: dict) -> dict:
         results.append({"tokens": tokens, "seconds": time.perf_counter() - started,
                         **({"wave": wave_counters(llm)} if wave else {})})
     counted = speculative or job.get("kv_blocks")
-    return {"engine_s": engine_s, **kv, "runs": results,
-            **({"counters": engine_counters(llm)} if counted else {})}
+    result = {"engine_s": engine_s, **kv, "runs": results,
+              **({"counters": engine_counters(llm)} if counted else {})}
+    shut_down(llm)
+    return result
+
+
+def shut_down(llm) -> None:
+    """The engine stopped and its memory (weights, KV cache) given back, so that another can
+    start in this process."""
+    import gc
+
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
 
 
 def wave_counters(llm) -> dict[str, int]:
@@ -99,10 +121,30 @@ def engine_counters(llm) -> dict[str, int]:
     return {names[m.name]: int(m.value) for m in llm.get_metrics() if m.name in names}
 
 
+def run_file(job: str, out: str) -> None:
+    Path(out).write_text(json.dumps(run_job(json.loads(Path(job).read_text()))))
+
+
+def run_jobs(lines) -> None:
+    """``--jobs``: each line's job in this process, its engine in-process on one rank."""
+    for line in lines:
+        if not line.strip():
+            continue
+        job, out = line.split()
+        spec = json.loads(Path(job).read_text())
+        if spec.get("tensor_parallel", 1) > 1:
+            raise ValueError(f"{job}: --jobs runs engines of one rank; run a job of "
+                             f"{spec['tensor_parallel']} ranks on its own")
+        Path(out).write_text(json.dumps(run_job({**spec, "in_process": True})))
+        print(f"wfd.serving.offline: done {out}", flush=True)
+
+
 def main() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    result = run_job(json.loads(Path(sys.argv[1]).read_text()))
-    Path(sys.argv[2]).write_text(json.dumps(result))
+    if sys.argv[1:] == ["--jobs"]:
+        run_jobs(sys.stdin)
+    else:
+        run_file(*sys.argv[1:3])
 
 
 if __name__ == "__main__":  # a setting the plugin refuses (vLLM raises it while making its
