@@ -15,11 +15,10 @@ way: a round drafts k positions one by one at d, continues them all to R in R - 
 (one copy of the weights, the drafts' latents and KV reused), and its verifications and bonus
 then commit a token a step, from readouts already made.
 
-KV: position p at recurrence step r writes the cache of its (step, layer), as in AR; the
-positions vLLM has scheduled write its paged cache at their slots, the positions ahead of them
-(drafts in flight, which vLLM has not given slots yet) a buffer of the wave's own, moved into
-the paged cache when vLLM schedules them. Attention is computed here in plain torch over the
-paged layout of vLLM's CPU backend (``PagedKV``), keys of each position's own depth.
+KV: position p at recurrence step r writes the cache of its (step, layer), as in AR, in vLLM's
+paged cache where p's block is allocated, in a buffer of the wave's own where it is not yet (a
+draft ahead of the request's last block), moved into the paged cache when vLLM schedules p;
+attention runs through vLLM's CPU kernels over every layer's cache as one (``wave_kv``).
 
 vLLM internals relied on (docs/serving.md): the forward context's attention metadata (block
 table, sequence and query lengths by request), each ``Attention`` layer's ``kv_cache`` tensor in
@@ -36,6 +35,8 @@ import torch
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
 from costmodel.plans import Bonus, Call, Check, Draft, Rollback, Verify
+
+from .wave_kv import CallKV, LayerAttention, PagedKV
 
 # The engine step's request ids in batch order, published by the runner hook before each
 # forward; the requests to forget (finished, aborted, preempted) before the next.
@@ -71,52 +72,6 @@ def counters(model) -> dict[str, int]:
     return model.wave.counters()
 
 
-class PagedKV:
-    """Every layer's paged cache in vLLM's CPU layout, as one view: vLLM allocates the layers'
-    caches back to back in one buffer, each [blocks, kv heads, block, 2 x head dim], a (block,
-    head) page holding its keys transposed ([head dim, block]) then its values ([block, head
-    dim]). Reading and writing rows of several layers is then one indexing each."""
-
-    def __init__(self, caches: list[torch.Tensor]):
-        first = caches[0]
-        blocks, heads, size, twice = first.shape
-        step = first.numel()
-        regular = all(c.shape == first.shape and c.is_contiguous()
-                      and c.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-                      and c.data_ptr() - first.data_ptr() == i * step * c.element_size()
-                      for i, c in enumerate(caches))
-        if not regular:
-            raise RuntimeError("the plugin's schedules read vLLM's KV caches as one buffer, "
-                               "layer after layer; this vLLM lays them out otherwise")
-        dim = twice // 2
-        pages = first.as_strided((len(caches), blocks, heads, size * twice),
-                                 (step, heads * size * twice, size * twice, 1))
-        self.keys = pages[..., :size * dim].unflatten(-1, (dim, size))  # [l, n, h, d, b]
-        self.values = pages[..., size * dim:].unflatten(-1, (size, dim))  # [l, n, h, b, d]
-        self.block = size
-        self.pointer = first.data_ptr()
-
-    def write(self, layers: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor) -> None:
-        """Row i's k, v ([kv heads, head dim]) in layer ``layers[i]`` at ``positions[i]`` of the
-        sequence whose block table is ``tables[i]``."""
-        n = tables.gather(1, (positions // self.block)[:, None])[:, 0].long()
-        b = positions % self.block
-        self.keys[layers, n, :, :, b] = k
-        self.values[layers, n, :, b, :] = v
-
-    def read(self, layers: torch.Tensor, tables: torch.Tensor, written: torch.Tensor,
-             length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of positions 0..length-1 ([rows, length, kv heads, head dim]) of row
-        i's layer and sequence, read up to position ``written[i]`` (past it: a copy of that
-        one's, for the caller to replace)."""
-        at = torch.minimum(torch.arange(length)[None, :], written[:, None])
-        n = tables.gather(1, at // self.block).long()
-        b = at % self.block
-        layer = layers[:, None].expand_as(n)
-        return self.keys[layer, n, :, :, b], self.values[layer, n, :, b, :]
-
-
 @dataclass
 class Wave:
     """One request's wave: its plan's events, paused where a token is committed (vLLM samples
@@ -140,22 +95,6 @@ def _forget(wave: Wave, gone) -> None:
     for kept in (wave.states, wave.injections, wave.readouts):
         for p in [p for p in kept if gone(p)]:
             del kept[p]
-
-
-class WaveAttention:
-    """Stands in for a vLLM ``Attention`` layer in one call over the waves of a step: each row's
-    k and v written to the cache of its own layer (its recurrence step's) in its own request's
-    sequence, and attention over that layer's keys up to the row's position (causal)."""
-
-    def __init__(self, decoder: WaveDecoder, rows: list[tuple[Wave, int]], layers: list[int]):
-        self.decoder, self.rows, self.layers = decoder, rows, layers
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        some = self.decoder.model.caches[self.layers[0]]
-        heads, kv_heads, dim = some.num_heads, some.num_kv_heads, some.head_size
-        q = q.view(-1, heads, dim)
-        k, v = k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim)
-        return self.decoder.attend(self.rows, self.layers, q, k, v).flatten(1)
 
 
 class ScheduleHook(VerifyAndUpdateConfig):
@@ -350,10 +289,13 @@ class WaveDecoder:
             wave.readouts[p] = out[i]
 
     def stand_ins(self, rows: list[tuple[Wave, int]], layers: list[list[int]]
-                  ) -> list[WaveAttention]:
+                  ) -> list[LayerAttention]:
         """The caches a part's layers attend with in this call: layer j's rows each in the
         cache ``layers[j][row]``."""
-        return [WaveAttention(self, rows, own) for own in layers]
+        some = self.model.caches[0]
+        call = CallKV(self.paged_kv(), rows, some.num_heads, some.num_kv_heads, some.head_size,
+                      self.scale, some.isa)
+        return [call.layer(own) for own in layers]
 
     def rollback(self, wave: Wave, length: int) -> None:
         """Positions from ``length`` on are discarded (their KV ahead dropped; what they wrote in
@@ -368,61 +310,3 @@ class WaveDecoder:
         if self.paged is None or self.paged.pointer != caches[0].data_ptr():
             self.paged = PagedKV(caches)
         return self.paged
-
-    def attend(self, rows: list[tuple[Wave, int]], layers: list[int], q: torch.Tensor,
-               k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Rows of a call (each a wave's position, in its own layer): k and v written (the
-        paged cache at a scheduled position, the wave's own buffer ahead of it), then each row's
-        attention over its layer's keys up to its position. A wave's several rows (a prompt, all
-        in one layer) attend over its keys gathered once; single rows of waves (a tick)
-        together."""
-        paged = self.paged_kv()
-        inside = [i for i, (wave, p) in enumerate(rows) if p <= wave.scheduled]
-        if inside:
-            paged.write(torch.tensor([layers[i] for i in inside]),
-                        torch.stack([rows[i][0].block_row for i in inside]),
-                        torch.tensor([rows[i][1] for i in inside]), k[inside], v[inside])
-        for i, (wave, p) in enumerate(rows):
-            if p > wave.scheduled:
-                wave.ahead[(layers[i], p)] = (k[i].clone(), v[i].clone())
-        out = torch.empty_like(q)
-        count: dict[tuple[int, int], list[int]] = {}  # (wave, layer) -> its rows
-        for i, (wave, _) in enumerate(rows):
-            count.setdefault((id(wave), layers[i]), []).append(i)
-        singles = [own[0] for own in count.values() if len(own) == 1]
-        groups = [own for own in count.values() if len(own) > 1] + ([singles] if singles else [])
-        for group in groups:
-            index = torch.tensor(group)
-            out[index] = self._attention(paged, [rows[i] for i in group],
-                                         [layers[i] for i in group], q[index])
-        return out
-
-    def _attention(self, paged: PagedKV, rows: list[tuple[Wave, int]], layers: list[int],
-                   q: torch.Tensor) -> torch.Tensor:
-        """Causal attention of ``rows`` (all of one wave and layer, or each of its own) over
-        their layers' keys."""
-        own = torch.tensor([p for _, p in rows])
-        length = int(own.max()) + 1
-        one_wave = len({(id(w), layer) for (w, _), layer in zip(rows, layers, strict=True)}) == 1
-        keys_of = [0] if one_wave else range(len(rows))
-        keys, values = paged.read(
-            torch.tensor([layers[i] for i in keys_of]),
-            torch.stack([rows[i][0].block_row for i in keys_of]),
-            torch.tensor([rows[i][0].scheduled for i in keys_of]), length)
-        for j, i in enumerate(keys_of):
-            wave, layer = rows[i][0], layers[i]
-            for a in range(wave.scheduled + 1, length):
-                if (layer, a) in wave.ahead:
-                    keys[j, a], values[j, a] = wave.ahead[(layer, a)]
-        repeat = q.shape[1] // keys.shape[2]
-        keys, values = keys.repeat_interleave(repeat, 2), values.repeat_interleave(repeat, 2)
-        mask = torch.arange(length)[None, :] <= own[:, None]  # [rows, keys]
-        if one_wave:
-            scores = torch.einsum("rhd,khd->rhk", q, keys[0])
-        else:
-            scores = torch.einsum("rhd,rkhd->rhk", q, keys)
-        scores = (scores * self.scale).masked_fill(~mask[:, None, :], float("-inf"))
-        if one_wave:
-            return torch.einsum("rhk,khd->rhd", scores.softmax(-1), values[0])
-        return torch.einsum("rhk,rkhd->rhd", scores.softmax(-1), values)
-

@@ -1,0 +1,194 @@
+"""The wave's KV cache and attention on vLLM's CPU build: one view over every layer's paged
+cache, a side buffer for positions whose block vLLM has not allocated yet, and attention through
+vLLM's own CPU kernels where every key lies in the paged cache (plain torch otherwise).
+
+Position p at recurrence step r writes the cache of its (step, layer) at p's slot in its
+request's blocks, as AR does; a position ahead of those vLLM has scheduled (a draft in flight)
+writes there too when its block is already allocated (the rest of the request's last block),
+and the wave's side buffer when it is not, moved into the paged cache when vLLM schedules it.
+
+vLLM lays the layers' caches back to back in one buffer, so all of them read as one cache of
+layers x blocks blocks: block b of layer l is block l x blocks + b there. A call's rows, each in
+its own layer (its recurrence step's), then attend in one kernel call per layer of the part:
+each row a request of one query at its position (``seq_lens`` p + 1), its block table its
+request's shifted to its layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PagedKV:
+    """Every layer's paged cache in vLLM's CPU layout, as one view: vLLM allocates the layers'
+    caches back to back in one buffer, each [blocks, kv heads, block, 2 x head dim], a (block,
+    head) page holding its keys transposed ([head dim, block]) then its values ([block, head
+    dim])."""
+
+    def __init__(self, caches: list[torch.Tensor]):
+        first = caches[0]
+        blocks, heads, size, twice = first.shape
+        step = first.numel()
+        regular = all(c.shape == first.shape and c.is_contiguous()
+                      and c.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                      and c.data_ptr() - first.data_ptr() == i * step * c.element_size()
+                      for i, c in enumerate(caches))
+        if not regular:
+            raise RuntimeError("the plugin's schedules read vLLM's KV caches as one buffer, "
+                               "layer after layer; this vLLM lays them out otherwise")
+        dim = twice // 2
+        page = (heads * size * twice, size * twice, twice, 1)
+        whole = first.as_strided((len(caches) * blocks, heads, size, twice), page)
+        # what vLLM's CPU kernels take: keys and values of every block of every layer
+        self.key_cache, self.value_cache = whole.view(-1, heads, 2 * size, dim).chunk(2, dim=2)
+        pages = whole.view(len(caches), blocks, heads, size * twice)
+        self.keys = pages[..., :size * dim].unflatten(-1, (dim, size))  # [l, n, h, d, b]
+        self.values = pages[..., size * dim:].unflatten(-1, (size, dim))  # [l, n, h, b, d]
+        self.block, self.blocks = size, blocks
+        self.pointer = first.data_ptr()
+
+    def write(self, layers: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        """Row i's k, v ([kv heads, head dim]) in layer ``layers[i]`` at ``positions[i]`` of the
+        sequence whose block table is ``tables[i]``."""
+        n = tables.gather(1, (positions // self.block)[:, None])[:, 0].long()
+        b = positions % self.block
+        self.keys[layers, n, :, :, b] = k
+        self.values[layers, n, :, b, :] = v
+
+    def read(self, layers: torch.Tensor, tables: torch.Tensor, written: torch.Tensor,
+             length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions 0..length-1 ([rows, length, kv heads, head dim]) of row
+        i's layer and sequence, read up to position ``written[i]`` (past it: a copy of that
+        one's, for the caller to replace)."""
+        at = torch.minimum(torch.arange(length)[None, :], written[:, None])
+        n = tables.gather(1, at // self.block).long()
+        b = at % self.block
+        layer = layers[:, None].expand_as(n)
+        return self.keys[layer, n, :, :, b], self.values[layer, n, :, b, :]
+
+
+class CallKV:
+    """The rows of one call of a part (each a wave's position, with the wave's block table),
+    what their attention needs worked out once for all the part's layers: their slots, whether
+    vLLM's kernel can read all their keys, and its scheduling metadata."""
+
+    def __init__(self, paged: PagedKV, rows: list, heads: int, kv_heads: int, head_dim: int,
+                 scale: float, isa: str):
+        self.paged, self.rows = paged, rows
+        self.heads, self.kv_heads, self.head_dim, self.scale, self.isa = (
+            heads, kv_heads, head_dim, scale, isa)
+        n, block = len(rows), paged.block
+        self.where = torch.tensor([p for _, p in rows])
+        waves = {id(wave): wave for wave, _ in rows}
+        self.tables = (next(iter(waves.values())).block_row.expand(n, -1) if len(waves) == 1
+                       else torch.stack([wave.block_row for wave, _ in rows]))  # [rows, width]
+        width = self.tables.shape[1]
+        index = self.where // block
+        blocks = self.tables.gather(1, index.clamp(max=width - 1)[:, None])[:, 0]
+        # a slot exists where the position's block is allocated (vLLM's null block is 0)
+        self.slotted = (index < width) & (blocks != 0)
+        self.slots = blocks.long() * block + self.where % block
+        self.kernel = bool(self.slotted.all()) and not any(w.ahead for w in waves.values())
+        if self.kernel:
+            from vllm import _custom_ops as ops
+
+            self.seq_lens = (self.where + 1).to(torch.int32)
+            self.starts = torch.arange(n + 1, dtype=torch.int32)
+            self.metadata = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=n, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                seq_lens=self.seq_lens, dtype=paged.key_cache.dtype,
+                query_start_loc=self.starts, causal=True, sliding_window_size=-1, isa=isa,
+                enable_kv_split=False)
+
+    def layer(self, layers: list[int]) -> LayerAttention:
+        return LayerAttention(self, torch.tensor(layers))
+
+    def attend(self, layers: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+               ) -> torch.Tensor:
+        """Row i's k and v written in layer ``layers[i]``, then its attention over that layer's
+        keys of its sequence up to its position ([rows, heads, head dim])."""
+        if self.kernel:
+            return self._kernel(layers, q, k, v)
+        return self._torch(layers, q, k, v)
+
+    def _kernel(self, layers, q, k, v) -> torch.Tensor:
+        from vllm import _custom_ops as ops
+
+        paged = self.paged
+        shift = layers * paged.blocks  # the layer's first block in the one cache
+        ops.cpu_attn_reshape_and_cache(k, v, paged.key_cache, paged.value_cache,
+                                       shift * paged.block + self.slots, self.isa)
+        out = torch.empty_like(q)
+        ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=paged.key_cache, value_cache=paged.value_cache, output=out,
+            query_start_loc=self.starts, seq_lens=self.seq_lens, scale=self.scale, causal=True,
+            alibi_slopes=None, sliding_window=-1,
+            block_table=self.tables + shift[:, None].to(torch.int32), softcap=0.0,
+            scheduler_metadata=self.metadata, s_aux=None)
+        return out
+
+    def _torch(self, layers, q, k, v) -> torch.Tensor:
+        """A call where some key lies in a wave's side buffer: written (the paged cache where
+        the slot exists, the side buffer otherwise) and read in plain torch; a wave's several
+        rows in one layer (a prompt) over its keys gathered once, single rows together."""
+        paged, rows = self.paged, self.rows
+        inside = self.slotted.nonzero()[:, 0]
+        if len(inside):
+            paged.write(layers[inside], self.tables[inside], self.where[inside], k[inside],
+                        v[inside])
+        for i in (~self.slotted).nonzero()[:, 0].tolist():
+            rows[i][0].ahead[(int(layers[i]), rows[i][1])] = (k[i].clone(), v[i].clone())
+        out = torch.empty_like(q)
+        count: dict[tuple[int, int], list[int]] = {}  # (wave, layer) -> its rows
+        for i, (wave, _) in enumerate(rows):
+            count.setdefault((id(wave), int(layers[i])), []).append(i)
+        singles = [own[0] for own in count.values() if len(own) == 1]
+        groups = [own for own in count.values() if len(own) > 1] + ([singles] if singles else [])
+        for group in groups:
+            index = torch.tensor(group)
+            out[index] = self._attention(group, layers, q[index])
+        return out
+
+    def _attention(self, group: list[int], layers: torch.Tensor, q: torch.Tensor
+                   ) -> torch.Tensor:
+        """Causal attention of the rows ``group`` (all of one wave and layer, or each of its
+        own) over their layers' keys."""
+        own = self.where[group]
+        length = int(own.max()) + 1
+        one_wave = len({(id(self.rows[i][0]), int(layers[i])) for i in group}) == 1
+        keys_of = group[:1] if one_wave else group
+        # each row's sequence read up to the last position its allocated blocks hold
+        allocated = (self.tables[keys_of] != 0).sum(1) * self.paged.block - 1
+        keys, values = self.paged.read(layers[keys_of], self.tables[keys_of], allocated, length)
+        for j, i in enumerate(keys_of):
+            wave, layer = self.rows[i][0], int(layers[i])
+            for a in range(wave.scheduled + 1, length):
+                if (layer, a) in wave.ahead:
+                    keys[j, a], values[j, a] = wave.ahead[(layer, a)]
+        repeat = q.shape[1] // keys.shape[2]
+        keys, values = keys.repeat_interleave(repeat, 2), values.repeat_interleave(repeat, 2)
+        mask = torch.arange(length)[None, :] <= own[:, None]  # [rows, keys]
+        if one_wave:
+            scores = torch.einsum("rhd,khd->rhk", q, keys[0])
+        else:
+            scores = torch.einsum("rhd,rkhd->rhk", q, keys)
+        scores = (scores * self.scale).masked_fill(~mask[:, None, :], float("-inf"))
+        if one_wave:
+            return torch.einsum("rhk,khd->rhd", scores.softmax(-1), values[0])
+        return torch.einsum("rhk,rkhd->rhd", scores.softmax(-1), values)
+
+
+class LayerAttention:
+    """Stands in for a vLLM ``Attention`` layer in one call over the waves of a step: each row's
+    k and v written to the cache of its own layer (its recurrence step's) in its own request's
+    sequence, and attention over that layer's keys up to the row's position (causal)."""
+
+    def __init__(self, call: CallKV, layers: torch.Tensor):
+        self.call, self.layers = call, layers
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        call = self.call
+        q = q.view(-1, call.heads, call.head_dim)
+        k, v = k.view(-1, call.kv_heads, call.head_dim), v.view(-1, call.kv_heads, call.head_dim)
+        return call.attend(self.layers, q, k, v).flatten(1)
