@@ -10,7 +10,8 @@ from typing import Annotated
 
 import typer
 
-from costmodel.cli import JsonOption, app, run_app, undetermined
+from costmodel.cli import app, run_app, undetermined
+from costmodel.cli_options import JsonOption
 from costmodel.clitools import (
     DTYPES,
     UserError,

@@ -75,17 +75,21 @@ def merged_call(lanes: Sequence[Lane]) -> tuple[str, list[int], list[int], list[
 def run_batch(jobs: Sequence[Job], regions: int,
               start: Callable[[Job, int], tuple[Executor, Plan]],
               run_call: Callable[[list[Lane]], None],
-              finish: Callable[[Lane], None]) -> None:
+              finish: Callable[[Lane], None],
+              admit: Callable[[Job, list[Lane]], bool] | None = None) -> None:
     """Run every job, ``regions`` at a time. ``start(job, region)`` gives a job's executor and
     plan; ``run_call(lanes)`` runs one call over their pending calls (all at the same clock:
-    ``merged_call``); ``finish(lane)`` takes a finished sequence before its region is reused."""
+    ``merged_call``); ``finish(lane)`` takes a finished sequence before its region is reused;
+    ``admit(job, lanes)``, where given, says whether the next job in line may start now (a
+    stream's request that has arrived, whose KV fits): it must admit one when no sequence runs
+    (waiting for its arrival), or raise."""
     if regions < 1:  # nothing would ever start: the loop below would not end
         raise ValueError(f"a batch needs at least one region, got {regions}")
     waiting = list(jobs)
     free = list(range(regions))
     lanes: list[Lane] = []
     while waiting or lanes:
-        while free and waiting:
+        while free and waiting and (admit is None or admit(waiting[0], lanes)):
             job, region = waiting.pop(0), free.pop(0)
             executor, plan = start(job, region)
             decoding = [lane.next_fresh_round for lane in lanes if lane.round != PREFILL]
@@ -97,6 +101,8 @@ def run_batch(jobs: Sequence[Job], regions: int,
                 continue
             lanes.append(lane)
         if not lanes:
+            if waiting and free:  # the hook refused with nothing running: it never would admit
+                raise RuntimeError("admit refused a job while no sequence runs")
             continue
         clock = min(lane.clock for lane in lanes)
         ready = [lane for lane in lanes if lane.clock == clock]

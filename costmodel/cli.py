@@ -9,12 +9,23 @@ from typing import Annotated
 
 import typer
 
+from . import serving_cli
+from .cli_options import (
+    BatchOption,
+    ContextOption,
+    DtypeOption,
+    HardwareOption,
+    JsonOption,
+    ModelOption,
+    NewTokensOption,
+    ProfileOption,
+    at_least_one,
+    hardware_of,
+    override_hardware,
+)
 from .clitools import (
-    DTYPES,
     UserError,
     flush_notes,
-    note,
-    one_of,
     print_json,
     run,
     spinner,
@@ -25,30 +36,13 @@ from .errors import ProfileError, TraceError
 from .hardware import EAGER_HOST_SOURCE, HardwareSpec
 from .memory import DoesNotFit, does_not_fit
 from .predict import Prediction, predict
-from .presets import UnknownPresetError, get_hardware, get_model
+from .presets import UnknownPresetError, get_model
 from .schedules import get as get_schedule
 from .units import (
     UnitError,
     format_bytes,
-    parse_bandwidth,
-    parse_bytes,
-    parse_duration,
-    parse_flops,
 )
 from .workload import Workload
-
-# Options that several commands share.
-ModelOption = Annotated[str, typer.Option("--model", help="model preset")]
-HardwareOption = Annotated[str, typer.Option("--hardware", help="hardware preset")]
-ProfileOption = Annotated[Path | None, typer.Option(
-    "--profile", help="calibration profile (JSON): its fitted hardware replaces --hardware")]
-ContextOption = Annotated[int, typer.Option("--context", help="prompt/context length in tokens")]
-NewTokensOption = Annotated[int, typer.Option("--new-tokens", help="tokens to generate")]
-BatchOption = Annotated[int, typer.Option("--batch", help="sequences decoded together")]
-DtypeOption = Annotated[str | None, typer.Option(
-    "--dtype", help="fp32, bf16, fp16 (default: bf16, or the profile's)")]
-JsonOption = Annotated[bool, typer.Option("--json", help="print one JSON object")]
-
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
                   help="Predict and explain the decoding speed of looped language models.")
@@ -57,48 +51,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="
 @app.callback()
 def _root() -> None:
     """Cost model of AR, draft-then-verify (DtV) and WaveFront Decoding (WFD)."""
-
-
-def _override(hw: HardwareSpec, bandwidth: str | None, flops: str | None, memory: str | None,
-              launch_overhead: str | None, dtype: str, mode: str | None = None,
-              host_speed: float | None = None) -> HardwareSpec:
-    changes: dict[str, object] = {}
-    if bandwidth is not None:
-        changes["memory_bandwidth_bytes_per_s"] = parse_bandwidth(bandwidth)
-    if flops is not None:
-        changes["peak_flops_per_s"] = {**hw.roofline.peak_flops_per_s, dtype: parse_flops(flops)}
-    if memory is not None:
-        changes["memory_capacity_bytes"] = parse_bytes(memory)
-    if launch_overhead is not None:
-        changes["launch_overhead_s"] = parse_duration(launch_overhead)
-    if mode is not None:
-        changes["cuda_graphs"] = one_of("mode", mode, ("eager", "graphs")) == "graphs"
-    if host_speed is not None and not host_speed > 0:
-        raise UserError(f"host speed must be a positive factor, got {host_speed}")
-    if changes or host_speed is not None:
-        changes["name"] = f"{hw.name}*"  # the star marks a preset with overridden figures
-    hw = hw.with_terms(**changes)
-    # the host's share of a call runs host_speed times faster; the device's terms are untouched
-    return hw.with_host_speed(host_speed) if host_speed is not None else hw
-
-
-def _at_least_one(**values: int | None) -> None:
-    for name, value in values.items():
-        if value is not None and value < 1:
-            raise UserError(f"{name.replace('_', ' ')} must be at least 1, got {value}")
-
-
-def _hardware(profile: Path | None, hardware: str, dtype: str | None):
-    """(the profile or None, its fitted hardware or the preset, the dtype: given, the
-    profile's, or bf16)."""
-    prof = None
-    if profile is not None:  # a plain predict starts without the profile and trace models
-        from .profile import load_profile
-
-        prof = load_profile(profile)
-        note_machine(prof, profile)
-    dtype = one_of("dtype", dtype or (prof.dtype if prof is not None else "bf16"), DTYPES)
-    return prof, prof.hardware if prof is not None else get_hardware(hardware), dtype
 
 
 def _flops_text(flops_per_s: float) -> str:
@@ -216,15 +168,15 @@ def predict_cmd(
     """Per-token latency, speedup and its breakdown for AR, DtV and WFD."""
     if acceptance is not None and not 0 <= acceptance <= 1:
         raise UserError(f"acceptance must be in [0, 1], got {acceptance}")
-    _at_least_one(context=context, new_tokens=new_tokens, batch=batch, prompts=prompts)
+    at_least_one(context=context, new_tokens=new_tokens, batch=batch, prompts=prompts)
     if depth is not None and depth < 2:
         raise UserError(f"depth R must be at least 2, got {depth}")
     if engine not in ENGINES:
         raise UserError(f"unknown engine {engine!r}; use {' or '.join(ENGINES)}")
-    prof, base, dtype = _hardware(profile, hardware, dtype)
+    prof, base, dtype = hardware_of(profile, hardware, dtype)
     spec = get_model(model)
     base = for_engine(engine, base, spec)
-    hw = _override(base, bandwidth, flops, memory, launch_overhead, dtype, mode, host_speed)
+    hw = override_hardware(base, bandwidth, flops, memory, launch_overhead, dtype, mode, host_speed)
     exits = _exit_options(exit_rule, min_depth, exit_depths, depth or spec.default_depth)
     if exit_rule is not None and exit_depths is None and depth_trace is None:
         raise UserError("--exit is priced from the exit depths a --depth-trace gives under it "
@@ -291,7 +243,7 @@ def recommend_cmd(
 
     if (depth_trace is None) == (acceptance_by_depth is None):
         raise UserError("give exactly one of --depth-trace and --acceptance-by-depth")
-    _at_least_one(context=context, new_tokens=new_tokens, batch=batch, top=top)
+    at_least_one(context=context, new_tokens=new_tokens, batch=batch, top=top)
     spec = get_model(model)
     if depth_trace is not None:
         trace = read_depth_trace(depth_trace)
@@ -301,7 +253,7 @@ def recommend_cmd(
         acceptance = trace.acceptance_by_depth()
     else:
         acceptance = parse_acceptance_by_depth(acceptance_by_depth)
-    _, hw, dtype = _hardware(profile, hardware, dtype)
+    _, hw, dtype = hardware_of(profile, hardware, dtype)
     workload = Workload(context_length=context, new_tokens=new_tokens, batch_size=batch,
                         dtype=dtype)
     try:
@@ -351,16 +303,6 @@ def note_undetermined(loose: list[str]) -> None:
                    "determine them): the terms they price are not calibrated", err=True)
 
 
-def note_machine(profile, path: Path) -> None:
-    """A CPU profile carried to another machine predicts the machine it was measured on."""
-    from .store import cpu_machine_name
-
-    here = cpu_machine_name()
-    if profile.device == "cpu" and profile.machine != here:
-        note(f"note: profile {path} was measured on {profile.machine!r}, not this machine "
-             f"({here!r}): it predicts that one; calibrate here with `costmodel calibrate`")
-
-
 @functools.cache  # once per process: main() may run more than once (tests)
 def _add_registered_commands() -> int:
     """Add the commands other packages register under the entry-point group
@@ -375,8 +317,9 @@ def _add_registered_commands() -> int:
     return len(entries)
 
 
+serving_cli.register(app)
 run_app = run(app, (UnitError, UnknownPresetError, ProfileError, TraceError))
-OWN_COMMANDS = ("predict", "recommend")
+OWN_COMMANDS = ("predict", "recommend", "serving")
 
 
 def main() -> None:

@@ -90,6 +90,21 @@ def parse_duration(text: str | float) -> float:
     return value
 
 
+_RATE_RE = re.compile(_NUMBER + r"(?:/(?P<unit>s|min|h))?$")
+_PER = {None: 1, "s": 1, "min": 60, "h": 3600}
+
+
+def parse_rate(text: str | float) -> float:
+    """'4/s', '240/min', '0.5' -> requests per second (a bare number is per second)."""
+    if isinstance(text, (int, float)):
+        return _positive(float(text), "request rate")
+    stripped = _reject_sign(text, "request rate", "4/s")
+    m = _RATE_RE.match(stripped)
+    if not m:
+        raise UnitError(f"cannot read request rate {text!r}; expected e.g. 4/s, 240/min, 0.5")
+    return _positive(float(_number(m, text)) / _PER[m.group("unit")], "request rate", repr(text))
+
+
 def _positive(value: float, kind: str, shown: str | None = None) -> float:
     """``value``, or a UnitError naming it as the user wrote it (``shown``)."""
     if not math.isfinite(value):

@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from costmodel.cli import JsonOption, note_machine, note_undetermined, undetermined
+from costmodel.cli import note_undetermined, undetermined
+from costmodel.cli_options import JsonOption, note_machine
 from costmodel.clitools import UserError, flush_notes, print_json, spinner, text_table
 from costmodel.figures import NO_PLOTS
 from costmodel.profile import load_profile

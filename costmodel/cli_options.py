@@ -1,0 +1,79 @@
+"""What the `costmodel` commands share: their common options, and the hardware a command's
+options describe (a preset or a profile's fitted hardware, with figures overridden)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .clitools import DTYPES, UserError, note, one_of
+from .hardware import HardwareSpec
+from .presets import get_hardware
+from .units import parse_bandwidth, parse_bytes, parse_duration, parse_flops
+
+# Options that several commands share.
+ModelOption = Annotated[str, typer.Option("--model", help="model preset")]
+HardwareOption = Annotated[str, typer.Option("--hardware", help="hardware preset")]
+ProfileOption = Annotated[Path | None, typer.Option(
+    "--profile", help="calibration profile (JSON): its fitted hardware replaces --hardware")]
+ContextOption = Annotated[int, typer.Option("--context", help="prompt/context length in tokens")]
+NewTokensOption = Annotated[int, typer.Option("--new-tokens", help="tokens to generate")]
+BatchOption = Annotated[int, typer.Option("--batch", help="sequences decoded together")]
+DtypeOption = Annotated[str | None, typer.Option(
+    "--dtype", help="fp32, bf16, fp16 (default: bf16, or the profile's)")]
+JsonOption = Annotated[bool, typer.Option("--json", help="print one JSON object")]
+
+
+def override_hardware(hw: HardwareSpec, bandwidth: str | None, flops: str | None,
+                      memory: str | None, launch_overhead: str | None, dtype: str,
+                      mode: str | None = None, host_speed: float | None = None
+                      ) -> HardwareSpec:
+    changes: dict[str, object] = {}
+    if bandwidth is not None:
+        changes["memory_bandwidth_bytes_per_s"] = parse_bandwidth(bandwidth)
+    if flops is not None:
+        changes["peak_flops_per_s"] = {**hw.roofline.peak_flops_per_s, dtype: parse_flops(flops)}
+    if memory is not None:
+        changes["memory_capacity_bytes"] = parse_bytes(memory)
+    if launch_overhead is not None:
+        changes["launch_overhead_s"] = parse_duration(launch_overhead)
+    if mode is not None:
+        changes["cuda_graphs"] = one_of("mode", mode, ("eager", "graphs")) == "graphs"
+    if host_speed is not None and not host_speed > 0:
+        raise UserError(f"host speed must be a positive factor, got {host_speed}")
+    if changes or host_speed is not None:
+        changes["name"] = f"{hw.name}*"  # the star marks a preset with overridden figures
+    hw = hw.with_terms(**changes)
+    # the host's share of a call runs host_speed times faster; the device's terms are untouched
+    return hw.with_host_speed(host_speed) if host_speed is not None else hw
+
+
+def at_least_one(**values: int | None) -> None:
+    for name, value in values.items():
+        if value is not None and value < 1:
+            raise UserError(f"{name.replace('_', ' ')} must be at least 1, got {value}")
+
+
+def hardware_of(profile: Path | None, hardware: str, dtype: str | None):
+    """(the profile or None, its fitted hardware or the preset, the dtype: given, the
+    profile's, or bf16)."""
+    prof = None
+    if profile is not None:  # a plain predict starts without the profile and trace models
+        from .profile import load_profile
+
+        prof = load_profile(profile)
+        note_machine(prof, profile)
+    dtype = one_of("dtype", dtype or (prof.dtype if prof is not None else "bf16"), DTYPES)
+    return prof, prof.hardware if prof is not None else get_hardware(hardware), dtype
+
+
+def note_machine(profile, path: Path) -> None:
+    """A CPU profile carried to another machine predicts the machine it was measured on."""
+    from .store import cpu_machine_name
+
+    here = cpu_machine_name()
+    if profile.device == "cpu" and profile.machine != here:
+        note(f"note: profile {path} was measured on {profile.machine!r}, not this machine "
+             f"({here!r}): it predicts that one; calibrate here with `costmodel calibrate`")

@@ -1,0 +1,411 @@
+"""Serving: a stream of requests through one engine, simulated call by call.
+
+Requests arrive (at a rate, Poisson by default, or at the times a file gives), wait in line,
+and start when a place in the batch is free and their KV fits the memory left beside the
+weights; each then runs its schedule's plan (AR, DtV or WFD) merged with the others' calls as
+the batched decoder merges them (``costmodel.batching``: a newcomer's prefill first, whole, then
+decoding rounds in step), and every call is priced by the calibrated per-call cost, so the
+engine's time moves call by call. Out come each request's time to first token (TTFT: arrival to
+the end of its prefill), time per output token (TPOT: the rest of its tokens over their number)
+and end-to-end latency; their percentiles; throughput; and goodput, the requests a second that
+meet both latency objectives (SLOs).
+
+How it schedules, and where it departs from vLLM's scheduler: admission is first come first
+served at decoding-round boundaries (vLLM: every engine step), a request's whole KV (prompt,
+output and its schedule's lookahead) is reserved when it starts, so none is ever preempted
+(vLLM reserves as tokens come and preempts when the cache runs out), and prefills run whole
+before the round they join (vLLM's chunked prefill splits a long one over steps with a token
+budget).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .hardware import HardwareSpec
+from .memory import memory_report
+from .model import LoopedModelSpec
+from .schedules.base import Schedule
+from .specs import Spec
+from .trace import CallRecord
+from .workload import Workload
+
+ARRIVALS = ("poisson", "uniform")
+
+
+class Request(Spec):
+    """One request of a stream: when it arrives, its prompt and the tokens it asks for."""
+
+    arrival_s: Annotated[float, Field(ge=0, allow_inf_nan=False)]
+    prompt_tokens: Annotated[int, Field(ge=1)]
+    output_tokens: Annotated[int, Field(ge=2)]  # the prefill commits the first
+
+
+class Lengths(Spec):
+    """A token count: fixed (low = high) or drawn uniformly from low..high."""
+
+    low: Annotated[int, Field(ge=1)]
+    high: Annotated[int, Field(ge=1)]
+
+    @classmethod
+    def parse(cls, text: str | int, what: str) -> Lengths:
+        """'512' or '128-1024' (one line naming ``what`` otherwise)."""
+        parts = str(text).split("-")
+        try:
+            low, high = int(parts[0]), int(parts[-1])
+        except ValueError:
+            raise ValueError(f"cannot read {what} {text!r}; expected e.g. 512 or "
+                             "128-1024") from None
+        if len(parts) > 2 or not 1 <= low <= high:
+            raise ValueError(f"{what} must be N or LOW-HIGH with 1 <= LOW <= HIGH, got {text!r}")
+        return cls(low=low, high=high)
+
+    def draw(self, rng: np.random.Generator, count: int) -> list[int]:
+        return [int(n) for n in rng.integers(self.low, self.high + 1, count)]
+
+    @property
+    def mean(self) -> float:
+        return (self.low + self.high) / 2
+
+
+def request_stream(rate_per_s: float, count: int, prompt: Lengths, output: Lengths, *,
+                   arrivals: str = "poisson", seed: int = 0) -> list[Request]:
+    """``count`` requests arriving at ``rate_per_s`` (Poisson: exponential gaps; uniform: evenly
+    spaced), the first at 0, their lengths drawn from ``prompt`` and ``output`` (seeded)."""
+    if not rate_per_s > 0 or not np.isfinite(rate_per_s):
+        raise ValueError(f"the request rate must be positive, got {rate_per_s}")
+    if arrivals not in ARRIVALS:
+        raise ValueError(f"unknown arrivals {arrivals!r}; use {' or '.join(ARRIVALS)}")
+    if output.low < 2:
+        raise ValueError(f"each request asks for at least 2 tokens, got {output.low}")
+    rng = np.random.default_rng(seed)
+    gaps = (rng.exponential(1 / rate_per_s, count) if arrivals == "poisson"
+            else np.full(count, 1 / rate_per_s))
+    times = np.concatenate([[0.0], np.cumsum(gaps[1:])])
+    return [Request(arrival_s=float(t), prompt_tokens=p, output_tokens=o)
+            for t, p, o in zip(times, prompt.draw(rng, count), output.draw(rng, count),
+                               strict=True)]
+
+
+def read_requests(path: str | Path) -> list[Request]:
+    """A JSON Lines file of requests (``arrival_s``, ``prompt_tokens``, ``output_tokens``), in
+    order of arrival; one line naming the first bad one."""
+    requests = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            requests.append(Request.model_validate(json.loads(line)))
+        except (json.JSONDecodeError, ValidationError) as exc:
+            from .errors import validation_message
+
+            why = validation_message(exc) if isinstance(exc, ValidationError) else exc.msg
+            raise ValueError(f"{path}, line {number}: {why}") from None
+    if not requests:
+        raise ValueError(f"{path} holds no request")
+    if any(b.arrival_s < a.arrival_s for a, b in zip(requests, requests[1:], strict=False)):
+        raise ValueError(f"{path}: the requests must be in order of arrival")
+    return requests
+
+
+class Percentiles(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Percentiles:
+        p50, p90, p99 = np.percentile(values, [50, 90, 99])
+        return cls(mean=float(np.mean(values)), p50=float(p50), p90=float(p90),
+                   p99=float(p99))
+
+
+class Served(BaseModel):
+    """One request as served: its times on the engine's clock (seconds from the first
+    arrival)."""
+
+    model_config = ConfigDict(extra="forbid")
+    arrival_s: float
+    first_token_s: float
+    finish_s: float
+    output_tokens: int
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float:
+        return (self.finish_s - self.first_token_s) / (self.output_tokens - 1)
+
+    @property
+    def e2e_s(self) -> float:
+        return self.finish_s - self.arrival_s
+
+
+class ServingResult(BaseModel):
+    """A schedule serving a stream: latency percentiles, throughput and goodput."""
+
+    model_config = ConfigDict(extra="forbid")
+    schedule: str
+    options: str  # the schedule's parameters as `wfd generate` takes them
+    requests: int
+    duration_s: float  # first arrival to last finish
+    throughput_tokens_per_s: float
+    requests_per_s: float
+    ttft_s: Percentiles
+    tpot_s: Percentiles
+    e2e_s: Percentiles
+    mean_batch: float  # sequences per call, averaged over the engine's busy time
+    slo_attainment: float | None = None  # the fraction meeting every objective given
+    goodput_requests_per_s: float | None = None
+
+
+@dataclass
+class _Clock:
+    """The engine's time. Calls are priced in runs (one vectorized pricing per run) when the
+    time is needed; what waits on a call's end (a first token, a finish) is set then."""
+
+    model: LoopedModelSpec
+    hw: HardwareSpec
+    dtype: str
+    now: float = 0.0
+    busy_s: float = 0.0
+    sequence_s: float = 0.0  # sum over calls of their time x the sequences they serve
+
+    def __post_init__(self):
+        self.pending: list[tuple[CallRecord, int]] = []
+        self.marks: list[tuple[int, Callable[[float], None]]] = []
+        self.previous: str | None = None
+
+    def add(self, record: CallRecord, sequences: int) -> None:
+        self.pending.append((record, sequences))
+
+    def at_end(self, setter: Callable[[float], None]) -> None:
+        """``setter(time)`` once the last call added is priced (now, where none waits)."""
+        if self.pending:
+            self.marks.append((len(self.pending) - 1, setter))
+        else:
+            setter(self.now)
+
+    def settle(self) -> float:
+        from .simulate import price_records
+
+        if self.pending:
+            records = [r for r, _ in self.pending]
+            price_records(self.model, self.hw, records, dtype=self.dtype, before=self.previous)
+            walls = np.array([r.wall_s for r in records])
+            ends = self.now + np.cumsum(walls)
+            for index, setter in self.marks:
+                setter(float(ends[index]))
+            self.busy_s += float(walls.sum())
+            self.sequence_s += float(walls @ np.array([n for _, n in self.pending]))
+            self.now, self.previous = float(ends[-1]), records[-1].kind
+            self.pending.clear()
+            self.marks.clear()
+        return self.now
+
+    def idle_until(self, time: float) -> None:
+        self.settle()
+        if time > self.now:
+            self.now, self.previous = time, None  # after a pause a call stands alone
+
+
+def kv_budget_bytes(model: LoopedModelSpec, hw: HardwareSpec, dtype: str, depth: int,
+                    batch: int, positions_per_call: int) -> int:
+    """The memory left for KV beside the weights and a full batch's activations."""
+    probe = Workload(context_length=1, new_tokens=1, batch_size=batch, dtype=dtype, depth=depth)
+    memory = memory_report(model, hw, probe, depth=depth, readout_depths=1,
+                           positions_per_call=positions_per_call)
+    return memory.capacity_bytes - memory.weights_bytes - memory.activation_bytes
+
+
+def serve(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
+          requests: Sequence[Request], *, max_batch: int, acceptance: float, depth: int,
+          kv_sharing: int = 0, dtype: str = "bf16", kv_budget: int | None = None,
+          seed: int = 0) -> tuple[list[Served], float]:
+    """Each request as ``schedule`` serves the stream (drafts accepted at ``acceptance``, drawn
+    per request from ``seed``), and the mean number of sequences per call."""
+    from .batching import PREFILL, Lane, merged_call, run_batch
+    from .simulate import _Simulator, acceptance_draws
+    from .slots import call_slots, keys_read
+
+    if max_batch < 1:
+        raise ValueError(f"the batch must hold at least 1 sequence, got {max_batch}")
+    drafts = {depth} | ({schedule.draft_depth} if schedule.drafts else set())
+    per_token = model.kv_bytes_per_token(dtype, depth, kv_sharing, len(drafts))
+    lookahead = schedule.lookahead(depth)
+    if kv_budget is None:
+        kv_budget = kv_budget_bytes(model, hw, dtype, depth, max_batch,
+                                    schedule.positions_per_call(depth))
+    clock = _Clock(model, hw, dtype)
+    served: dict[int, dict[str, float]] = {}
+    reserved: dict[int, int] = {}
+    graphs = hw.graphs.cuda_graphs
+
+    def need(i: int) -> int:
+        r = requests[i]
+        return (r.prompt_tokens + r.output_tokens + lookahead) * per_token
+
+    for i in range(len(requests)):
+        if need(i) > kv_budget:
+            r = requests[i]
+            raise ValueError(f"request {i} ({r.prompt_tokens:,} + {r.output_tokens:,} tokens) "
+                             f"needs {need(i):,} bytes of KV; {kv_budget:,} are free beside "
+                             "the weights")
+
+    def admit(i: int, lanes: list[Lane]) -> bool:
+        if not lanes:
+            clock.idle_until(requests[i].arrival_s)
+        elif requests[i].arrival_s > clock.now:
+            # the time is worked out at a round's boundary only: once a round, not once a call
+            if any(lane.calls_in_round for lane in lanes) or \
+                    requests[i].arrival_s > clock.settle():
+                return False
+        if sum(reserved.values()) + need(i) > kv_budget:
+            return False
+        reserved[i] = need(i)
+        return True
+
+    def start(i: int, region: int):
+        r = requests[i]
+        plan = schedule.plan(r.prompt_tokens, depth, coda_attends=model.coda_layers > 0)
+        accept = acceptance_draws(acceptance, r.output_tokens + 64, seed + i)
+        served[i] = {"arrival_s": r.arrival_s, "output_tokens": r.output_tokens}
+        return _Simulator(plan, kv_sharing, accept, r.output_tokens, records=False,
+                          static=graphs), plan
+
+    def run_call(lanes: list[Lane]) -> None:
+        kind, positions, depths, regions = merged_call(lanes)
+        prefill = lanes[0].round == PREFILL
+        clock.add(CallRecord.model_construct(
+            kind=kind, positions=positions, depths=depths,
+            contexts=keys_read(positions, graphs and not prefill),
+            slots=call_slots(kind, depths, kv_sharing), sequences=regions, wall_s=0.0),
+            len(lanes))
+        if prefill:  # the last prefill call's end is the first token's time
+            for lane in lanes:
+                clock.at_end(lambda t, i=lane.job: served[i].__setitem__("first_token_s", t))
+
+    def finish(lane: Lane) -> None:
+        reserved.pop(lane.job)
+        clock.at_end(lambda t, i=lane.job: served[i].__setitem__("finish_s", t))
+
+    run_batch(list(range(len(requests))), max_batch, start, run_call, finish, admit)
+    clock.settle()
+    mean_batch = clock.sequence_s / clock.busy_s if clock.busy_s else 0.0
+    return [Served(**served[i]) for i in range(len(requests))], mean_batch
+
+
+def summarize(schedule: Schedule, served: list[Served], mean_batch: float, *,
+              slo_ttft_s: float | None = None, slo_tpot_s: float | None = None
+              ) -> ServingResult:
+    """The stream's figures: percentiles, throughput, and (with objectives) goodput."""
+    start = min(s.arrival_s for s in served)
+    duration = max(s.finish_s for s in served) - start
+    met = None
+    if slo_ttft_s is not None or slo_tpot_s is not None:
+        met = sum((slo_ttft_s is None or s.ttft_s <= slo_ttft_s)
+                  and (slo_tpot_s is None or s.tpot_s <= slo_tpot_s) for s in served)
+    return ServingResult(
+        schedule=schedule.name, options=schedule.flags(), requests=len(served),
+        duration_s=duration,
+        throughput_tokens_per_s=sum(s.output_tokens for s in served) / duration,
+        requests_per_s=len(served) / duration,
+        ttft_s=Percentiles.of([s.ttft_s for s in served]),
+        tpot_s=Percentiles.of([s.tpot_s for s in served]),
+        e2e_s=Percentiles.of([s.e2e_s for s in served]), mean_batch=mean_batch,
+        slo_attainment=None if met is None else met / len(served),
+        goodput_requests_per_s=None if met is None else met / duration)
+
+
+def chosen_schedules(model: LoopedModelSpec, hw: HardwareSpec, requests: Sequence[Request], *,
+                     max_batch: int, depth: int, dtype: str, kv_sharing: int = 0,
+                     acceptance: float | None = None, draft_depth: int | None = None,
+                     width: int | None = None, block_length: int | None = None
+                     ) -> tuple[dict[str, Schedule], float]:
+    """Each registered schedule at the variant ``predict`` finds best for the stream's mean
+    request at a full batch (at batch 1 where a full batch of it does not fit), and the
+    acceptance its drafts are verified at."""
+    from .predict import acceptance_for, predict, resolve_draft_depth
+    from .schedules import get
+
+    typical = {"context_length": round(np.mean([r.prompt_tokens for r in requests])),
+               "new_tokens": round(np.mean([r.output_tokens for r in requests])),
+               "dtype": dtype, "depth": depth, "kv_sharing": kv_sharing,
+               "acceptance": acceptance}
+    options = {"width": width, "draft_depth": draft_depth, "block_length": block_length}
+    best = predict(model, hw, {**typical, "batch_size": max_batch}, **options)
+    if not best.memory.fits:
+        best = predict(model, hw, typical, **options)
+    if not best.memory.fits:
+        from .memory import does_not_fit
+
+        raise ValueError(f"the stream's mean request: {does_not_fit(best.memory, best.workload)}")
+    d = resolve_draft_depth(model, depth, width, draft_depth)
+    alpha = acceptance_for(model, Workload(**typical), depth, d)
+    return {name: get(name).of(r.draft_depth, r.block_length, r.width_cap)
+            for name, r in best.schedules.items()}, alpha
+
+
+def predict_serving(model: LoopedModelSpec, hw: HardwareSpec, requests: Sequence[Request], *,
+                    max_batch: int, depth: int | None = None, dtype: str = "bf16",
+                    kv_sharing: int = 0, acceptance: float | None = None,
+                    draft_depth: int | None = None, width: int | None = None,
+                    block_length: int | None = None, slo_ttft_s: float | None = None,
+                    slo_tpot_s: float | None = None, names: Sequence[str] | None = None,
+                    seed: int = 0) -> dict[str, ServingResult]:
+    """Each schedule (``names``: those of the registry to run; default all) serving the
+    stream."""
+    depth = depth or model.default_depth
+    schedules, alpha = chosen_schedules(
+        model, hw, requests, max_batch=max_batch, depth=depth, dtype=dtype,
+        kv_sharing=kv_sharing, acceptance=acceptance, draft_depth=draft_depth, width=width,
+        block_length=block_length)
+    results = {}
+    for name, schedule in schedules.items():
+        if names is not None and name not in names:
+            continue
+        served, mean_batch = serve(model, hw, schedule, requests, max_batch=max_batch,
+                                   acceptance=alpha, depth=depth, kv_sharing=kv_sharing,
+                                   dtype=dtype, seed=seed)
+        results[name] = summarize(schedule, served, mean_batch, slo_ttft_s=slo_ttft_s,
+                                  slo_tpot_s=slo_tpot_s)
+    return results
+
+
+def highest_rate(meets: Callable[[float], bool], *, start_per_s: float = 1.0,
+                 steps: int = 7) -> float | None:
+    """The highest request rate at which ``meets(rate)`` holds (the objectives met), to about
+    2 ** -steps of itself: doubled (or halved) from ``start_per_s`` to bracket it, then
+    bisected; None where even 1/1024 of the start fails."""
+    low, high = None, None
+    rate = start_per_s
+    for _ in range(10):  # bracket it: [low met, high not]
+        if meets(rate):
+            low = rate
+            if high is not None:
+                break
+            rate *= 2
+        else:
+            high = rate
+            if low is not None:
+                break
+            rate /= 2
+    if low is None:
+        return None
+    if high is None:
+        return low  # met at every rate tried: the engine keeps up with more than these
+    for _ in range(steps):
+        middle = (low * high) ** 0.5
+        low, high = (middle, high) if meets(middle) else (low, middle)
+    return low

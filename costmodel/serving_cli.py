@@ -1,0 +1,167 @@
+"""`costmodel serving`: a stream of requests served with AR, DtV and WFD (costmodel.serving),
+their latency percentiles, throughput and goodput, and the highest rate meeting the latency
+objectives. ``register`` adds it to the `costmodel` app (costmodel.cli)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .cli_options import (
+    DtypeOption,
+    HardwareOption,
+    JsonOption,
+    ModelOption,
+    ProfileOption,
+    at_least_one,
+    hardware_of,
+    override_hardware,
+)
+from .clitools import UserError, print_json, spinner, text_table
+from .engines import ENGINES, for_engine
+from .presets import get_model
+from .units import parse_duration, parse_rate
+
+
+def _requests(requests_file: Path | None, rate: str | None, count: int, prompt_tokens: str,
+              output_tokens: str, arrivals: str, seed: int):
+    """The stream: read from a file, or drawn (a function of the rate, for the rate search)."""
+    from .serving import Lengths, read_requests, request_stream
+
+    if requests_file is not None:
+        if rate is not None:
+            raise UserError("give --rate or --requests-file, not both (the file's arrival "
+                            "times are the rate)")
+        fixed = read_requests(requests_file)
+        return lambda _rate=None: fixed
+    prompt = Lengths.parse(prompt_tokens, "--prompt-tokens")
+    output = Lengths.parse(output_tokens, "--output-tokens")
+    return lambda per_s: request_stream(per_s, count, prompt, output, arrivals=arrivals,
+                                        seed=seed)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.0f}" if seconds >= 0.01 else f"{seconds * 1e3:.2f}"
+
+
+def _print(results, rates: dict[str, float | None], title: str) -> None:
+    headers = ["schedule", "TTFT p50/p90/p99 ms", "TPOT p50/p90/p99 ms", "E2E p50/p99 s",
+               "tokens/s", "req/s", "batch", "SLOs met", "goodput req/s"]
+    if rates:
+        headers.append("highest rate /s")
+    rows = []
+    for name, r in results.items():
+        row = [r.options.removeprefix("--schedule "),
+               " / ".join(_ms(getattr(r.ttft_s, p)) for p in ("p50", "p90", "p99")),
+               " / ".join(_ms(getattr(r.tpot_s, p)) for p in ("p50", "p90", "p99")),
+               f"{r.e2e_s.p50:.2f} / {r.e2e_s.p99:.2f}", f"{r.throughput_tokens_per_s:,.1f}",
+               f"{r.requests_per_s:.2f}", f"{r.mean_batch:.1f}",
+               "-" if r.slo_attainment is None else f"{r.slo_attainment:.0%}",
+               "-" if r.goodput_requests_per_s is None else f"{r.goodput_requests_per_s:.2f}"]
+        if rates:
+            rate = rates.get(name)
+            row.append("none tried" if rate is None else f"{rate:.3g}")
+        rows.append(row)
+    typer.echo(text_table(headers, rows, title=title))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serving")(serving_cmd)
+
+
+def serving_cmd(
+    model: ModelOption = "huginn-3.5b",
+    hardware: HardwareOption = "a6000",
+    profile: ProfileOption = None,
+    engine: Annotated[str, typer.Option(help="wfd (this decoder) or vllm")] = "wfd",
+    rate: Annotated[str | None, typer.Option(
+        help="request rate, e.g. 4/s, 240/min (default 1/s)")] = None,
+    requests: Annotated[int, typer.Option("--requests", help="requests in the stream")] = 200,
+    prompt_tokens: Annotated[str, typer.Option(
+        help="prompt length: N, or LOW-HIGH drawn uniformly")] = "512",
+    output_tokens: Annotated[str, typer.Option(
+        help="tokens each request asks for: N, or LOW-HIGH drawn uniformly")] = "256",
+    arrivals: Annotated[str, typer.Option(help="poisson or uniform")] = "poisson",
+    requests_file: Annotated[Path | None, typer.Option(
+        help="JSON Lines of requests (arrival_s, prompt_tokens, output_tokens) instead of a "
+             "drawn stream")] = None,
+    max_batch: Annotated[int, typer.Option(
+        help="at most this many sequences decoded together (vLLM's max_num_seqs)")] = 16,
+    slo_ttft: Annotated[str | None, typer.Option(
+        help="time-to-first-token objective, e.g. 500ms")] = None,
+    slo_tpot: Annotated[str | None, typer.Option(
+        help="time-per-output-token objective, e.g. 50ms")] = None,
+    find_rate: Annotated[bool, typer.Option(
+        help="also search the highest rate at which --attainment of the requests meet the "
+             "objectives")] = False,
+    attainment: Annotated[float, typer.Option(
+        help="the fraction of requests that must meet the objectives")] = 0.9,
+    schedule: Annotated[list[str] | None, typer.Option(
+        help="ar, dtv or wfd (repeat for several; default all)")] = None,
+    depth: Annotated[int | None, typer.Option(help="recurrence depth R")] = None,
+    draft_depth: Annotated[int | None, typer.Option(help="draft depth d (< R)")] = None,
+    width: Annotated[int | None, typer.Option(help="WFD width W")] = None,
+    block_length: Annotated[int | None, typer.Option(help="DtV block length k")] = None,
+    acceptance: Annotated[float | None, typer.Option(
+        help="draft acceptance in [0, 1] (default: the model's)")] = None,
+    kv_sharing: Annotated[int, typer.Option(help="0: a KV slot per depth; S shared")] = 0,
+    seed: Annotated[int, typer.Option(help="seed of the arrivals, lengths and drafts")] = 0,
+    dtype: DtypeOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Serve a stream of requests: TTFT, TPOT and latency percentiles, throughput and goodput
+    for AR, DtV and WFD (simulated call by call, priced by the cost model)."""
+    from .schedules import SCHEDULES
+    from .serving import ARRIVALS, highest_rate, predict_serving
+
+    at_least_one(requests=requests, max_batch=max_batch)
+    if arrivals not in ARRIVALS:
+        raise UserError(f"unknown arrivals {arrivals!r}; use {' or '.join(ARRIVALS)}")
+    if acceptance is not None and not 0 <= acceptance <= 1:
+        raise UserError(f"acceptance must be in [0, 1], got {acceptance}")
+    if not 0 < attainment <= 1:
+        raise UserError(f"attainment must be in (0, 1], got {attainment}")
+    if engine not in ENGINES:
+        raise UserError(f"unknown engine {engine!r}; use {' or '.join(ENGINES)}")
+    names = schedule or list(SCHEDULES)
+    for name in names:
+        if name not in SCHEDULES:
+            raise UserError(f"unknown schedule {name!r}; use {', '.join(SCHEDULES)}")
+    ttft = parse_duration(slo_ttft) if slo_ttft is not None else None
+    tpot = parse_duration(slo_tpot) if slo_tpot is not None else None
+    if find_rate and ttft is None and tpot is None:
+        raise UserError("--find-rate searches the rate that meets --slo-ttft and --slo-tpot: "
+                        "give one or both")
+    per_s = parse_rate(rate) if rate is not None else 1.0
+    stream = _requests(requests_file, rate, requests, prompt_tokens, output_tokens, arrivals,
+                       seed)
+    _, base, dtype = hardware_of(profile, hardware, dtype)
+    spec = get_model(model)
+    hw = override_hardware(for_engine(engine, base, spec), None, None, None, None, dtype)
+    options = {"max_batch": max_batch, "depth": depth, "dtype": dtype, "kv_sharing": kv_sharing,
+               "acceptance": acceptance, "draft_depth": draft_depth, "width": width,
+               "block_length": block_length, "slo_ttft_s": ttft, "slo_tpot_s": tpot,
+               "seed": seed}
+    stream_now = stream(per_s)
+    with spinner(f"serving {len(stream_now)} requests", disable=as_json):
+        results = predict_serving(spec, hw, stream_now, names=names, **options)
+    rates: dict[str, float | None] = {}
+    if find_rate:
+        with spinner("searching the highest rate that meets the objectives", disable=as_json):
+            for name in names:
+                def meets(r: float, name: str = name) -> bool:
+                    found = predict_serving(spec, hw, stream(r), names=[name], **options)
+                    return found[name].slo_attainment >= attainment
+                rates[name] = highest_rate(meets, start_per_s=per_s)
+    if as_json:
+        print_json({"model": spec.name, "hardware": hw.name, "engine": engine,
+                    "rate_per_s": None if requests_file else per_s,
+                    "requests": len(stream_now), "max_batch": max_batch,
+                    "schedules": {n: r.model_dump(mode="json") for n, r in results.items()},
+                    **({"highest_rate_per_s": rates} if find_rate else {})})
+        return
+    source = f"{requests_file}" if requests_file else f"{per_s:g}/s {arrivals}"
+    _print(results, rates, f"{spec.name} on {hw.name}, {len(stream_now)} requests "
+           f"({source}), at most {max_batch} together")

@@ -1,0 +1,174 @@
+"""`costmodel serving` (costmodel.serving): a stream of requests through one engine, simulated
+call by call and priced by the cost model."""
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from costmodel.cli import main
+from costmodel.presets import resolve
+from costmodel.schedules import AR, WFD, DtV
+from costmodel.serving import (
+    Lengths,
+    Request,
+    highest_rate,
+    predict_serving,
+    read_requests,
+    request_stream,
+    serve,
+    summarize,
+)
+from costmodel.simulate import acceptance_draws, simulate_batch
+
+MODEL, HARDWARE = resolve("huginn-tiny", "a6000")
+SCHEDULES = [AR(), DtV(draft_depth=2, block_length=3), WFD(draft_depth=2)]
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    import sys
+
+    argv, sys.argv = sys.argv, ["costmodel", *args]
+    try:
+        with pytest.raises(SystemExit) as done:
+            main()
+    finally:
+        sys.argv = argv
+    out = capsys.readouterr()
+    return done.value.code, out.out, out.err
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
+def test_requests_far_apart_each_take_what_one_alone_takes(schedule):
+    """Arrivals a minute apart: no request waits or shares a call, so each one's first token
+    comes after its prefill, priced as one sequence's, and its other tokens take what the
+    batch simulator gives that sequence alone."""
+    requests = [Request(arrival_s=60.0 * i, prompt_tokens=20 + 5 * i, output_tokens=12)
+                for i in range(3)]
+    served, mean_batch = serve(MODEL, HARDWARE, schedule, requests, max_batch=4,
+                               acceptance=0.7, depth=8, seed=5)
+    assert mean_batch == pytest.approx(1.0)
+    for i, (request, s) in enumerate(zip(requests, served, strict=True)):
+        alone = simulate_batch(MODEL, HARDWARE, schedule, [(
+            request.prompt_tokens, request.output_tokens,
+            acceptance_draws(0.7, request.output_tokens + 64, 5 + i))], batch_size=1, depth=8)
+        prefill = sum(r.wall_s for r, p in zip(alone.calls, alone.prefill, strict=True) if p)
+        assert s.ttft_s == pytest.approx(prefill, rel=1e-9)
+        assert s.finish_s - s.first_token_s == pytest.approx(alone.latency_s, rel=1e-9)
+
+
+def test_requests_that_arrive_together_queue_and_share_calls():
+    """Twelve requests at once, four places: the batch fills (four sequences per call), the
+    later ones wait for a place (their first tokens later), and the engine's rate exceeds one
+    sequence's."""
+    requests = [Request(arrival_s=0.0, prompt_tokens=16, output_tokens=24)] * 12
+    served, mean_batch = serve(MODEL, HARDWARE, AR(), requests, max_batch=4, acceptance=0.7,
+                               depth=8)
+    assert 3.0 < mean_batch <= 4.0
+    firsts = sorted(s.first_token_s for s in served)
+    assert firsts[4] > firsts[3] and firsts[8] > firsts[7]  # three waves of four
+    one, _ = serve(MODEL, HARDWARE, AR(), requests[:1], max_batch=4, acceptance=0.7, depth=8)
+    total = max(s.finish_s for s in served)
+    assert total < 12 * one[0].finish_s / 2  # batching serves them faster than one by one
+
+
+def test_the_kv_budget_holds_back_what_does_not_fit():
+    """A KV budget for two requests at a time: never more than two in a call, however many
+    places the batch has; a request larger than the budget is refused in one line."""
+    requests = [Request(arrival_s=0.0, prompt_tokens=30, output_tokens=10)] * 6
+    per_token = MODEL.kv_bytes_per_token("bf16", 8, 0, 1)
+    budget = 2 * (30 + 10) * per_token
+    _, mean_batch = serve(MODEL, HARDWARE, AR(), requests, max_batch=6, acceptance=0.7,
+                          depth=8, kv_budget=budget)
+    assert 1.5 < mean_batch <= 2.0
+    with pytest.raises(ValueError, match="request 0 .* needs"):
+        serve(MODEL, HARDWARE, AR(), requests, max_batch=6, acceptance=0.7, depth=8,
+              kv_budget=budget // 3)
+
+
+@settings(max_examples=15, deadline=None)
+@given(rate=st.floats(0.5, 500), seed=st.integers(0, 1000),
+       schedule=st.sampled_from(SCHEDULES))
+def test_a_stream_s_figures_are_consistent(rate, seed, schedule):
+    requests = request_stream(rate, 8, Lengths(low=4, high=40), Lengths(low=2, high=16),
+                              seed=seed)
+    served, mean_batch = serve(MODEL, HARDWARE, schedule, requests, max_batch=3,
+                               acceptance=0.6, depth=8, seed=seed)
+    result = summarize(schedule, served, mean_batch, slo_ttft_s=0.01, slo_tpot_s=0.002)
+    for s in served:
+        assert s.arrival_s < s.first_token_s < s.finish_s
+    for p in (result.ttft_s, result.tpot_s, result.e2e_s):
+        assert p.p50 <= p.p90 <= p.p99
+    assert 0 <= result.slo_attainment <= 1
+    assert result.goodput_requests_per_s <= result.requests_per_s
+    assert 1.0 <= mean_batch <= 3.0
+
+
+def test_the_highest_rate_is_bracketed_then_bisected():
+    assert highest_rate(lambda r: r <= 3.3) == pytest.approx(3.3, rel=2 ** -6)
+    assert highest_rate(lambda r: r <= 3.3) <= 3.3
+    assert highest_rate(lambda r: r <= 0.02, start_per_s=1.0) <= 0.02
+    assert highest_rate(lambda r: False) is None
+
+
+def test_more_load_means_longer_waits():
+    lengths = Lengths(low=32, high=32), Lengths(low=32, high=32)
+    light, heavy = (predict_serving(MODEL, HARDWARE, request_stream(rate, 40, *lengths),
+                                    max_batch=4, names=["wfd"])["wfd"]
+                    for rate in (1.0, 10_000.0))
+    assert heavy.ttft_s.p50 > 5 * light.ttft_s.p50
+    assert heavy.throughput_tokens_per_s > light.throughput_tokens_per_s
+
+
+def test_a_requests_file_is_read_in_order_or_refused_by_line(tmp_path):
+    good = tmp_path / "requests.jsonl"
+    good.write_text('{"arrival_s": 0, "prompt_tokens": 10, "output_tokens": 4}\n\n'
+                    '{"arrival_s": 0.5, "prompt_tokens": 7, "output_tokens": 9}\n')
+    assert [r.prompt_tokens for r in read_requests(good)] == [10, 7]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"arrival_s": 0, "prompt_tokens": 10, "output_tokens": 4}\n'
+                   '{"arrival_s": 1, "prompt_tokens": 0, "output_tokens": 4}\n')
+    with pytest.raises(ValueError, match="line 2: prompt_tokens"):
+        read_requests(bad)
+    late = tmp_path / "late.jsonl"
+    late.write_text('{"arrival_s": 2, "prompt_tokens": 1, "output_tokens": 2}\n'
+                    '{"arrival_s": 1, "prompt_tokens": 1, "output_tokens": 2}\n')
+    with pytest.raises(ValueError, match="order of arrival"):
+        read_requests(late)
+
+
+def test_the_command_prints_each_schedule_and_finds_the_rate(capsys):
+    code, out, _ = run_cli(capsys, "serving", "--model", "huginn-tiny", "--requests", "30",
+                           "--rate", "20/s", "--prompt-tokens", "16-48", "--output-tokens",
+                           "16", "--max-batch", "4", "--slo-ttft", "20ms", "--slo-tpot",
+                           "5ms", "--find-rate", "--schedule", "ar", "--schedule", "wfd",
+                           "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert set(report["schedules"]) == {"ar", "wfd"}
+    for name, result in report["schedules"].items():
+        assert result["requests"] == 30 and result["ttft_s"]["p99"] >= result["ttft_s"]["p50"]
+        assert report["highest_rate_per_s"][name] is None or \
+            report["highest_rate_per_s"][name] > 0
+    code, out, _ = run_cli(capsys, "serving", "--model", "huginn-tiny", "--requests", "10",
+                           "--output-tokens", "8", "--max-batch", "2")
+    assert code == 0 and "TTFT p50/p90/p99 ms" in out and "wfd --draft-depth" in out
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--rate", "-2/s"], "request rate must be positive"),
+    (["--prompt-tokens", "0"], "--prompt-tokens must be N or LOW-HIGH"),
+    (["--output-tokens", "9-3"], "--output-tokens must be N or LOW-HIGH"),
+    (["--find-rate"], "--find-rate searches the rate"),
+    (["--schedule", "beam"], "unknown schedule 'beam'"),
+    (["--max-batch", "0"], "max batch must be at least 1"),
+    # requests whose KV exceeds the memory left beside the weights
+    (["--prompt-tokens", "100000000"], "the stream's mean request: 100,000,000 + 256 tokens"),
+])
+def test_bad_input_is_one_line(capsys, args, said):
+    code, out, err = run_cli(capsys, "serving", "--model", "huginn-tiny", "--requests", "3",
+                             *args)
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and said in lines[0], err
