@@ -1,6 +1,6 @@
 """The engine that runs the calls, as hardware terms: ``wfd`` (this decoder: the hardware as
-given) or ``vllm`` (vLLM's AR through the plugin in wfd/serving: CUDA graphs, and the kernels its
-layers launch per layer and per part, counted in its own forward pass,
+given) or ``vllm`` (vLLM's AR through the plugin in wfd/serving: CUDA graphs on a GPU, eager on
+a CPU, and the kernels its layers launch per layer and per part, counted in its own forward pass,
 costmodel/data/vllm_operations.json). DtV and WFD priced on ``vllm`` are what they would cost
 run inside it with its kernels: what WFD would add to that engine."""
 
@@ -31,7 +31,9 @@ def for_engine(engine: str, hw: HardwareSpec, model: LoopedModelSpec) -> Hardwar
         raise ValueError(f"unknown engine {engine!r}; use {' or '.join(ENGINES)}")
     if engine == "wfd":
         return hw
-    return hw.with_terms(name=f"{hw.name} as vLLM", cuda_graphs=True,
+    # vLLM replays CUDA graphs on a GPU; on a CPU (its CPU build, enforce_eager) it launches
+    # its kernels one by one
+    return hw.with_terms(name=f"{hw.name} as vLLM", cuda_graphs=hw.cpu is None,
                          **counted_fields(vllm_operations(model.family)))
 
 

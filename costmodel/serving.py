@@ -115,6 +115,17 @@ def read_requests(path: str | Path) -> list[Request]:
     return requests
 
 
+class EngineOverheads(Spec):
+    """The engine's own time, beside its model's calls (which the cost model prices): per step
+    (scheduling, preparing inputs, sampling), per sequence in a step (its sampling and output:
+    detokenizing, streaming), and per request on its way in (parsing, tokenizing, handing it to
+    the engine). ``bench/serving_load.py`` measures vLLM's from lone and concurrent requests."""
+
+    step_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    per_sequence_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    request_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+
+
 class Percentiles(BaseModel):
     model_config = ConfigDict(extra="forbid")
     mean: float
@@ -183,12 +194,13 @@ class _Clock:
     sequence_s: float = 0.0  # sum over calls of their time x the sequences they serve
 
     def __post_init__(self):
-        self.pending: list[tuple[CallRecord, int]] = []
+        self.pending: list[tuple[CallRecord, int, float]] = []
         self.marks: list[tuple[int, Callable[[float], None]]] = []
         self.previous: str | None = None
 
-    def add(self, record: CallRecord, sequences: int) -> None:
-        self.pending.append((record, sequences))
+    def add(self, record: CallRecord, sequences: int, before_s: float = 0.0) -> None:
+        """A call over ``sequences`` sequences, ``before_s`` of the engine's own time before it."""
+        self.pending.append((record, sequences, before_s))
 
     def at_end(self, setter: Callable[[float], None]) -> None:
         """``setter(time)`` once the last call added is priced (now, where none waits)."""
@@ -201,14 +213,14 @@ class _Clock:
         from .simulate import price_records
 
         if self.pending:
-            records = [r for r, _ in self.pending]
+            records = [r for r, _, _ in self.pending]
             price_records(self.model, self.hw, records, dtype=self.dtype, before=self.previous)
-            walls = np.array([r.wall_s for r in records])
+            walls = np.array([r.wall_s + before for r, _, before in self.pending])
             ends = self.now + np.cumsum(walls)
             for index, setter in self.marks:
                 setter(float(ends[index]))
             self.busy_s += float(walls.sum())
-            self.sequence_s += float(walls @ np.array([n for _, n in self.pending]))
+            self.sequence_s += float(walls @ np.array([n for _, n, _ in self.pending]))
             self.now, self.previous = float(ends[-1]), records[-1].kind
             self.pending.clear()
             self.marks.clear()
@@ -232,9 +244,12 @@ def kv_budget_bytes(model: LoopedModelSpec, hw: HardwareSpec, dtype: str, depth:
 def serve(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
           requests: Sequence[Request], *, max_batch: int, acceptance: float, depth: int,
           kv_sharing: int = 0, dtype: str = "bf16", kv_budget: int | None = None,
-          seed: int = 0) -> tuple[list[Served], float]:
+          seed: int = 0, engine: EngineOverheads | None = None
+          ) -> tuple[list[Served], float]:
     """Each request as ``schedule`` serves the stream (drafts accepted at ``acceptance``, drawn
-    per request from ``seed``), and the mean number of sequences per call."""
+    per request from ``seed``), and the mean number of sequences per call. ``engine``: the
+    engine's own time, its step's paid before each round's first call (a prefill's, an AR
+    token's, a DtV round's, a WFD tick's), a request's before it reaches the line."""
     from .batching import PREFILL, Lane, merged_call, run_batch
     from .simulate import _Simulator, acceptance_draws
     from .slots import call_slots, keys_read
@@ -247,7 +262,11 @@ def serve(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
     if kv_budget is None:
         kv_budget = kv_budget_bytes(model, hw, dtype, depth, max_batch,
                                     schedule.positions_per_call(depth))
+    engine = engine or EngineOverheads()
     clock = _Clock(model, hw, dtype)
+
+    def arrives(i: int) -> float:
+        return requests[i].arrival_s + engine.request_s
     served: dict[int, dict[str, float]] = {}
     reserved: dict[int, int] = {}
     graphs = hw.graphs.cuda_graphs
@@ -265,11 +284,10 @@ def serve(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
 
     def admit(i: int, lanes: list[Lane]) -> bool:
         if not lanes:
-            clock.idle_until(requests[i].arrival_s)
-        elif requests[i].arrival_s > clock.now:
+            clock.idle_until(arrives(i))
+        elif arrives(i) > clock.now:
             # the time is worked out at a round's boundary only: once a round, not once a call
-            if any(lane.calls_in_round for lane in lanes) or \
-                    requests[i].arrival_s > clock.settle():
+            if any(lane.calls_in_round for lane in lanes) or arrives(i) > clock.settle():
                 return False
         if sum(reserved.values()) + need(i) > kv_budget:
             return False
@@ -291,7 +309,8 @@ def serve(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
             kind=kind, positions=positions, depths=depths,
             contexts=keys_read(positions, graphs and not prefill),
             slots=call_slots(kind, depths, kv_sharing), sequences=regions, wall_s=0.0),
-            len(lanes))
+            len(lanes), engine.step_s + engine.per_sequence_s * len(lanes)
+            if lanes[0].calls_in_round == 0 else 0.0)
         if prefill:  # the last prefill call's end is the first token's time
             for lane in lanes:
                 clock.at_end(lambda t, i=lane.job: served[i].__setitem__("first_token_s", t))
@@ -363,7 +382,8 @@ def predict_serving(model: LoopedModelSpec, hw: HardwareSpec, requests: Sequence
                     draft_depth: int | None = None, width: int | None = None,
                     block_length: int | None = None, slo_ttft_s: float | None = None,
                     slo_tpot_s: float | None = None, names: Sequence[str] | None = None,
-                    seed: int = 0) -> dict[str, ServingResult]:
+                    seed: int = 0, engine: EngineOverheads | None = None
+                    ) -> dict[str, ServingResult]:
     """Each schedule (``names``: those of the registry to run; default all) serving the
     stream."""
     depth = depth or model.default_depth
@@ -377,7 +397,7 @@ def predict_serving(model: LoopedModelSpec, hw: HardwareSpec, requests: Sequence
             continue
         served, mean_batch = serve(model, hw, schedule, requests, max_batch=max_batch,
                                    acceptance=alpha, depth=depth, kv_sharing=kv_sharing,
-                                   dtype=dtype, seed=seed)
+                                   dtype=dtype, seed=seed, engine=engine)
         results[name] = summarize(schedule, served, mean_batch, slo_ttft_s=slo_ttft_s,
                                   slo_tpot_s=slo_tpot_s)
     return results

@@ -11,6 +11,7 @@ from costmodel.cli import main
 from costmodel.presets import resolve
 from costmodel.schedules import AR, WFD, DtV
 from costmodel.serving import (
+    EngineOverheads,
     Lengths,
     Request,
     highest_rate,
@@ -56,6 +57,23 @@ def test_requests_far_apart_each_take_what_one_alone_takes(schedule):
         prefill = sum(r.wall_s for r, p in zip(alone.calls, alone.prefill, strict=True) if p)
         assert s.ttft_s == pytest.approx(prefill, rel=1e-9)
         assert s.finish_s - s.first_token_s == pytest.approx(alone.latency_s, rel=1e-9)
+
+
+def test_the_engine_s_own_time_is_paid_per_step_per_sequence_and_per_request():
+    """A lone AR request: a step before its prefill and before each of its other tokens, each
+    with one sequence, and its way in before the prefill; two together share the steps and pay
+    the sequences' part twice."""
+    request = Request(arrival_s=0.0, prompt_tokens=20, output_tokens=10)
+    engine = EngineOverheads(step_s=0.004, per_sequence_s=0.001, request_s=0.010)
+    kw = {"max_batch": 2, "acceptance": 0.7, "depth": 8}
+    (bare,), _ = serve(MODEL, HARDWARE, AR(), [request], **kw)
+    (paid,), _ = serve(MODEL, HARDWARE, AR(), [request], engine=engine, **kw)
+    assert paid.ttft_s - bare.ttft_s == pytest.approx(0.010 + 0.005)
+    assert (paid.finish_s - paid.first_token_s) - (bare.finish_s - bare.first_token_s) == \
+        pytest.approx(9 * 0.005)
+    two_bare, _ = serve(MODEL, HARDWARE, AR(), [request] * 2, **kw)
+    two, _ = serve(MODEL, HARDWARE, AR(), [request] * 2, engine=engine, **kw)
+    assert two[0].tpot_s - two_bare[0].tpot_s == pytest.approx(0.006)
 
 
 def test_requests_that_arrive_together_queue_and_share_calls():

@@ -109,8 +109,9 @@ def test_every_query_takes_preset_names_or_specs():
 
 
 def test_a_cpu_spec_has_no_cuda_graphs():
-    """Graphs mode and vLLM's engine replay CUDA graphs: a CPU's spec refuses them however they
-    are asked for (a mode, an engine, a term)."""
+    """Graphs mode replays CUDA graphs: a CPU's spec refuses them however they are asked for (a
+    mode, a term); vLLM's engine on a CPU (its CPU build) launches its kernels eagerly, a GPU's
+    replays them."""
 
     from costmodel.engines import for_engine
     from costmodel.profile import load_profile
@@ -118,10 +119,12 @@ def test_a_cpu_spec_has_no_cuda_graphs():
     cpu = load_profile(PROFILES_DIR
                        / "cpu-ouro-fp32.json").hardware
     assert cpu.in_mode("eager") is cpu
-    for ask in (lambda: cpu.in_mode("graphs"), lambda: cpu.with_terms(cuda_graphs=True),
-                lambda: for_engine("vllm", cpu, get_model("ouro-tiny"))):
+    for ask in (lambda: cpu.in_mode("graphs"), lambda: cpu.with_terms(cuda_graphs=True)):
         with pytest.raises(ValueError, match="is a CPU: CUDA graphs"):
             ask()
+    model = get_model("ouro-tiny")
+    assert not for_engine("vllm", cpu, model).graphs.cuda_graphs
+    assert for_engine("vllm", get_hardware("a6000"), model).graphs.cuda_graphs
 
 
 def test_the_python_api_says_what_it_takes():

@@ -1,0 +1,241 @@
+"""Open-loop load on the plugin's vLLM server, beside `costmodel serving`'s simulation of the
+same streams: are the simulated latencies the served ones?
+
+    python bench/serving_load.py --profile PROFILE.json [--model huginn-tiny] [--rates 2 4 8]
+        [--requests 40] [--prompt-tokens 16-64] [--output-tokens 32] [--max-batch 8]
+        [--schedule ar] [--seed 0] [--out FILE.json]
+
+Starts `vllm serve` (the plugin, eager, fp32) on a copy of the shipped tiny model with its byte
+tokenizer, and for each rate sends the stream `costmodel serving` draws for it (Poisson
+arrivals, the same seed, random printable prompts of the drawn lengths) open-loop: each request
+at its arrival time on a thread of its own, streamed (`/v1/completions`, greedy, ignore_eos),
+its first and last chunks timed as they arrive. TTFT is arrival to the first chunk (the
+prefill's token), TPOT the rest over the tokens after the first. The same streams are then
+simulated (`costmodel.serving`, `--engine vllm`: vLLM's kernel counts, eager on a CPU) with the
+profile's hardware, and the medians, p99s and throughput printed side by side.
+
+The engine's own time (per step, per sequence in a step, per request on its way in), which the
+per-call cost does not hold, is measured first and apart from the streams, from lone requests
+of the mean lengths and a full batch of them arriving together (`engine_overheads`), and given
+to the simulations (`costmodel serving --step-overhead --sequence-overhead
+--request-overhead`). Needs the serve-cpu extra. A
+profile of this machine: `costmodel calibrate --model huginn --quick`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from costmodel.clitools import script_main
+from costmodel.engines import for_engine
+from costmodel.presets import get_model
+from costmodel.profile import load_profile
+from costmodel.serving import (
+    EngineOverheads,
+    Lengths,
+    Request,
+    Served,
+    predict_serving,
+    request_stream,
+    summarize,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def start_server(folder: Path, max_batch: int, overrides: dict | None, log: Path
+                 ) -> tuple[subprocess.Popen, str]:
+    """`vllm serve` on ``folder``, up and answering (its base URL)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    extra = ["--hf-overrides", json.dumps(overrides)] if overrides else []
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+         "--max-model-len", "512", "--max-num-seqs", str(max_batch),
+         *extra],
+        stdout=subprocess.DEVNULL, stderr=open(log, "w"), env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            sys.exit(f"error: the server stopped:\n{log.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=5):
+                return server, base
+        except OSError:
+            time.sleep(1)
+    server.terminate()
+    sys.exit("error: the server did not come up in 300 s")
+
+
+def send(base: str, model: str, prompt: list[int], tokens: int) -> tuple[float, float, int]:
+    """One streamed request: (first chunk's time, last chunk's time, tokens received)."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": tokens,
+                       "temperature": 0, "ignore_eos": True, "stream": True,
+                       "return_token_ids": True}).encode()
+    request = urllib.request.Request(f"{base}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+    first = last = None
+    received = 0
+    with urllib.request.urlopen(request, timeout=600) as response:
+        for line in response:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            now = time.perf_counter()
+            chunk = json.loads(line[6:])
+            ids = chunk["choices"][0].get("token_ids") or []
+            if ids and first is None:
+                first = now
+            if ids:
+                received, last = received + len(ids), now
+    return first, last, received
+
+
+def load(base: str, model: str, requests, seed: int) -> list[Served]:
+    """The stream sent open-loop: each request on its own thread at its arrival time."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(32, 127, r.prompt_tokens).tolist() for r in requests]
+    results: list[tuple[float, float, int] | None] = [None] * len(requests)
+
+    def one(i: int) -> None:
+        results[i] = send(base, model, prompts[i], requests[i].output_tokens)
+
+    start = time.perf_counter()
+    threads = []
+    for i, r in enumerate(requests):
+        time.sleep(max(0.0, start + r.arrival_s - time.perf_counter()))
+        threads.append(threading.Thread(target=one, args=(i,)))
+        threads[-1].start()
+    for thread in threads:
+        thread.join()
+    served = []
+    for r, (first, last, received) in zip(requests, results, strict=True):
+        if received != r.output_tokens:
+            sys.exit(f"error: a request asked for {r.output_tokens} tokens and got {received}")
+        served.append(Served(arrival_s=r.arrival_s, first_token_s=first - start,
+                             finish_s=last - start, output_tokens=r.output_tokens))
+    return served
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", type=Path, required=True)
+    parser.add_argument("--model", default="huginn-tiny")
+    parser.add_argument("--rates", type=float, nargs="+", default=[2.0, 4.0, 8.0])
+    parser.add_argument("--requests", type=int, default=40)
+    parser.add_argument("--prompt-tokens", default="16-64")
+    parser.add_argument("--output-tokens", default="32")
+    parser.add_argument("--max-batch", type=int, default=8)
+    parser.add_argument("--schedule", default="ar", choices=["ar", "wfd", "dtv"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    prompt = Lengths.parse(args.prompt_tokens, "--prompt-tokens")
+    output = Lengths.parse(args.output_tokens, "--output-tokens")
+    spec = get_model(args.model)
+    profile = load_profile(args.profile)
+    hw = for_engine("vllm", profile.hardware, spec)
+    overrides = None if args.schedule == "ar" else {"schedule": args.schedule}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        from wfd.tokenizer import write_byte_tokenizer
+
+        folder = Path(tmp) / args.model
+        folder.mkdir()
+        for file in ("config.json", "model.safetensors"):
+            shutil.copy(ROOT / "wfd" / "models" / args.model / file, folder)
+        write_byte_tokenizer(folder, max_length=512)
+        server, base = start_server(folder, args.max_batch, overrides, Path(tmp) / "server.log")
+        try:
+            send(base, str(folder), [65] * 8, 4)  # warm the engine up
+            options = {"max_batch": args.max_batch, "dtype": profile.dtype,
+                       "names": [args.schedule], "seed": args.seed}
+            engine = engine_overheads(base, str(folder), spec, hw, prompt, output, options)
+            print(f"the engine's own time: {engine.step_s * 1e3:.2f} ms a step, "
+                  f"{engine.per_sequence_s * 1e3:.2f} ms a sequence in it, "
+                  f"{engine.request_s * 1e3:.2f} ms a request", flush=True)
+            for rate in args.rates:
+                stream = request_stream(rate, args.requests, prompt, output, seed=args.seed)
+                measured = summarize_served(load(base, str(folder), stream, args.seed))
+                simulated = predict_serving(spec, hw, stream, engine=engine,
+                                            **options)[args.schedule]
+                rows.append({"rate_per_s": rate, "measured": measured,
+                             "simulated": simulated.model_dump(mode="json")})
+                print(line(rate, measured, rows[-1]["simulated"]), flush=True)
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    if args.out:
+        args.out.write_text(json.dumps({"model": args.model, "schedule": args.schedule,
+                                        "profile": str(args.profile),
+                                        "engine": engine.model_dump(),
+                                        "rows": rows}, indent=2))
+
+
+def engine_overheads(base: str, model: str, spec, hw, prompt: Lengths, output: Lengths,
+                     options: dict, repeats: int = 3) -> EngineOverheads:
+    """vLLM's own time beside its calls, from requests of the mean lengths: lone ones, one
+    after another, and a full batch arriving together. Their median TPOTs less the simulated
+    ones give the time per step and per sequence in a step (two equations, two unknowns); the
+    lone ones' TTFT less the simulated one (with those) the time per request on its way in."""
+    def measured(together: int) -> tuple[float, float]:
+        requests = [Request(arrival_s=0.0, prompt_tokens=round(prompt.mean),
+                            output_tokens=round(output.mean))] * together
+        runs = [load(base, model, requests, seed) for seed in range(repeats)]
+        return (float(np.median([s.tpot_s for run in runs for s in run])),
+                float(np.median([s.ttft_s for run in runs for s in run])))
+
+    def simulated(together: int, engine: EngineOverheads) -> tuple[float, float]:
+        requests = [Request(arrival_s=0.0, prompt_tokens=round(prompt.mean),
+                            output_tokens=round(output.mean))] * together
+        result = predict_serving(spec, hw, requests, engine=engine, **options)
+        return result[options["names"][0]].tpot_s.p50, result[options["names"][0]].ttft_s.p50
+
+    batch = options["max_batch"]
+    (lone, lone_ttft), (full, _) = measured(1), measured(batch)
+    bare = EngineOverheads()
+    extra_lone, extra_full = lone - simulated(1, bare)[0], full - simulated(batch, bare)[0]
+    per_sequence = max(0.0, (extra_full - extra_lone) / (batch - 1)) if batch > 1 else 0.0
+    steps = EngineOverheads(step_s=max(0.0, extra_lone - per_sequence),
+                            per_sequence_s=per_sequence)
+    request = max(0.0, lone_ttft - simulated(1, steps)[1])
+    return steps.model_copy(update={"request_s": request})
+
+
+def summarize_served(served: list[Served]) -> dict:
+    from costmodel.schedules import AR
+
+    return summarize(AR(), served, mean_batch=0.0).model_dump(
+        mode="json", include={"ttft_s", "tpot_s", "e2e_s", "throughput_tokens_per_s"})
+
+
+def line(rate: float, measured: dict, simulated: dict) -> str:
+    def ms(d: dict, key: str, p: str) -> str:
+        return f"{d[key][p] * 1e3:7.1f}"
+    return (f"rate {rate:5.2f}/s  TTFT p50 {ms(measured, 'ttft_s', 'p50')} vs "
+            f"{ms(simulated, 'ttft_s', 'p50')} ms  p99 {ms(measured, 'ttft_s', 'p99')} vs "
+            f"{ms(simulated, 'ttft_s', 'p99')}  TPOT p50 {ms(measured, 'tpot_s', 'p50')} vs "
+            f"{ms(simulated, 'tpot_s', 'p50')} ms  p99 {ms(measured, 'tpot_s', 'p99')} vs "
+            f"{ms(simulated, 'tpot_s', 'p99')}  tokens/s "
+            f"{measured['throughput_tokens_per_s']:7.1f} vs "
+            f"{simulated['throughput_tokens_per_s']:7.1f}  (measured vs simulated)")
+
+
+if __name__ == "__main__":
+    script_main(main)
