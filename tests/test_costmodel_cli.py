@@ -137,7 +137,8 @@ def test_kv_sharing_lets_longer_contexts_fit():
      ["--exit-depths", "33:1"], ["--exit-depths", "eight"], ["--min-depth", "3"],
      ["--exit-depths", "8:1", "--prompts", "4"],
      ["--profile", CPU_PROFILE, "--model", "huginn-tiny", "--mode", "graphs"],
-     ["--profile", CPU_PROFILE, "--model", "huginn-tiny", "--engine", "vllm"]],
+     ["--profile", CPU_PROFILE, "--model", "huginn-tiny", "--engine", "vllm", "--mode",
+      "graphs"]],
 )
 def test_bad_input_is_one_line_and_exit_2(args):
     out = run("predict", *args)
@@ -228,7 +229,8 @@ def test_a_preset_says_where_its_host_terms_come_from():
 
 
 def test_predict_prices_ar_as_vllm_runs_it():
-    """--engine vllm: CUDA graphs and vLLM's kernels (costmodel/data/vllm_operations.json);
+    """--engine vllm: CUDA graphs (eager on a CPU) and vLLM's kernels
+    (costmodel/data/vllm_operations.json);
     on a preset, whose kernels cost the device nothing beyond their bytes, that is this
     decoder's graphs mode; where a kernel has a floor (a profile), vLLM's fewer kernels show."""
     from costmodel.engines import vllm_operations
@@ -252,6 +254,9 @@ def test_predict_prices_ar_as_vllm_runs_it():
     floor = ar("--profile", profile, "--mode", "graphs")["schedules"]["ar"]["latency_per_token_s"]
     assert ar("--profile", profile, "--engine", "vllm")["schedules"]["ar"][
         "latency_per_token_s"] < floor
+    cpu = run("predict", "--profile", CPU_PROFILE, "--model", "huginn-tiny", "--engine", "vllm",
+              "--json")  # vLLM's CPU build: its kernels launched eagerly
+    assert cpu.returncode == 0 and json.loads(cpu.stdout)["mode"] == "eager", cpu.stderr
     bad = run("predict", "--engine", "sglang")
     assert bad.returncode == 2 and "unknown engine 'sglang'" in bad.stderr
 

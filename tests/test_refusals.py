@@ -37,8 +37,9 @@ CASES = {
                 MEASURED_ELSEWHERE),
     "predict --engine vllm": (
         ["costmodel", "predict", "--profile", HUGINN, "--model", "huginn-tiny", "--engine",
-         "vllm"],
-        ["costmodel", "predict", "--profile", HUGINN, "--model", "huginn-tiny", "--json"],
+         "vllm", "--mode", "graphs"],  # vLLM's CUDA graphs on a CPU's profile
+        ["costmodel", "predict", "--profile", HUGINN, "--model", "huginn-tiny", "--engine",
+         "vllm", "--json"],
         MEASURED_ELSEWHERE),
     "recommend": (["costmodel", "recommend", "--profile", HUGINN, "--model", "huginn-tiny",
                    "--acceptance-by-depth", "1:0.5,9:0.9"],
