@@ -45,7 +45,8 @@
 #    ACCEPTANCES (default 0.6,0.75,0.9) at the model's default draft depth.
 # 4. BATCH=1 (default on CUDA): bench/batch_decode.py in eager mode (graphs would capture a graph
 #    per combination of the sequences' slots) against the family's eager profile of stage 3, at
-#    BATCHES (default 1 2 4 8 16): batch-FAMILY-DTYPE.md and .json.
+#    BATCHES (default 1 2 4 8 16), DtV at BATCH_BLOCK_LENGTHS (default 2 4 8), a run taken
+#    again under load at most BATCH_RETRIES times (default 2): batch-FAMILY-DTYPE.md and .json.
 #
 # A step that fails is reported and the script goes on with the next one that does not need it:
 # on a lent machine one failure must not cost the rest of the lease. It exits 1 at the end,
@@ -205,6 +206,7 @@ if [ "$BATCH" = "1" ]; then
       --mode eager --profile "$RESULTS/gpu-$family-$DTYPE.json" \
       --batches ${BATCHES:-1 2 4 8 16} --context "${BATCH_CONTEXT:-256}" \
       --new-tokens "${BATCH_TOKENS:-64}" --repeats "${BATCH_REPEATS:-1}" \
+      --block-lengths ${BATCH_BLOCK_LENGTHS:-2 4 8} --retries "${BATCH_RETRIES:-2}" \
       --out "$RESULTS/batch-$family-$DTYPE.json" && cat "$RESULTS/batch-$family-$DTYPE.md"
   done
 fi

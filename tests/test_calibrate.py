@@ -527,7 +527,8 @@ def test_the_gpu_script_rehearsed_as_the_gpu_image_runs_it(tmp_path):
            "FAMILIES": "ouro", "BENCH_CONTEXT": "16",
            "BENCH_TOKENS": "8", "BENCH_REPEATS": "1", "MACHINE_FROM": str(machine),
            "ACCEPTANCES": "0.6,0.9", "BATCH": "1", "BATCHES": "1 2", "BATCH_CONTEXT": "16",
-           "BATCH_TOKENS": "8", "STEP_SECONDS": "400", "REF_OURO": str(reference),
+           "BATCH_TOKENS": "8", "BATCH_BLOCK_LENGTHS": "4", "BATCH_RETRIES": "0",
+           "STEP_SECONDS": "400", "REF_OURO": str(reference),
            "REF_WHEELS": str(ref_wheels)}
     out = subprocess.run(["bash", "calibrate/gpu.sh"], capture_output=True, text=True,
                          timeout=600, env={**os.environ, **env})
