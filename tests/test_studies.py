@@ -292,3 +292,18 @@ def test_a_figure_that_cannot_be_written_names_the_file(tmp_path):
         save_figure(blocker / "f.png", lambda fig: fig.add_subplot(), (2, 2))
     assert save_figure(tmp_path / "f.png", lambda fig: fig.add_subplot(), (2, 2))
     assert (tmp_path / "f.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_serving_study_finds_where_each_schedule_keeps_its_objectives():
+    """The serving study: at the light rate every schedule meets the objectives and WFD gives
+    the shortest time per token; more load never shortens the first token's wait."""
+    result, _ = studies.run("serving", small=True)
+    for (model,), mine in by(result.rows, "model").items():
+        light = {r["schedule"]: r for r in mine if r["rate_per_s"] == 0.5}
+        assert all(r["slo_attainment"] == 1.0 for r in light.values())
+        assert light["wfd"]["tpot_p50_s"] < light["ar"]["tpot_p50_s"]
+        for (schedule,), rates in by(mine, "schedule").items():
+            ttft = [r["ttft_p50_s"] for r in sorted(rates, key=lambda r: r["rate_per_s"])]
+            assert ttft == sorted(ttft), (model, schedule)
+        kept = result.summary[model]["highest_rate_meeting_objectives_per_s"]
+        assert set(kept) == {"ar", "dtv", "wfd"} and all(k is not None for k in kept.values())
