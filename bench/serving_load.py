@@ -43,15 +43,8 @@ from costmodel.clitools import script_main
 from costmodel.engines import for_engine
 from costmodel.presets import get_model
 from costmodel.profile import load_profile
-from costmodel.serving import (
-    EngineOverheads,
-    Lengths,
-    Request,
-    Served,
-    predict_serving,
-    request_stream,
-    summarize,
-)
+from costmodel.requests import Lengths, Request, request_stream
+from costmodel.serving import EngineOverheads, Served, predict_serving, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,99 +20,21 @@ budget).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from .hardware import HardwareSpec
 from .memory import memory_report
 from .model import LoopedModelSpec
+from .requests import Request
 from .schedules.base import Schedule
 from .specs import Spec
 from .trace import CallRecord
 from .workload import Workload
-
-ARRIVALS = ("poisson", "uniform")
-
-
-class Request(Spec):
-    """One request of a stream: when it arrives, its prompt and the tokens it asks for."""
-
-    arrival_s: Annotated[float, Field(ge=0, allow_inf_nan=False)]
-    prompt_tokens: Annotated[int, Field(ge=1)]
-    output_tokens: Annotated[int, Field(ge=2)]  # the prefill commits the first
-
-
-class Lengths(Spec):
-    """A token count: fixed (low = high) or drawn uniformly from low..high."""
-
-    low: Annotated[int, Field(ge=1)]
-    high: Annotated[int, Field(ge=1)]
-
-    @classmethod
-    def parse(cls, text: str | int, what: str) -> Lengths:
-        """'512' or '128-1024' (one line naming ``what`` otherwise)."""
-        parts = str(text).split("-")
-        try:
-            low, high = int(parts[0]), int(parts[-1])
-        except ValueError:
-            raise ValueError(f"cannot read {what} {text!r}; expected e.g. 512 or "
-                             "128-1024") from None
-        if len(parts) > 2 or not 1 <= low <= high:
-            raise ValueError(f"{what} must be N or LOW-HIGH with 1 <= LOW <= HIGH, got {text!r}")
-        return cls(low=low, high=high)
-
-    def draw(self, rng: np.random.Generator, count: int) -> list[int]:
-        return [int(n) for n in rng.integers(self.low, self.high + 1, count)]
-
-    @property
-    def mean(self) -> float:
-        return (self.low + self.high) / 2
-
-
-def request_stream(rate_per_s: float, count: int, prompt: Lengths, output: Lengths, *,
-                   arrivals: str = "poisson", seed: int = 0) -> list[Request]:
-    """``count`` requests arriving at ``rate_per_s`` (Poisson: exponential gaps; uniform: evenly
-    spaced), the first at 0, their lengths drawn from ``prompt`` and ``output`` (seeded)."""
-    if not rate_per_s > 0 or not np.isfinite(rate_per_s):
-        raise ValueError(f"the request rate must be positive, got {rate_per_s}")
-    if arrivals not in ARRIVALS:
-        raise ValueError(f"unknown arrivals {arrivals!r}; use {' or '.join(ARRIVALS)}")
-    if output.low < 2:
-        raise ValueError(f"each request asks for at least 2 tokens, got {output.low}")
-    rng = np.random.default_rng(seed)
-    gaps = (rng.exponential(1 / rate_per_s, count) if arrivals == "poisson"
-            else np.full(count, 1 / rate_per_s))
-    times = np.concatenate([[0.0], np.cumsum(gaps[1:])])
-    return [Request(arrival_s=float(t), prompt_tokens=p, output_tokens=o)
-            for t, p, o in zip(times, prompt.draw(rng, count), output.draw(rng, count),
-                               strict=True)]
-
-
-def read_requests(path: str | Path) -> list[Request]:
-    """A JSON Lines file of requests (``arrival_s``, ``prompt_tokens``, ``output_tokens``), in
-    order of arrival; one line naming the first bad one."""
-    requests = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            requests.append(Request.model_validate(json.loads(line)))
-        except (json.JSONDecodeError, ValidationError) as exc:
-            from .errors import validation_message
-
-            why = validation_message(exc) if isinstance(exc, ValidationError) else exc.msg
-            raise ValueError(f"{path}, line {number}: {why}") from None
-    if not requests:
-        raise ValueError(f"{path} holds no request")
-    if any(b.arrival_s < a.arrival_s for a, b in zip(requests, requests[1:], strict=False)):
-        raise ValueError(f"{path}: the requests must be in order of arrival")
-    return requests
 
 
 class EngineOverheads(Spec):
@@ -250,79 +172,98 @@ def serve(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
     per request from ``seed``), and the mean number of sequences per call. ``engine``: the
     engine's own time, its step's paid before each round's first call (a prefill's, an AR
     token's, a DtV round's, a WFD tick's), a request's before it reaches the line."""
-    from .batching import PREFILL, Lane, merged_call, run_batch
-    from .simulate import _Simulator, acceptance_draws
-    from .slots import call_slots, keys_read
+    from .batching import run_batch
 
     if max_batch < 1:
         raise ValueError(f"the batch must hold at least 1 sequence, got {max_batch}")
-    drafts = {depth} | ({schedule.draft_depth} if schedule.drafts else set())
-    per_token = model.kv_bytes_per_token(dtype, depth, kv_sharing, len(drafts))
-    lookahead = schedule.lookahead(depth)
     if kv_budget is None:
         kv_budget = kv_budget_bytes(model, hw, dtype, depth, max_batch,
                                     schedule.positions_per_call(depth))
-    engine = engine or EngineOverheads()
-    clock = _Clock(model, hw, dtype)
-
-    def arrives(i: int) -> float:
-        return requests[i].arrival_s + engine.request_s
-    served: dict[int, dict[str, float]] = {}
-    reserved: dict[int, int] = {}
-    graphs = hw.graphs.cuda_graphs
-
-    def need(i: int) -> int:
-        r = requests[i]
-        return (r.prompt_tokens + r.output_tokens + lookahead) * per_token
-
-    for i in range(len(requests)):
-        if need(i) > kv_budget:
-            r = requests[i]
-            raise ValueError(f"request {i} ({r.prompt_tokens:,} + {r.output_tokens:,} tokens) "
-                             f"needs {need(i):,} bytes of KV; {kv_budget:,} are free beside "
-                             "the weights")
-
-    def admit(i: int, lanes: list[Lane]) -> bool:
-        if not lanes:
-            clock.idle_until(arrives(i))
-        elif arrives(i) > clock.now:
-            # the time is worked out at a round's boundary only: once a round, not once a call
-            if any(lane.calls_in_round for lane in lanes) or arrives(i) > clock.settle():
-                return False
-        if sum(reserved.values()) + need(i) > kv_budget:
-            return False
-        reserved[i] = need(i)
-        return True
-
-    def start(i: int, region: int):
-        r = requests[i]
-        plan = schedule.plan(r.prompt_tokens, depth, coda_attends=model.coda_layers > 0)
-        accept = acceptance_draws(acceptance, r.output_tokens + 64, seed + i)
-        served[i] = {"arrival_s": r.arrival_s, "output_tokens": r.output_tokens}
-        return _Simulator(plan, kv_sharing, accept, r.output_tokens, records=False,
-                          static=graphs), plan
-
-    def run_call(lanes: list[Lane]) -> None:
-        kind, positions, depths, regions = merged_call(lanes)
-        prefill = lanes[0].round == PREFILL
-        clock.add(CallRecord.model_construct(
-            kind=kind, positions=positions, depths=depths,
-            contexts=keys_read(positions, graphs and not prefill),
-            slots=call_slots(kind, depths, kv_sharing), sequences=regions, wall_s=0.0),
-            len(lanes), engine.step_s + engine.per_sequence_s * len(lanes)
-            if lanes[0].calls_in_round == 0 else 0.0)
-        if prefill:  # the last prefill call's end is the first token's time
-            for lane in lanes:
-                clock.at_end(lambda t, i=lane.job: served[i].__setitem__("first_token_s", t))
-
-    def finish(lane: Lane) -> None:
-        reserved.pop(lane.job)
-        clock.at_end(lambda t, i=lane.job: served[i].__setitem__("finish_s", t))
-
-    run_batch(list(range(len(requests))), max_batch, start, run_call, finish, admit)
+    stream = _Stream(model, hw, schedule, requests, acceptance=acceptance, depth=depth,
+                     kv_sharing=kv_sharing, dtype=dtype, kv_budget=kv_budget, seed=seed,
+                     engine=engine or EngineOverheads())
+    run_batch(list(range(len(requests))), max_batch, stream.start, stream.run_call,
+              stream.finish, stream.admit)
+    clock = stream.clock
     clock.settle()
     mean_batch = clock.sequence_s / clock.busy_s if clock.busy_s else 0.0
-    return [Served(**served[i]) for i in range(len(requests))], mean_batch
+    return [Served(**stream.served[i]) for i in range(len(requests))], mean_batch
+
+
+class _Stream:
+    """``serve``'s run: ``run_batch``'s hooks over the stream's requests (by index), the
+    engine's clock, and the KV each running request holds."""
+
+    def __init__(self, model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
+                 requests: Sequence[Request], *, acceptance: float, depth: int,
+                 kv_sharing: int, dtype: str, kv_budget: int, seed: int,
+                 engine: EngineOverheads):
+        self.model, self.schedule, self.requests = model, schedule, requests
+        self.acceptance, self.depth, self.seed = acceptance, depth, seed
+        self.kv_sharing = kv_sharing
+        self.engine, self.kv_budget = engine, kv_budget
+        self.graphs = hw.graphs.cuda_graphs
+        self.clock = _Clock(model, hw, dtype)
+        self.served: dict[int, dict[str, float]] = {}
+        self.reserved: dict[int, int] = {}
+        drafts = {depth} | ({schedule.draft_depth} if schedule.drafts else set())
+        self.per_token = model.kv_bytes_per_token(dtype, depth, kv_sharing, len(drafts))
+        for i, r in enumerate(requests):
+            if self.need(i) > kv_budget:
+                raise ValueError(f"request {i} ({r.prompt_tokens:,} + {r.output_tokens:,} "
+                                 f"tokens) needs {self.need(i):,} bytes of KV; {kv_budget:,} "
+                                 "are free beside the weights")
+
+    def need(self, i: int) -> int:
+        """The KV request i reserves: its prompt, output and the schedule's lookahead."""
+        r = self.requests[i]
+        return (r.prompt_tokens + r.output_tokens + self.schedule.lookahead(self.depth)) \
+            * self.per_token
+
+    def admit(self, i: int, lanes) -> bool:
+        clock, arrives = self.clock, self.requests[i].arrival_s + self.engine.request_s
+        if not lanes:
+            clock.idle_until(arrives)
+        elif arrives > clock.now:
+            # the time is worked out at a round's boundary only: once a round, not once a call
+            if any(lane.calls_in_round for lane in lanes) or arrives > clock.settle():
+                return False
+        if sum(self.reserved.values()) + self.need(i) > self.kv_budget:
+            return False
+        self.reserved[i] = self.need(i)
+        return True
+
+    def start(self, i: int, region: int):
+        from .simulate import _Simulator, acceptance_draws
+
+        r = self.requests[i]
+        plan = self.schedule.plan(r.prompt_tokens, self.depth,
+                                  coda_attends=self.model.coda_layers > 0)
+        accept = acceptance_draws(self.acceptance, r.output_tokens + 64, self.seed + i)
+        self.served[i] = {"arrival_s": r.arrival_s, "output_tokens": r.output_tokens}
+        return _Simulator(plan, self.kv_sharing, accept, r.output_tokens, records=False,
+                          static=self.graphs), plan
+
+    def run_call(self, lanes) -> None:
+        from .batching import PREFILL, merged_call
+        from .slots import call_slots, keys_read
+
+        kind, positions, depths, regions = merged_call(lanes)
+        prefill = lanes[0].round == PREFILL
+        step = self.engine.step_s + self.engine.per_sequence_s * len(lanes)
+        self.clock.add(CallRecord.model_construct(
+            kind=kind, positions=positions, depths=depths,
+            contexts=keys_read(positions, self.graphs and not prefill),
+            slots=call_slots(kind, depths, self.kv_sharing), sequences=regions, wall_s=0.0),
+            len(lanes), step if lanes[0].calls_in_round == 0 else 0.0)
+        if prefill:  # the last prefill call's end is the first token's time
+            for lane in lanes:
+                self.clock.at_end(lambda t, i=lane.job: self.served[i].__setitem__(
+                    "first_token_s", t))
+
+    def finish(self, lane) -> None:
+        self.reserved.pop(lane.job)
+        self.clock.at_end(lambda t, i=lane.job: self.served[i].__setitem__("finish_s", t))
 
 
 def summarize(schedule: Schedule, served: list[Served], mean_batch: float, *,

@@ -28,7 +28,7 @@ from .units import parse_duration, parse_rate
 def _requests(requests_file: Path | None, rate: str | None, count: int, prompt_tokens: str,
               output_tokens: str, arrivals: str, seed: int):
     """The stream: read from a file, or drawn (a function of the rate, for the rate search)."""
-    from .serving import Lengths, read_requests, request_stream
+    from .requests import Lengths, read_requests, request_stream
 
     if requests_file is not None:
         if rate is not None:
@@ -120,8 +120,9 @@ def serving_cmd(
 ) -> None:
     """Serve a stream of requests: TTFT, TPOT and latency percentiles, throughput and goodput
     for AR, DtV and WFD (simulated call by call, priced by the cost model)."""
+    from .requests import ARRIVALS
     from .schedules import SCHEDULES
-    from .serving import ARRIVALS, EngineOverheads, highest_rate, predict_serving
+    from .serving import EngineOverheads, highest_rate, predict_serving
 
     at_least_one(requests=requests, max_batch=max_batch)
     if arrivals not in ARRIVALS:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from costmodel import get_model, predict
 from costmodel.hardware import HardwareSpec
-from costmodel.serving import Lengths, predict_serving, request_stream
+from costmodel.requests import Lengths, request_stream
+from costmodel.serving import predict_serving
 
 from .common import StudyResult, hardware_or_profile, workload
 

@@ -9,18 +9,9 @@ from hypothesis import strategies as st
 
 from costmodel.cli import main
 from costmodel.presets import resolve
+from costmodel.requests import Lengths, Request, read_requests, request_stream
 from costmodel.schedules import AR, WFD, DtV
-from costmodel.serving import (
-    EngineOverheads,
-    Lengths,
-    Request,
-    highest_rate,
-    predict_serving,
-    read_requests,
-    request_stream,
-    serve,
-    summarize,
-)
+from costmodel.serving import EngineOverheads, highest_rate, predict_serving, serve, summarize
 from costmodel.simulate import acceptance_draws, simulate_batch
 
 MODEL, HARDWARE = resolve("huginn-tiny", "a6000")
