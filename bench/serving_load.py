@@ -40,11 +40,11 @@ from pathlib import Path
 import numpy as np
 
 from costmodel.clitools import script_main
-from costmodel.engines import for_engine
+from costmodel.engines import EngineOverheads, for_engine
 from costmodel.presets import get_model
 from costmodel.profile import load_profile
 from costmodel.requests import Lengths, Request, request_stream
-from costmodel.serving import EngineOverheads, Served, predict_serving, summarize
+from costmodel.serving import Served, predict_serving, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,7 +19,10 @@ from .cli_options import (
     ModelOption,
     NewTokensOption,
     ProfileOption,
+    SequenceOverheadOption,
+    StepOverheadOption,
     at_least_one,
+    engine_overheads,
     hardware_of,
     override_hardware,
 )
@@ -163,6 +166,8 @@ def predict_cmd(
     engine: Annotated[str, typer.Option(
         help="wfd (this decoder) or vllm (vLLM's AR: CUDA graphs and its kernel counts; DtV "
              "and WFD as they would run inside it)")] = "wfd",
+    step_overhead: StepOverheadOption = "0s",
+    sequence_overhead: SequenceOverheadOption = "0s",
     as_json: JsonOption = False,
 ) -> None:
     """Per-token latency, speedup and its breakdown for AR, DtV and WFD."""
@@ -189,7 +194,8 @@ def predict_cmd(
     with spinner(f"simulating {prompts} prompts x {new_tokens} tokens, batch {batch}, for AR, "
                  "DtV and WFD", disable=as_json or prompts is None):
         result = predict(spec, hw, workload, width=width, draft_depth=draft_depth,
-                         block_length=block_length)
+                         block_length=block_length,
+                         engine=engine_overheads(step_overhead, sequence_overhead))
     flush_notes()  # the input priced: the notes on how it was priced
     loose = undetermined(prof) if prof is not None else []
     host = _host_source(result.hardware, launch_overhead, host_speed)

@@ -24,6 +24,21 @@ BatchOption = Annotated[int, typer.Option("--batch", help="sequences decoded tog
 DtypeOption = Annotated[str | None, typer.Option(
     "--dtype", help="fp32, bf16, fp16 (default: bf16, or the profile's)")]
 JsonOption = Annotated[bool, typer.Option("--json", help="print one JSON object")]
+StepOverheadOption = Annotated[str, typer.Option(
+    help="a serving engine's own time per step (scheduling, sampling), e.g. 5ms: "
+         "bench/serving_load.py measures vLLM's")]
+SequenceOverheadOption = Annotated[str, typer.Option(
+    help="its time per sequence in a step (sampling, output), e.g. 0.5ms")]
+
+
+def engine_overheads(step: str, sequence: str, request: str = "0s"):
+    """The engine's own time the options give (None where all are zero)."""
+    from .engines import EngineOverheads
+
+    engine = EngineOverheads(step_s=parse_duration(step),
+                             per_sequence_s=parse_duration(sequence),
+                             request_s=parse_duration(request))
+    return engine if engine != EngineOverheads() else None
 
 
 def override_hardware(hw: HardwareSpec, bandwidth: str | None, flops: str | None,

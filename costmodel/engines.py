@@ -9,9 +9,13 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field
 
 from .hardware import HardwareSpec
 from .model import LoopedModelSpec
+from .specs import Spec
 
 ENGINES = ("wfd", "vllm")
 # the note on vLLM's terms, by mode (--mode eager: vLLM run with enforce_eager)
@@ -46,3 +50,17 @@ def counted_fields(ops: dict[str, dict[str, int]]) -> dict[str, object]:
             "attention_split_by_slot": False, "layer_operations": ops["layer"],
             "part_extra_kernels": {part: sum(c.values()) for part, c in extras.items()},
             "part_extra_operations": extras}
+
+
+class EngineOverheads(Spec):
+    """The engine's own time, beside its model's calls (which the cost model prices): per step
+    (scheduling, preparing inputs, sampling), where a step commits one token of every running
+    sequence (vLLM's, the plugin's schedules included), per sequence in a step (its sampling and
+    output: detokenizing, streaming), and per request on its way in (parsing, tokenizing,
+    handing it to the engine). ``bench/serving_load.py`` measures vLLM's from lone and
+    concurrent requests; ``predict`` adds a step's to each token, ``serving`` also a request's
+    to its first."""
+
+    step_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    per_sequence_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    request_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0

@@ -16,6 +16,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from .cost import call_cost
+from .engines import EngineOverheads
 from .groups import CallGroup, basis_value, block_calls_per_token, merge_groups
 from .hardware import HardwareSpec
 from .memory import MemoryReport, kv_cache_bytes, memory_report
@@ -192,11 +193,13 @@ def predict(
     draft_depth: int | None = None,
     block_length: int | None = None,
     width_cap: int | None = None,
+    engine: EngineOverheads | None = None,
 ) -> Prediction:
     """Predict each registered schedule's per-token latency (AR, DtV, WFD) for one model,
     hardware and workload, each at its best variant (``Schedule.variants``).
 
     width W means draft depth ceil(R / W). block_length None picks DtV's best k in 1..32.
+    ``engine``: a serving engine's own time per step, added to each token as overhead.
     """
     spec, hw = resolve(model, hardware)
     wl = Workload.model_validate(workload or {})  # a Workload, or its fields as a dict
@@ -253,9 +256,7 @@ def predict(
     if wl.prompts is not None:
         for name, schedule in chosen.items():
             _finite_run(spec, hw, wl, depth, schedule, float(alpha), results[name])
-    baseline = results[AR.name].latency_per_token_s
-    for r in results.values():
-        r.speedup_vs_ar = baseline / r.latency_per_token_s
+    _with_speedups(results, engine, wl.batch_size)
     return Prediction(model=spec.name, hardware=hw, workload=wl, depth=depth, memory=memory,
                       schedules=results)
 
@@ -296,6 +297,22 @@ def _result(spec: LoopedModelSpec, hw: HardwareSpec, wl: Workload, depth: int,
                                 lookahead=schedule.lookahead(depth),
                                 static=hw.graphs.cuda_graphs),
         **schedule.fields(depth), **reported)
+
+
+def _with_speedups(results: dict[str, ScheduleResult], engine: EngineOverheads | None,
+                   batch: int) -> None:
+    """The engine's time per step (where given) added to each token as overhead; speedups."""
+    step = 0.0 if engine is None else engine.step_s + engine.per_sequence_s * batch
+    for name, r in results.items() if step else ():
+        latency = r.latency_per_token_s + step
+        terms = {**r.breakdown.model_dump(), "overhead_s": r.breakdown.overhead_s + step}
+        results[name] = r.model_copy(update={
+            "latency_per_token_s": latency, "tokens_per_s": batch / latency,
+            "breakdown": Breakdown(**terms), "bound": _bound(terms),
+            "roofline_fraction": r.roofline_fraction * r.latency_per_token_s / latency})
+    baseline = results[AR.name].latency_per_token_s
+    for r in results.values():
+        r.speedup_vs_ar = baseline / r.latency_per_token_s
 
 
 def _finite_run(spec: LoopedModelSpec, hw: HardwareSpec, wl: Workload, depth: int,

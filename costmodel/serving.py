@@ -22,30 +22,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Annotated
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
+from .engines import EngineOverheads
 from .hardware import HardwareSpec
 from .memory import memory_report
 from .model import LoopedModelSpec
 from .requests import Request
 from .schedules.base import Schedule
-from .specs import Spec
 from .trace import CallRecord
 from .workload import Workload
-
-
-class EngineOverheads(Spec):
-    """The engine's own time, beside its model's calls (which the cost model prices): per step
-    (scheduling, preparing inputs, sampling), per sequence in a step (its sampling and output:
-    detokenizing, streaming), and per request on its way in (parsing, tokenizing, handing it to
-    the engine). ``bench/serving_load.py`` measures vLLM's from lone and concurrent requests."""
-
-    step_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
-    per_sequence_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
-    request_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
 
 
 class Percentiles(BaseModel):
@@ -120,9 +108,16 @@ class _Clock:
         self.marks: list[tuple[int, Callable[[float], None]]] = []
         self.previous: str | None = None
 
-    def add(self, record: CallRecord, sequences: int, before_s: float = 0.0) -> None:
-        """A call over ``sequences`` sequences, ``before_s`` of the engine's own time before it."""
-        self.pending.append((record, sequences, before_s))
+    def add(self, record: CallRecord, sequences: int, engine_s: float = 0.0) -> None:
+        """A call over ``sequences`` sequences, and ``engine_s`` of the engine's own time with
+        it."""
+        self.pending.append((record, sequences, engine_s))
+
+    def extend_last(self, engine_s: float) -> None:
+        """``engine_s`` more of the engine's time with the last call added."""
+        if engine_s and self.pending:
+            record, sequences, before = self.pending[-1]
+            self.pending[-1] = (record, sequences, before + engine_s)
 
     def at_end(self, setter: Callable[[float], None]) -> None:
         """``setter(time)`` once the last call added is priced (now, where none waits)."""
@@ -137,7 +132,7 @@ class _Clock:
         if self.pending:
             records = [r for r, _, _ in self.pending]
             price_records(self.model, self.hw, records, dtype=self.dtype, before=self.previous)
-            walls = np.array([r.wall_s + before for r, _, before in self.pending])
+            walls = np.array([r.wall_s + engine for r, _, engine in self.pending])
             ends = self.now + np.cumsum(walls)
             for index, setter in self.marks:
                 setter(float(ends[index]))
@@ -170,8 +165,9 @@ def serve(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
           ) -> tuple[list[Served], float]:
     """Each request as ``schedule`` serves the stream (drafts accepted at ``acceptance``, drawn
     per request from ``seed``), and the mean number of sequences per call. ``engine``: the
-    engine's own time, its step's paid before each round's first call (a prefill's, an AR
-    token's, a DtV round's, a WFD tick's), a request's before it reaches the line."""
+    engine's own time, a step's shared by the tokens it commits (one per running sequence: an
+    AR round's, a share of one for a WFD tick that commits some sequences' tokens), paid with
+    the call that commits them; a request's before it reaches the line."""
     from .batching import run_batch
 
     if max_batch < 1:
@@ -206,6 +202,8 @@ class _Stream:
         self.clock = _Clock(model, hw, dtype)
         self.served: dict[int, dict[str, float]] = {}
         self.reserved: dict[int, int] = {}
+        self.accounted: dict[int, int] = {}  # committed tokens whose engine time is counted
+        self.last_call_lanes = 1
         drafts = {depth} | ({schedule.draft_depth} if schedule.drafts else set())
         self.per_token = model.kv_bytes_per_token(dtype, depth, kv_sharing, len(drafts))
         for i, r in enumerate(requests):
@@ -250,12 +248,17 @@ class _Stream:
 
         kind, positions, depths, regions = merged_call(lanes)
         prefill = lanes[0].round == PREFILL
-        step = self.engine.step_s + self.engine.per_sequence_s * len(lanes)
+        # the engine's time for the tokens committed: a prefill's first with its last call (in
+        # its TTFT), the others before the sequence's next call (or with its last, ``finish``)
+        tokens = len(lanes) if prefill and kind == "coda" and self.depth in depths else 0
+        for lane in lanes if not prefill else ():
+            tokens += self.committed_since(lane)
         self.clock.add(CallRecord.model_construct(
             kind=kind, positions=positions, depths=depths,
             contexts=keys_read(positions, self.graphs and not prefill),
             slots=call_slots(kind, depths, self.kv_sharing), sequences=regions, wall_s=0.0),
-            len(lanes), step if lanes[0].calls_in_round == 0 else 0.0)
+            len(lanes), tokens * self.engine_per_token(len(lanes)))
+        self.last_call_lanes = len(lanes)
         if prefill:  # the last prefill call's end is the first token's time
             for lane in lanes:
                 self.clock.at_end(lambda t, i=lane.job: self.served[i].__setitem__(
@@ -263,7 +266,20 @@ class _Stream:
 
     def finish(self, lane) -> None:
         self.reserved.pop(lane.job)
+        self.clock.extend_last(self.committed_since(lane)
+                               * self.engine_per_token(self.last_call_lanes))
         self.clock.at_end(lambda t, i=lane.job: self.served[i].__setitem__("finish_s", t))
+
+    def committed_since(self, lane) -> int:
+        """Tokens the sequence committed since this was last asked (its prefill's counted)."""
+        now = lane.executor.result.committed_tokens
+        before, self.accounted[lane.job] = self.accounted.get(lane.job, 1), now
+        return now - before
+
+    def engine_per_token(self, sequences: int) -> float:
+        """A token's share of the engine's step (one token of each of ``sequences``), and its
+        own."""
+        return self.engine.step_s / sequences + self.engine.per_sequence_s
 
 
 def summarize(schedule: Schedule, served: list[Served], mean_batch: float, *,

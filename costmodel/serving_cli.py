@@ -15,7 +15,10 @@ from .cli_options import (
     JsonOption,
     ModelOption,
     ProfileOption,
+    SequenceOverheadOption,
+    StepOverheadOption,
     at_least_one,
+    engine_overheads,
     hardware_of,
     override_hardware,
 )
@@ -108,11 +111,8 @@ def serving_cmd(
         help="draft acceptance in [0, 1] (default: the model's)")] = None,
     kv_sharing: Annotated[int, typer.Option(help="0: a KV slot per depth; S shared")] = 0,
     seed: Annotated[int, typer.Option(help="seed of the arrivals, lengths and drafts")] = 0,
-    step_overhead: Annotated[str, typer.Option(
-        help="the engine's own time per step (scheduling, sampling), e.g. 5ms: "
-             "bench/serving_load.py measures vLLM's")] = "0s",
-    sequence_overhead: Annotated[str, typer.Option(
-        help="its time per sequence in a step (sampling, output), e.g. 0.5ms")] = "0s",
+    step_overhead: StepOverheadOption = "0s",
+    sequence_overhead: SequenceOverheadOption = "0s",
     request_overhead: Annotated[str, typer.Option(
         help="its time per request on the way in (parsing, tokenizing), e.g. 10ms")] = "0s",
     dtype: DtypeOption = None,
@@ -122,7 +122,7 @@ def serving_cmd(
     for AR, DtV and WFD (simulated call by call, priced by the cost model)."""
     from .requests import ARRIVALS
     from .schedules import SCHEDULES
-    from .serving import EngineOverheads, highest_rate, predict_serving
+    from .serving import highest_rate, predict_serving
 
     at_least_one(requests=requests, max_batch=max_batch)
     if arrivals not in ARRIVALS:
@@ -151,10 +151,8 @@ def serving_cmd(
     options = {"max_batch": max_batch, "depth": depth, "dtype": dtype, "kv_sharing": kv_sharing,
                "acceptance": acceptance, "draft_depth": draft_depth, "width": width,
                "block_length": block_length, "slo_ttft_s": ttft, "slo_tpot_s": tpot,
-               "seed": seed, "engine": EngineOverheads(
-                   step_s=parse_duration(step_overhead),
-                   per_sequence_s=parse_duration(sequence_overhead),
-                   request_s=parse_duration(request_overhead))}
+               "seed": seed,
+               "engine": engine_overheads(step_overhead, sequence_overhead, request_overhead)}
     stream_now = stream(per_s)
     with spinner(f"serving {len(stream_now)} requests", disable=as_json):
         results = predict_serving(spec, hw, stream_now, names=names, **options)

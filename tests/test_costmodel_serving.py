@@ -8,10 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from costmodel.cli import main
+from costmodel.engines import EngineOverheads
 from costmodel.presets import resolve
 from costmodel.requests import Lengths, Request, read_requests, request_stream
 from costmodel.schedules import AR, WFD, DtV
-from costmodel.serving import EngineOverheads, highest_rate, predict_serving, serve, summarize
+from costmodel.serving import highest_rate, predict_serving, serve, summarize
 from costmodel.simulate import acceptance_draws, simulate_batch
 
 MODEL, HARDWARE = resolve("huginn-tiny", "a6000")
@@ -50,21 +51,23 @@ def test_requests_far_apart_each_take_what_one_alone_takes(schedule):
         assert s.finish_s - s.first_token_s == pytest.approx(alone.latency_s, rel=1e-9)
 
 
-def test_the_engine_s_own_time_is_paid_per_step_per_sequence_and_per_request():
-    """A lone AR request: a step before its prefill and before each of its other tokens, each
-    with one sequence, and its way in before the prefill; two together share the steps and pay
-    the sequences' part twice."""
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
+def test_the_engine_s_own_time_is_paid_per_token_step_and_request(schedule):
+    """The engine's time per committed token, whatever the schedule: a lone request pays a step
+    and its own share for the prefill's token (in its TTFT, after its way in) and for each of
+    its other tokens; two together share each step and pay their own shares."""
     request = Request(arrival_s=0.0, prompt_tokens=20, output_tokens=10)
     engine = EngineOverheads(step_s=0.004, per_sequence_s=0.001, request_s=0.010)
-    kw = {"max_batch": 2, "acceptance": 0.7, "depth": 8}
-    (bare,), _ = serve(MODEL, HARDWARE, AR(), [request], **kw)
-    (paid,), _ = serve(MODEL, HARDWARE, AR(), [request], engine=engine, **kw)
+    kw = {"max_batch": 2, "acceptance": 0.7, "depth": 8, "seed": 3}
+    (bare,), _ = serve(MODEL, HARDWARE, schedule, [request], **kw)
+    (paid,), _ = serve(MODEL, HARDWARE, schedule, [request], engine=engine, **kw)
     assert paid.ttft_s - bare.ttft_s == pytest.approx(0.010 + 0.005)
     assert (paid.finish_s - paid.first_token_s) - (bare.finish_s - bare.first_token_s) == \
         pytest.approx(9 * 0.005)
-    two_bare, _ = serve(MODEL, HARDWARE, AR(), [request] * 2, **kw)
-    two, _ = serve(MODEL, HARDWARE, AR(), [request] * 2, engine=engine, **kw)
-    assert two[0].tpot_s - two_bare[0].tpot_s == pytest.approx(0.006)
+    if schedule.name == "ar":  # in step: a step commits a token of each, and pays both shares
+        two_bare, _ = serve(MODEL, HARDWARE, schedule, [request] * 2, **kw)
+        two, _ = serve(MODEL, HARDWARE, schedule, [request] * 2, engine=engine, **kw)
+        assert two[0].tpot_s - two_bare[0].tpot_s == pytest.approx(0.004 + 2 * 0.001)
 
 
 def test_requests_that_arrive_together_queue_and_share_calls():
@@ -181,3 +184,29 @@ def test_bad_input_is_one_line(capsys, args, said):
     assert code == 2 and out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and said in lines[0], err
+
+
+def test_predict_adds_the_engine_s_time_to_every_token_as_overhead(capsys):
+    """`predict --step-overhead --sequence-overhead`: each schedule's tokens pay a step and each
+    sequence's share, as overhead; throughput and speedups follow."""
+    from costmodel import predict
+
+    workload = {"context_length": 64, "new_tokens": 32, "batch_size": 2}
+    bare = predict("huginn-tiny", "a6000", workload).schedules
+    paid = predict("huginn-tiny", "a6000", workload,
+                   engine=EngineOverheads(step_s=0.005, per_sequence_s=0.001)).schedules
+    for name, result in paid.items():
+        assert result.latency_per_token_s == pytest.approx(bare[name].latency_per_token_s + 0.007)
+        assert result.breakdown.overhead_s == pytest.approx(bare[name].breakdown.overhead_s
+                                                            + 0.007)
+        assert result.tokens_per_s == pytest.approx(2 / result.latency_per_token_s)
+        assert result.speedup_vs_ar == pytest.approx(
+            paid["ar"].latency_per_token_s / result.latency_per_token_s)
+    code, out, _ = run_cli(capsys, "predict", "--model", "huginn-tiny", "--batch", "2",
+                           "--context", "64", "--new-tokens", "32", "--step-overhead", "5ms",
+                           "--sequence-overhead", "1ms", "--json")
+    assert code == 0
+    assert json.loads(out)["schedules"]["wfd"]["latency_per_token_s"] == pytest.approx(
+        paid["wfd"].latency_per_token_s)
+    code, _, err = run_cli(capsys, "predict", "--step-overhead", "-1ms")
+    assert code == 2 and "duration must be positive" in err, err
