@@ -19,7 +19,9 @@ times, and the median run is reported. This decoder runs the same prompts with `
 (batch 1) and `decode_batch` (batch 8) in this process, each schedule --repeats times,
 interleaved. Tokens/s: new tokens over the run's wall time, prefills
 included (vLLM's requests carry their prefill). Each vLLM mode's greedy tokens are checked
-against AR's (exit 1 when they differ).
+against AR's (exit 1 when they differ). For the plugin's WFD and DtV it also prints the wave's
+block calls per engine step (from the wave's counters, the median over the repeats): an engine
+step commits one token of each request, and lasts until every wave has its readout.
 """
 
 from __future__ import annotations
@@ -51,10 +53,12 @@ SCHEDULES = ("ar", "dtv", "wfd")
 def vllm_runs(folder: Path, prompts: list[list[int]], new_tokens: int, repeats: int,
               threads: int, in_process: bool, speculative_tokens: int | None = None,
               overrides: dict | None = None
-              ) -> tuple[list[float], list[float], list[list[list[int]]]]:
-    """(seconds per batch-1 run, seconds per batch-8 run, each run's tokens) from one engine
-    (``speculative_tokens``: DtV, the checkpoint drafting that many tokens for itself;
-    ``overrides``: the plugin's options, e.g. WFD's)."""
+              ) -> tuple[list[float], list[float], list[list[list[int]]], dict[int, float]]:
+    """(seconds per batch-1 run, seconds per batch-8 run, each run's tokens, and for the
+    plugin's own schedules the wave's block calls per engine step at each batch: an engine step
+    commits a token of each request) from one engine (``speculative_tokens``: DtV, the
+    checkpoint drafting that many tokens for itself; ``overrides``: the plugin's options, e.g.
+    WFD's)."""
     runs = [{"prompts": prompts, "max_tokens": new_tokens, "batch": batch}
             for _ in range(repeats) for batch in (1, 8)]
     with tempfile.TemporaryDirectory() as tmp:
@@ -69,8 +73,16 @@ def vllm_runs(folder: Path, prompts: list[list[int]], new_tokens: int, repeats: 
         if done.returncode:
             sys.exit(f"error: vLLM's run failed:\n{done.stderr[-2000:]}")
         results = json.loads(out.read_text())["runs"]
+    calls: dict[int, list[float]] = {1: [], 8: []}
+    before = 0
+    for run, done in zip(runs, results, strict=True):  # the wave's counters: the engine's so far
+        if "wave" in done:
+            steps = len(prompts) * new_tokens / run["batch"]
+            calls[run["batch"]].append((done["wave"]["block_calls"] - before) / steps)
+            before = done["wave"]["block_calls"]
     return ([r["seconds"] for r in results[0::2]], [r["seconds"] for r in results[1::2]],
-            [r["tokens"] for r in results])
+            [r["tokens"] for r in results],
+            {b: statistics.median(v) for b, v in calls.items() if v})
 
 
 def ours(model, prompts: list[list[int]], schedule: str, batch: int, new_tokens: int,
@@ -107,17 +119,17 @@ def main() -> None:
     for name in args.models:
         model = load_model(name)
         folder = ROOT / "wfd" / "models" / name
-        one, eight, vllm_tokens = vllm_runs(folder, prompts, args.new_tokens, args.repeats,
-                                            args.threads, in_process=False)
-        one_in, eight_in, _ = vllm_runs(folder, prompts, args.new_tokens, args.repeats,
-                                        args.threads, in_process=True)
-        one_dtv, eight_dtv, dtv_tokens = vllm_runs(folder, prompts, args.new_tokens,
-                                                   args.repeats, args.threads, in_process=True,
-                                                   speculative_tokens=args.block_length)
-        one_wfd, eight_wfd, wfd_tokens = vllm_runs(folder, prompts, args.new_tokens,
-                                                   args.repeats, args.threads, in_process=True,
-                                                   overrides={"schedule": "wfd"})
-        one_own, eight_own, own_tokens = vllm_runs(
+        one, eight, vllm_tokens, _ = vllm_runs(folder, prompts, args.new_tokens, args.repeats,
+                                               args.threads, in_process=False)
+        one_in, eight_in, _, _ = vllm_runs(folder, prompts, args.new_tokens, args.repeats,
+                                           args.threads, in_process=True)
+        one_dtv, eight_dtv, dtv_tokens, _ = vllm_runs(
+            folder, prompts, args.new_tokens, args.repeats, args.threads, in_process=True,
+            speculative_tokens=args.block_length)
+        one_wfd, eight_wfd, wfd_tokens, wfd_calls = vllm_runs(
+            folder, prompts, args.new_tokens, args.repeats, args.threads, in_process=True,
+            overrides={"schedule": "wfd"})
+        one_own, eight_own, own_tokens, own_calls = vllm_runs(
             folder, prompts, args.new_tokens, args.repeats, args.threads, in_process=True,
             overrides={"schedule": "dtv", "block_length": args.block_length})
         times = {(s, b): [] for s in SCHEDULES for b in (1, 8)}
@@ -146,12 +158,20 @@ def main() -> None:
                          "vllm_runs_s": vllm_s, "vllm_in_process_runs_s": vllm_in_s,
                          "vllm_dtv_runs_s": dtv_s, "vllm_wfd_runs_s": wfd_s,
                          "vllm_plugin_dtv_runs_s": own_s,
+                         "vllm_wfd_block_calls_per_step": wfd_calls[batch],
+                         "vllm_plugin_dtv_block_calls_per_step": own_calls[batch],
                          "runs_s": {s: times[s, batch] for s in SCHEDULES}})
             print(f"| {name} | {batch} | {peer:.1f} | {peer_in:.1f} | {peer_dtv:.1f} | "
                   f"{peer_wfd:.1f} | {peer_own:.1f} | {speed['ar']:.1f} | {speed['dtv']:.1f} | "
                   f"{speed['wfd']:.1f} | {peer / speed['ar']:.2f}x, {peer_in / speed['ar']:.2f}x"
                   f" | {peer_dtv / peer_in:.2f}x | {peer_wfd / peer_in:.2f}x | "
                   f"{peer_own / peer_in:.2f}x | {speed['wfd'] / peer:.2f}x |")
+    print("\nThe plugin's waves, block calls per engine step (an engine step commits a token of "
+          "each request):")
+    for row in rows:
+        print(f"{row['model']}, batch {row['batch']}: WFD "
+              f"{row['vllm_wfd_block_calls_per_step']:.2f}, plugin DtV "
+              f"{row['vllm_plugin_dtv_block_calls_per_step']:.2f}")
     if args.out:
         Path(args.out).write_text(json.dumps({"new_tokens": args.new_tokens,
                                               "prompts": len(prompts), "rows": rows}, indent=1))
