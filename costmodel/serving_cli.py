@@ -24,6 +24,7 @@ from .cli_options import (
 )
 from .clitools import UserError, print_json, spinner, text_table
 from .engines import ENGINES, for_engine
+from .figures import NO_PLOTS, latency_against_rate, save_figure
 from .presets import get_model
 from .units import parse_duration, parse_rate
 
@@ -96,6 +97,11 @@ def serving_cmd(
         help="time-to-first-token objective, e.g. 500ms")] = None,
     slo_tpot: Annotated[str | None, typer.Option(
         help="time-per-output-token objective, e.g. 50ms")] = None,
+    rates: Annotated[str | None, typer.Option(
+        help="several rates, e.g. 0.5/s,1/s,2/s: the stream at each (a table each; --plot "
+             "draws latency against them)")] = None,
+    plot: Annotated[Path | None, typer.Option(
+        help="with --rates: a figure (PNG) of TTFT and TPOT against the rate")] = None,
     find_rate: Annotated[bool, typer.Option(
         help="also search the highest rate at which --attainment of the requests meet the "
              "objectives")] = False,
@@ -120,9 +126,55 @@ def serving_cmd(
 ) -> None:
     """Serve a stream of requests: TTFT, TPOT and latency percentiles, throughput and goodput
     for AR, DtV and WFD (simulated call by call, priced by the cost model)."""
+    from .serving import predict_serving
+
+    names, ttft, tpot = _checked(requests, max_batch, arrivals, acceptance, attainment, engine,
+                                 schedule, slo_ttft, slo_tpot, find_rate)
+    sweep = [parse_rate(r) for r in rates.split(",")] if rates is not None else \
+        [parse_rate(rate) if rate is not None else 1.0]
+    if rates is not None and requests_file is not None:
+        raise UserError("--rates draws a stream at each rate: give it or --requests-file")
+    if plot is not None and len(sweep) < 2:
+        raise UserError("--plot needs two rates or more (--rates 1/s,2/s,4/s)")
+    per_s = sweep[0]
+    stream = _requests(requests_file, rate, requests, prompt_tokens, output_tokens, arrivals,
+                       seed)
+    _, base, dtype = hardware_of(profile, hardware, dtype)
+    spec = get_model(model)
+    hw = override_hardware(for_engine(engine, base, spec), None, None, None, None, dtype)
+    options = {"max_batch": max_batch, "depth": depth, "dtype": dtype, "kv_sharing": kv_sharing,
+               "acceptance": acceptance, "draft_depth": draft_depth, "width": width,
+               "block_length": block_length, "slo_ttft_s": ttft, "slo_tpot_s": tpot,
+               "seed": seed,
+               "engine": engine_overheads(step_overhead, sequence_overhead, request_overhead)}
+    runs = []
+    with spinner(f"serving {requests} requests at {len(sweep)} rate(s)", disable=as_json):
+        for r in sweep:
+            runs.append((r, predict_serving(spec, hw, stream(r), names=names, **options)))
+    found = _highest_rates(spec, hw, stream, names, options, per_s, attainment, as_json) \
+        if find_rate else {}
+    if plot is not None and not save_figure(plot, _latency_figure(runs, ttft, tpot), (10, 4)):
+        typer.echo(NO_PLOTS, err=True)
+    head = {"model": spec.name, "hardware": hw.name, "engine": engine,
+            "requests": len(stream(per_s)), "max_batch": max_batch}
+    if as_json:
+        dumped = [{"rate_per_s": None if requests_file else r,
+                   "schedules": {n: x.model_dump(mode="json") for n, x in results.items()}}
+                  for r, results in runs]
+        print_json({**head, **(dumped[0] if rates is None else {"sweep": dumped}),
+                    **({"highest_rate_per_s": found} if find_rate else {})})
+        return
+    for r, results in runs:
+        source = f"{requests_file}" if requests_file else f"{r:g}/s {arrivals}"
+        _print(results, found, f"{spec.name} on {hw.name}, {head['requests']} requests "
+               f"({source}), at most {max_batch} together")
+
+
+def _checked(requests, max_batch, arrivals, acceptance, attainment, engine, schedule,
+             slo_ttft, slo_tpot, find_rate) -> tuple[list[str], float | None, float | None]:
+    """The schedules to run and the objectives (seconds), the options checked."""
     from .requests import ARRIVALS
     from .schedules import SCHEDULES
-    from .serving import highest_rate, predict_serving
 
     at_least_one(requests=requests, max_batch=max_batch)
     if arrivals not in ARRIVALS:
@@ -142,35 +194,33 @@ def serving_cmd(
     if find_rate and ttft is None and tpot is None:
         raise UserError("--find-rate searches the rate that meets --slo-ttft and --slo-tpot: "
                         "give one or both")
-    per_s = parse_rate(rate) if rate is not None else 1.0
-    stream = _requests(requests_file, rate, requests, prompt_tokens, output_tokens, arrivals,
-                       seed)
-    _, base, dtype = hardware_of(profile, hardware, dtype)
-    spec = get_model(model)
-    hw = override_hardware(for_engine(engine, base, spec), None, None, None, None, dtype)
-    options = {"max_batch": max_batch, "depth": depth, "dtype": dtype, "kv_sharing": kv_sharing,
-               "acceptance": acceptance, "draft_depth": draft_depth, "width": width,
-               "block_length": block_length, "slo_ttft_s": ttft, "slo_tpot_s": tpot,
-               "seed": seed,
-               "engine": engine_overheads(step_overhead, sequence_overhead, request_overhead)}
-    stream_now = stream(per_s)
-    with spinner(f"serving {len(stream_now)} requests", disable=as_json):
-        results = predict_serving(spec, hw, stream_now, names=names, **options)
-    rates: dict[str, float | None] = {}
-    if find_rate:
-        with spinner("searching the highest rate that meets the objectives", disable=as_json):
-            for name in names:
-                def meets(r: float, name: str = name) -> bool:
-                    found = predict_serving(spec, hw, stream(r), names=[name], **options)
-                    return found[name].slo_attainment >= attainment
-                rates[name] = highest_rate(meets, start_per_s=per_s)
-    if as_json:
-        print_json({"model": spec.name, "hardware": hw.name, "engine": engine,
-                    "rate_per_s": None if requests_file else per_s,
-                    "requests": len(stream_now), "max_batch": max_batch,
-                    "schedules": {n: r.model_dump(mode="json") for n, r in results.items()},
-                    **({"highest_rate_per_s": rates} if find_rate else {})})
-        return
-    source = f"{requests_file}" if requests_file else f"{per_s:g}/s {arrivals}"
-    _print(results, rates, f"{spec.name} on {hw.name}, {len(stream_now)} requests "
-           f"({source}), at most {max_batch} together")
+    return names, ttft, tpot
+
+
+def _highest_rates(spec, hw, stream, names, options, start_per_s, attainment, quiet
+                   ) -> dict[str, float | None]:
+    """Each schedule's highest rate at which ``attainment`` of the requests meet the
+    objectives."""
+    from .serving import highest_rate, predict_serving
+
+    found: dict[str, float | None] = {}
+    with spinner("searching the highest rate that meets the objectives", disable=quiet):
+        for name in names:
+            def meets(r: float, name: str = name) -> bool:
+                result = predict_serving(spec, hw, stream(r), names=[name], **options)
+                return result[name].slo_attainment >= attainment
+            found[name] = highest_rate(meets, start_per_s=start_per_s)
+    return found
+
+
+def _latency_figure(runs, ttft: float | None, tpot: float | None):
+    """Draws TTFT and TPOT (p50 solid, p99 dotted) against the rate, a line per schedule."""
+    def draw(fig) -> None:
+        for ax, key, objective, label in zip(
+                fig.subplots(1, 2), ("ttft_s", "tpot_s"), (ttft, tpot),
+                ("time to first token (ms)", "time per output token (ms)"), strict=True):
+            points = {name: [(r, getattr(results[name], key).p50,
+                              getattr(results[name], key).p99) for r, results in runs]
+                      for name in runs[0][1]}
+            latency_against_rate(ax, points, label, objective)
+    return draw

@@ -7,6 +7,7 @@ them, and the rate at which WFD stops giving the shortest time per token."""
 from __future__ import annotations
 
 from costmodel import get_model, predict
+from costmodel.figures import latency_against_rate
 from costmodel.hardware import HardwareSpec
 from costmodel.requests import Lengths, request_stream
 from costmodel.serving import predict_serving
@@ -51,23 +52,15 @@ def run(profile: HardwareSpec | None = None, small: bool = False) -> StudyResult
                "hardware": hw.name, **{model: summarize(rows, model) for model in MODELS}}
 
     def draw(fig) -> None:
-        axes = fig.subplots(1, len(MODELS), squeeze=False)[0]
-        for ax, model in zip(axes, MODELS, strict=True):
-            for i, name in enumerate(("ar", "dtv", "wfd")):
-                mine = [r for r in rows if r["model"] == model and r["schedule"] == name]
-                ax.plot([r["rate_per_s"] for r in mine],
-                        [r["tpot_p50_s"] * 1e3 for r in mine], marker="o", color=f"C{i}",
-                        label=f"{name} TPOT p50")
-                ax.plot([r["rate_per_s"] for r in mine],
-                        [r["tpot_p99_s"] * 1e3 for r in mine], linestyle=":", color=f"C{i}",
-                        label=f"{name} TPOT p99")
-            ax.axhline(objectives[model]["tpot_s"] * 1e3, color="gray", linewidth=0.8,
-                       label="TPOT objective")
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("request rate (/s)")
-            ax.set_ylabel("time per output token (ms)")
-            ax.set_title(f"{model}, {hw.name}, at most {MAX_BATCH} together", fontsize=9)
-            ax.legend(fontsize=6)
+        for ax, model in zip(fig.subplots(1, len(MODELS), squeeze=False)[0], MODELS,
+                             strict=True):
+            mine = [r for r in rows if r["model"] == model]
+            points = {name: [(r["rate_per_s"], r["tpot_p50_s"], r["tpot_p99_s"])
+                             for r in mine if r["schedule"] == name]
+                      for name in ("ar", "dtv", "wfd")}
+            latency_against_rate(ax, points, "time per output token (ms)",
+                                 objectives[model]["tpot_s"],
+                                 f"{model}, {hw.name}, at most {MAX_BATCH} together")
 
     return StudyResult("serving", "Serving latency against request rate", rows, draw, summary)
 

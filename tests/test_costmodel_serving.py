@@ -210,3 +210,20 @@ def test_predict_adds_the_engine_s_time_to_every_token_as_overhead(capsys):
         paid["wfd"].latency_per_token_s)
     code, _, err = run_cli(capsys, "predict", "--step-overhead", "-1ms")
     assert code == 2 and "duration must be positive" in err, err
+
+
+def test_a_sweep_of_rates_gives_a_table_each_and_a_figure(capsys, tmp_path):
+    figure = tmp_path / "latency.png"
+    code, out, err = run_cli(capsys, "serving", "--model", "huginn-tiny", "--requests", "12",
+                             "--output-tokens", "8", "--max-batch", "2", "--rates",
+                             "2/s,20/s,200/s", "--plot", str(figure), "--schedule", "wfd",
+                             "--json")
+    assert code == 0, err
+    sweep = json.loads(out)["sweep"]
+    assert [run["rate_per_s"] for run in sweep] == [2.0, 20.0, 200.0]
+    waits = [run["schedules"]["wfd"]["ttft_s"]["p50"] for run in sweep]
+    assert waits == sorted(waits)  # more load, longer waits for a place
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code, _, err = run_cli(capsys, "serving", "--model", "huginn-tiny", "--plot",
+                           str(figure))
+    assert code == 2 and "--plot needs two rates or more" in err
