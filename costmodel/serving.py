@@ -222,10 +222,10 @@ class _Stream:
         clock, arrives = self.clock, self.requests[i].arrival_s + self.engine.request_s
         if not lanes:
             clock.idle_until(arrives)
-        elif arrives > clock.now:
-            # the time is worked out at a round's boundary only: once a round, not once a call
-            if any(lane.calls_in_round for lane in lanes) or arrives > clock.settle():
-                return False
+        elif any(lane.calls_in_round for lane in lanes):
+            return False  # between rounds only: a newcomer's prefill waits for the round's end
+        elif arrives > clock.now and arrives > clock.settle():
+            return False
         if sum(self.reserved.values()) + self.need(i) > self.kv_budget:
             return False
         self.reserved[i] = self.need(i)
