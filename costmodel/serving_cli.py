@@ -168,6 +168,10 @@ def serving_cmd(
         source = f"{requests_file}" if requests_file else f"{r:g}/s {arrivals}"
         _print(results, found, f"{spec.name} on {hw.name}, {head['requests']} requests "
                f"({source}), at most {max_batch} together")
+    if engine == "vllm" and options["engine"] is None:
+        typer.echo("note: the engine's own time (scheduling, sampling, output) is not counted: "
+                   "give --step-overhead, --sequence-overhead and --request-overhead "
+                   "(bench/serving_load.py measures vLLM's)", err=True)
 
 
 def _checked(requests, max_batch, arrivals, acceptance, attainment, engine, schedule,
