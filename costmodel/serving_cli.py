@@ -23,7 +23,7 @@ from .cli_options import (
     override_hardware,
 )
 from .clitools import UserError, print_json, spinner, text_table
-from .engines import ENGINES, for_engine
+from .engines import for_engine
 from .figures import NO_PLOTS, latency_against_rate, save_figure
 from .presets import get_model
 from .units import parse_duration, parse_rate
@@ -128,7 +128,7 @@ def serving_cmd(
     for AR, DtV and WFD (simulated call by call, priced by the cost model)."""
     from .serving import predict_serving
 
-    names, ttft, tpot = _checked(requests, max_batch, arrivals, acceptance, attainment, engine,
+    names, ttft, tpot = _checked(requests, max_batch, acceptance, attainment,
                                  schedule, slo_ttft, slo_tpot, find_rate)
     sweep = [parse_rate(r) for r in rates.split(",")] if rates is not None else \
         [parse_rate(rate) if rate is not None else 1.0]
@@ -174,21 +174,16 @@ def serving_cmd(
                    "(bench/serving_load.py measures vLLM's)", err=True)
 
 
-def _checked(requests, max_batch, arrivals, acceptance, attainment, engine, schedule,
+def _checked(requests, max_batch, acceptance, attainment, schedule,
              slo_ttft, slo_tpot, find_rate) -> tuple[list[str], float | None, float | None]:
     """The schedules to run and the objectives (seconds), the options checked."""
-    from .requests import ARRIVALS
     from .schedules import SCHEDULES
 
     at_least_one(requests=requests, max_batch=max_batch)
-    if arrivals not in ARRIVALS:
-        raise UserError(f"unknown arrivals {arrivals!r}; use {' or '.join(ARRIVALS)}")
     if acceptance is not None and not 0 <= acceptance <= 1:
         raise UserError(f"acceptance must be in [0, 1], got {acceptance}")
     if not 0 < attainment <= 1:
         raise UserError(f"attainment must be in (0, 1], got {attainment}")
-    if engine not in ENGINES:
-        raise UserError(f"unknown engine {engine!r}; use {' or '.join(ENGINES)}")
     names = schedule or list(SCHEDULES)
     for name in names:
         if name not in SCHEDULES:
