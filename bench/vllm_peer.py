@@ -20,8 +20,9 @@ times, and the median run is reported. This decoder runs the same prompts with `
 interleaved. Tokens/s: new tokens over the run's wall time, prefills
 included (vLLM's requests carry their prefill). Each vLLM mode's greedy tokens are checked
 against AR's (exit 1 when they differ). For the plugin's WFD and DtV it also prints the wave's
-block calls per engine step (from the wave's counters, the median over the repeats): an engine
-step commits one token of each request, and lasts until every wave has its readout.
+block calls per new token of a request (from the wave's counters, the median over the
+repeats): one block call advances every wave of the step, so at batch 8 it counts the calls
+that eight tokens, one of each request, took; AR makes R of them per token.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ def vllm_runs(folder: Path, prompts: list[list[int]], new_tokens: int, repeats: 
               overrides: dict | None = None
               ) -> tuple[list[float], list[float], list[list[list[int]]], dict[int, float]]:
     """(seconds per batch-1 run, seconds per batch-8 run, each run's tokens, and for the
-    plugin's own schedules the wave's block calls per engine step at each batch: an engine step
-    commits a token of each request) from one engine (``speculative_tokens``: DtV, the
+    plugin's own schedules the wave's block calls per new token of a request at each batch)
+    from one engine (``speculative_tokens``: DtV, the
     checkpoint drafting that many tokens for itself; ``overrides``: the plugin's options, e.g.
     WFD's)."""
     runs = [{"prompts": prompts, "max_tokens": new_tokens, "batch": batch}
@@ -77,8 +78,8 @@ def vllm_runs(folder: Path, prompts: list[list[int]], new_tokens: int, repeats: 
     before = 0
     for run, done in zip(runs, results, strict=True):  # the wave's counters: the engine's so far
         if "wave" in done:
-            steps = len(prompts) * new_tokens / run["batch"]
-            calls[run["batch"]].append((done["wave"]["block_calls"] - before) / steps)
+            rounds = len(prompts) * new_tokens / run["batch"]  # a token of each request
+            calls[run["batch"]].append((done["wave"]["block_calls"] - before) / rounds)
             before = done["wave"]["block_calls"]
     return ([r["seconds"] for r in results[0::2]], [r["seconds"] for r in results[1::2]],
             [r["tokens"] for r in results],
@@ -114,8 +115,9 @@ def main() -> None:
     rows = []
     print(f"| model | batch | vLLM AR | vLLM AR, engine in-process | vLLM DtV k={args.block_length}"
           f" | vLLM WFD | vLLM plugin DtV | AR | DtV k={args.block_length} | WFD | vLLM AR / AR | "
-          "vLLM DtV / vLLM AR | vLLM WFD / vLLM AR | vLLM plugin DtV / vLLM AR | WFD / vLLM AR |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "vLLM DtV / vLLM AR | vLLM WFD / vLLM AR | vLLM plugin DtV / vLLM AR | WFD / vLLM AR | "
+          "vLLM WFD / WFD |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models:
         model = load_model(name)
         folder = ROOT / "wfd" / "models" / name
@@ -158,20 +160,20 @@ def main() -> None:
                          "vllm_runs_s": vllm_s, "vllm_in_process_runs_s": vllm_in_s,
                          "vllm_dtv_runs_s": dtv_s, "vllm_wfd_runs_s": wfd_s,
                          "vllm_plugin_dtv_runs_s": own_s,
-                         "vllm_wfd_block_calls_per_step": wfd_calls[batch],
-                         "vllm_plugin_dtv_block_calls_per_step": own_calls[batch],
+                         "vllm_wfd_block_calls_per_token": wfd_calls[batch],
+                         "vllm_plugin_dtv_block_calls_per_token": own_calls[batch],
                          "runs_s": {s: times[s, batch] for s in SCHEDULES}})
             print(f"| {name} | {batch} | {peer:.1f} | {peer_in:.1f} | {peer_dtv:.1f} | "
                   f"{peer_wfd:.1f} | {peer_own:.1f} | {speed['ar']:.1f} | {speed['dtv']:.1f} | "
                   f"{speed['wfd']:.1f} | {peer / speed['ar']:.2f}x, {peer_in / speed['ar']:.2f}x"
                   f" | {peer_dtv / peer_in:.2f}x | {peer_wfd / peer_in:.2f}x | "
-                  f"{peer_own / peer_in:.2f}x | {speed['wfd'] / peer:.2f}x |")
-    print("\nThe plugin's waves, block calls per engine step (an engine step commits a token of "
-          "each request):")
+                  f"{peer_own / peer_in:.2f}x | {speed['wfd'] / peer:.2f}x | "
+                  f"{peer_wfd / speed['wfd']:.2f}x |")
+    print("\nThe plugin's waves, block calls per new token of a request (AR: R):")
     for row in rows:
         print(f"{row['model']}, batch {row['batch']}: WFD "
-              f"{row['vllm_wfd_block_calls_per_step']:.2f}, plugin DtV "
-              f"{row['vllm_plugin_dtv_block_calls_per_step']:.2f}")
+              f"{row['vllm_wfd_block_calls_per_token']:.2f}, plugin DtV "
+              f"{row['vllm_plugin_dtv_block_calls_per_token']:.2f}")
     if args.out:
         Path(args.out).write_text(json.dumps({"new_tokens": args.new_tokens,
                                               "prompts": len(prompts), "rows": rows}, indent=1))

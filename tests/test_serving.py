@@ -196,19 +196,26 @@ def test_dtv_on_vllm_drafts_with_its_own_checkpoint_and_emits_ar_tokens(engines,
 def test_the_plugin_s_wfd_and_dtv_emit_ar_tokens_and_verify_what_wfd_verifies(
         engines, tmp_path, name, schedule, draft_depth):
     """The plugin's own schedules in the engine (hf_overrides schedule wfd, or dtv with nested
-    reuse, k = 3): wfd's AR tokens one request at a time and eight together, the drafts
-    verified and accepted those wfd's own schedule verifies and accepts (but the last token's:
-    vLLM samples it and stops). WFD on Huginn with its KV cache held to 12 blocks of 32 tokens:
-    eight requests together are preempted and start their waves again, and keep AR's tokens.
-    WFD on Ouro sampled (T = 1, a seed a request): the tokens vLLM's own AR samples with the same
-    seeds, since every committed token is vLLM's sample from a depth-R readout."""
+    reuse, k = 3), greedy tokens committed ahead (vLLM accepts them as speculative tokens):
+    wfd's AR tokens one request at a time and eight together, the drafts verified and accepted
+    those wfd's own schedule verifies and accepts. WFD on Huginn with its KV cache held to 12
+    blocks of 32 tokens: eight requests together are preempted and start their waves again,
+    and keep AR's tokens. WFD on Ouro sampled (T = 1, a seed a request): the tokens vLLM's own
+    AR samples with the same seeds, since every committed token is vLLM's sample from a
+    depth-R readout; and greedy with a token the model often picks disallowed, its tokens
+    committed ahead all the same (the request's own commit_ahead): vLLM rejects the disallowed
+    ones, the waves restart from vLLM's tokens, which are its AR's with the same rule."""
     prompts = [list(text.encode()) for text in CODE]
     runs = [{"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": b} for b in (1, 8)]
     squeezed = (name, schedule) == ("huginn-tiny", "wfd")
     if squeezed:
         runs.append({"prompts": prompts, "max_tokens": 40, "batch": 8})
     sampled = [{"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 8, "temperature": 1.0,
-                "seed": 3}] if name == "ouro-tiny" else []
+                "seed": 3},
+               {"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 8,
+                "allowed_token_ids": [t for t in range(256) if t != ord(" ")],
+                "commit_ahead": 8}
+               ] if name == "ouro-tiny" else []
     folder = ROOT / "wfd" / "models" / name
     options = {"schedule": schedule, "draft_depth": draft_depth, "block_length": 3}
     job = vllm_job(engines, tmp_path, folder, runs + sampled, overrides=options,
@@ -220,20 +227,20 @@ def test_the_plugin_s_wfd_and_dtv_emit_ar_tokens_and_verify_what_wfd_verifies(
     for run, done in zip(runs, job["runs"], strict=False):
         theirs = ours[run["max_tokens"]]
         assert done["tokens"] == [w.tokens for w in theirs], run
-        # each request's verifications but that of its last token (vLLM samples it and stops)
-        outcomes = [ok for w in theirs for p, ok in w.outcomes.items()
-                    if p != len(w.prompt) + len(w.tokens) - 2]
+        outcomes = [ok for w in theirs for ok in w.outcomes.values()]
         verified, accepted = verified + len(outcomes), accepted + sum(outcomes)
         if not squeezed or run["batch"] == 1:  # a preempted request verifies tokens again
             assert (done["wave"]["verified"], done["wave"]["accepted"]) == (verified, accepted)
     assert [w.tokens for w in ours[NEW_TOKENS]] == ar_tokens(model, prompts)  # AR's tokens
     assert 0 < accepted < verified
+    assert job["counters"]["accepted_tokens"] > 0  # the tokens committed ahead
     if squeezed:
         assert job["counters"]["preemptions"] > 0
     if sampled:
-        ar = vllm_job(engines, tmp_path, folder, sampled)["runs"][0]["tokens"]
-        assert job["runs"][-1]["tokens"] == ar
-        assert ar != job["runs"][1]["tokens"]  # sampled, not greedy
+        ar = vllm_job(engines, tmp_path, folder, sampled)["runs"]
+        assert [run["tokens"] for run in job["runs"][-2:]] == [run["tokens"] for run in ar]
+        assert ar[0]["tokens"] != job["runs"][1]["tokens"]  # sampled, not greedy
+        assert job["runs"][-1]["wave"]["restarts"] > job["runs"][-2]["wave"]["restarts"]
 
 
 ABORTING = """
@@ -254,17 +261,17 @@ if __name__ == "__main__":
             if out.finished:
                 done[out.request_id] = list(out.outputs[0].token_ids)
         steps += 1
-        if steps == 5:  # mid-stream, its wave half built
+        if steps == 2:  # mid-stream, its wave half built
             engine.abort_request(["1"])
-        if steps == 7:  # a new request in its place, its prompt the aborted one's
+        if steps == 3:  # a new request in its place, its prompt the aborted one's
             engine.add_request("3", {"prompt_token_ids": prompts[1]}, params)
     print(json.dumps(done))
 """
 
 
 def test_a_request_aborted_mid_wave_leaves_the_others_their_tokens(tmp_path):
-    """WFD in the engine: one of three requests aborted after five engine steps, a new one
-    added two steps later (with the aborted one's prompt): the others' and the new one's
+    """WFD in the engine: one of three requests aborted after two engine steps, a new one
+    added a step later (with the aborted one's prompt): the others' and the new one's
     tokens are wfd's AR's, the aborted one's wave gone with it."""
     prompts = [list(text.encode()) for text in CODE[:2]] + [list(CODE[2].encode())]
     script = tmp_path / "aborting.py"
@@ -334,8 +341,10 @@ def post(url: str, payload: dict) -> tuple[int, dict]:
 def test_vllm_serve_answers_completions_and_refuses_a_prompt_too_long(tmp_path, mode):
     """A shipped model with a tokenizer file of its byte vocabulary, served with vLLM's DtV (the
     checkpoint drafting for itself) or the plugin's WFD: token ids and text in, AR's tokens out;
-    DtV's speculative counters on /metrics (one family: the server is the same for both, whose
-    plugins the tests above check)."""
+    vLLM's speculative counters on /metrics (WFD's: the tokens its waves commit ahead); a
+    request with a logit bias refused (vLLM's speculative decoding takes none) while the server
+    stays up (one family: the server is the same for both, whose plugins the tests above
+    check)."""
     name = "huginn-tiny"
     model = tmp_path / name
     model.mkdir()
@@ -380,10 +389,10 @@ def test_vllm_serve_answers_completions_and_refuses_a_prompt_too_long(tmp_path, 
         assert answer["choices"][0]["text"] == ByteTokenizer().decode(expected)
         status, answer = post(f"{base}/v1/completions", {**request, "prompt": [32] * 300})
         assert status == 400 and "256" in json.dumps(answer)  # vLLM's own error: the limit
+        status, answer = post(f"{base}/v1/completions", {**request, "logit_bias": {"32": 5}})
+        assert status == 400 and "logit_bias" in json.dumps(answer)  # speculative decoding's
         status, _ = post(f"{base}/v1/completions", request)
         assert status == 200  # and the server is still up
-        if mode == "wfd":
-            return
         with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
             metrics = response.read().decode()
         accepted = [line for line in metrics.splitlines()

@@ -64,8 +64,11 @@ def test_the_config_hook_refuses_in_one_line_and_gives_the_wave_whole_prompts():
         ScheduleHook.verify_and_update_config(engine(config(schedule="wfd"), object()))
     with pytest.raises(ValueError, match="runs on vLLM's CPU build for now, not on cuda"):
         ScheduleHook.verify_and_update_config(engine(config(schedule="wfd"), device="cuda"))
-    wave = engine(config(schedule="wfd", draft_depth=2))
+    # (with commit_ahead, the default, it also sets vLLM's speculative config: tested with an
+    # engine, in test_serving.py)
+    wave = engine(config(schedule="wfd", draft_depth=2, commit_ahead=0))
     ScheduleHook.verify_and_update_config(wave)
+    assert wave.speculative_config is None
     assert not wave.cache_config.enable_prefix_caching
     assert not wave.scheduler_config.enable_chunked_prefill
     assert wave.scheduler_config.max_num_batched_tokens == 2048

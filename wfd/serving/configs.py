@@ -30,6 +30,9 @@ class LoopedConfig(PretrainedConfig):
     schedule: str = "ar"
     width_cap: int | None = None
     block_length: int = 4
+    # WFD and the plugin's DtV: tokens a greedy request's wave may commit itself past vLLM's
+    # next sample, handed to vLLM as speculative tokens (wfd.serving.ahead); 0: a token a step
+    commit_ahead: int = 8
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -87,6 +90,8 @@ class LoopedConfig(PretrainedConfig):
             raise ValueError(f"width_cap must be at least 1, got {self.width_cap}")
         if self.block_length < 1:
             raise ValueError(f"block_length must be at least 1, got {self.block_length}")
+        if self.commit_ahead < 0:
+            raise ValueError(f"commit_ahead must be at least 0, got {self.commit_ahead}")
         return get(self.schedule).of(self.drafter[0], self.block_length, self.width_cap)
 
     @property

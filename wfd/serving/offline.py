@@ -18,14 +18,16 @@ KV cache held to N blocks: preemption; the output adds vLLM's counters), "block_
 (vLLM's KV block, a multiple of 32 on its CPU build; null: its default),
 "speculative_options": {...} (more of vLLM's speculative_config, e.g. draft_sample_method),
 overrides {"schedule": "wfd" or "dtv", "draft_depth": d} (the plugin's own WFD or DtV in the
-engine: each run adds the wave's counters),
+engine: each run adds the wave's counters, and the output vLLM's counters: the tokens the waves
+committed ahead are its speculative ones),
 "dtype": "float32", "eager": true (false: vLLM's torch.compile), "in_process": false (true: the
 engine core in this process, VLLM_ENABLE_V1_MULTIPROCESSING=0), "tensor_parallel": 1,
 "max_model_len": null (the model's), "runs": [{"prompts": [[ids], ...], "max_tokens": N,
 "batch": B, "temperature": 0 (greedy), "top_p": 1, "seed": S (sampling: prompt i seeded S + i;
-null: unseeded)},
-...]}. Each run sends its prompts B at a time (B = 1: one request at a time) and reports each
-prompt's new tokens and the run's seconds. With the engine core in-process the
+null: unseeded), "allowed_token_ids": [ids] (all), "commit_ahead": k (the plugin's WFD and DtV:
+each request's own bound on tokens its wave commits ahead; null: the engine's, for plain greedy
+requests)}, ...]}. Each run sends its prompts B at a time (B = 1: one request at a time) and
+reports each prompt's new tokens and the run's seconds. With the engine core in-process the
 output also gives the KV cache vLLM made: its bytes, its tokens and its block's tokens.
 """
 
@@ -62,7 +64,7 @@ def run_job(job: dict) -> dict:
               hf_overrides=job.get("overrides") or None, speculative_config=speculative,
               num_gpu_blocks_override=job.get("kv_blocks"),
               block_size=job.get("block_tokens"),
-              disable_log_stats=not (speculative or job.get("kv_blocks")))
+              disable_log_stats=not (speculative or job.get("kv_blocks") or wave))
     engine_s = time.perf_counter() - started
     cache = llm.llm_engine.vllm_config.cache_config  # filled in where the engine core ran
     kv = {"kv_cache_tokens": cache.num_gpu_blocks * cache.block_size,
@@ -71,9 +73,12 @@ def run_job(job: dict) -> dict:
     results = []
     for run in job["runs"]:
         temperature, seed = run.get("temperature", 0.0), run.get("seed")
+        ahead = run.get("commit_ahead")
         params = [SamplingParams(temperature=temperature, top_p=run.get("top_p", 1.0),
                                  seed=seed + i if temperature and seed is not None else None,
-                                 max_tokens=run["max_tokens"], detokenize=False, ignore_eos=True)
+                                 max_tokens=run["max_tokens"], detokenize=False, ignore_eos=True,
+                                 allowed_token_ids=run.get("allowed_token_ids"),
+                                 extra_args=None if ahead is None else {"commit_ahead": ahead})
                   for i in range(len(run["prompts"]))]
         prompts, batch, tokens = run["prompts"], run.get("batch", 1), []
         started = time.perf_counter()
@@ -83,7 +88,7 @@ def run_job(job: dict) -> dict:
             tokens += [list(out.outputs[0].token_ids) for out in outputs]
         results.append({"tokens": tokens, "seconds": time.perf_counter() - started,
                         **({"wave": wave_counters(llm)} if wave else {})})
-    counted = speculative or job.get("kv_blocks")
+    counted = speculative or job.get("kv_blocks") or wave
     result = {"engine_s": engine_s, **kv, "runs": results,
               **({"counters": engine_counters(llm)} if counted else {})}
     shut_down(llm)

@@ -36,11 +36,14 @@ from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
 from costmodel.plans import Bonus, Call, Check, Draft, Rollback, Verify
 
+from .ahead import bound, speculative_config
 from .wave_kv import CallKV, LayerAttention, PagedKV
 
-# The engine step's request ids in batch order, published by the runner hook before each
-# forward; the requests to forget (finished, aborted, preempted) before the next.
+# The engine step's request ids in batch order and each one's bound on tokens committed ahead
+# (``ahead.bound``), published by the runner hook before each forward; the requests to forget
+# (finished, aborted, preempted) before the next.
 _BATCH: list[str] = []
+_BOUNDS: dict[str, tuple[int, int]] = {}
 _FORGOTTEN: set[str] = set()
 
 
@@ -55,6 +58,8 @@ def install_hooks() -> None:
 
     def _model_forward(self, *args, **kwargs):
         _BATCH[:] = list(self.input_batch.req_ids)
+        _BOUNDS.clear()
+        _BOUNDS.update((req, bound(self, req)) for req in _BATCH)
         return forward(self, *args, **kwargs)
 
     def _update_states(self, scheduler_output):
@@ -74,14 +79,17 @@ def counters(model) -> dict[str, int]:
 
 @dataclass
 class Wave:
-    """One request's wave: its plan's events, paused where a token is committed (vLLM samples
-    it), and what the plan's calls have computed so far."""
+    """One request's wave: its plan's events, paused where a token is committed that the wave
+    may not commit itself (vLLM samples it), and what the plan's calls have computed so far."""
 
     steps: object  # the plan's generator
-    token_at: dict[int, int]
+    token_at: dict[int, int]  # committed tokens up to ``committed``, drafts past it
     scheduled: int  # the newest position vLLM has scheduled (it holds a slot)
     block_row: torch.Tensor | None = None
-    pending: Verify | Bonus | None = None
+    committed: int = -1  # the newest position whose token is committed
+    limit: int = -1  # the newest position the wave may commit a token at itself
+    pending: Verify | Bonus | None = None  # the commit the wave is paused at
+    reply: bool | None = None  # what the plan is sent next (a verification's outcome)
     states: dict[int, torch.Tensor] = field(default_factory=dict)
     injections: dict[int, torch.Tensor] = field(default_factory=dict)
     readouts: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -101,7 +109,8 @@ class ScheduleHook(VerifyAndUpdateConfig):
     """vLLM's per-architecture config hook (``MODELS_CONFIG_MAP``), run where the engine's
     config is made: a schedule the checkpoint cannot run is refused there, in one line, and WFD
     gets whole prompts (no chunked prefill: a wave starts from the whole prompt) and no prefix
-    caching (a new request's prefill must start from position 0, where its wave starts)."""
+    caching (a new request's prefill must start from position 0, where its wave starts), and
+    the speculative config that carries the tokens its waves commit ahead (``ahead``)."""
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
@@ -112,7 +121,7 @@ class ScheduleHook(VerifyAndUpdateConfig):
             return
         if vllm_config.speculative_config is not None:
             raise ValueError(f"schedule {cfg.schedule} drafts for itself: leave out "
-                             "speculative_config")
+                             "speculative_config (commit_ahead sets its own)")
         device = getattr(vllm_config.device_config, "device_type", "cpu")
         if device != "cpu":  # it reads the paged cache in the CPU backend's layout
             raise ValueError(f"schedule {cfg.schedule} runs on vLLM's CPU build for now, not "
@@ -122,6 +131,8 @@ class ScheduleHook(VerifyAndUpdateConfig):
         scheduler.enable_chunked_prefill = False
         scheduler.max_num_batched_tokens = max(scheduler.max_num_batched_tokens,
                                                vllm_config.model_config.max_model_len)
+        if cfg.commit_ahead:  # tokens a wave commits ahead reach vLLM as speculative ones
+            vllm_config.speculative_config = speculative_config(vllm_config, cfg.commit_ahead)
 
 
 class WaveDecoder:
@@ -136,7 +147,8 @@ class WaveDecoder:
         self.waves: dict[str, Wave] = {}
         self.paged: PagedKV | None = None
         self.scale = model.arch.head_dim ** -0.5
-        self.totals = {"verified": 0, "accepted": 0, "flushed_positions": 0, "block_calls": 0}
+        self.totals = {"verified": 0, "accepted": 0, "flushed_positions": 0, "block_calls": 0,
+                       "restarts": 0}
         install_hooks()
 
     def counters(self) -> dict[str, int]:
@@ -146,9 +158,9 @@ class WaveDecoder:
     # -- the engine step -----------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata
                 ) -> torch.Tensor:
-        """Every request's rows of this step: a prompt starts a wave, a decoded token goes on
-        with one; the hidden state of each request's last row is the readout vLLM samples
-        from."""
+        """Every request's rows of this step: a prompt starts a wave, decoded tokens go on with
+        one; each row's hidden state is its readout at R (the last row's is what vLLM samples
+        the next token from; the others' verify the tokens committed ahead)."""
         for req in _FORGOTTEN:
             self.waves.pop(req, None)
         _FORGOTTEN.clear()
@@ -157,18 +169,20 @@ class WaveDecoder:
         out = torch.zeros(len(input_ids), self.model.arch.hidden_size,
                           dtype=self.model.lm_head.weight.dtype)
         starts = metadata.query_start_loc.tolist()
-        waves = []
+        waves, rows = [], []
         for i, req in enumerate(_BATCH):
-            rows = slice(starts[i], starts[i + 1])
-            tokens, where = input_ids[rows].tolist(), positions[rows].tolist()
+            rows.append(range(starts[i], starts[i + 1]))
+            tokens, where = input_ids[rows[-1]].tolist(), positions[rows[-1]].tolist()
             waves.append(self.begin(req, tokens, where, metadata.block_table[i]))
         self.run(waves)
-        for i, wave in enumerate(waves):
-            first, last = starts[i], starts[i + 1] - 1
-            out[last] = wave.readouts[wave.pending.position]
-            for p in range(last - first):  # a prompt's other rows: their readouts at R too
-                # (prompt logprobs); with no coda the readout is the state
-                out[first + p] = wave.readouts.get(p, wave.states[p])
+        for wave, at in zip(waves, rows, strict=True):
+            for row, p in zip(at, range(wave.scheduled - len(at) + 1, wave.scheduled + 1),
+                              strict=True):
+                # a prompt's rows carry their readouts at R too (prompt logprobs; with no coda
+                # the readout is the state); a row past a token vLLM will reject, none
+                readout = wave.readouts.get(p, wave.states.get(p))
+                if readout is not None:
+                    out[row] = readout
             self.prune(wave)
         return out
 
@@ -179,32 +193,66 @@ class WaveDecoder:
 
     def begin(self, req: str, tokens: list[int], where: list[int], block_row: torch.Tensor
               ) -> Wave:
-        """The request's wave, its newest token delivered: a prompt (from position 0) starts
-        one (anew after a preemption); a decoded token answers the event it paused at."""
-        if where[0] == 0:
-            plan = self.schedule.plan(len(tokens), self.model.depth,
-                                      coda_attends=self.model.arch.coda_layers > 0)
-            self.waves[req] = Wave(plan.steps(), dict(enumerate(tokens)), len(tokens) - 1,
-                                   block_row)
-            return self.waves[req]
+        """The request's wave, its newest tokens delivered: a prompt (from position 0) starts
+        one (anew after a preemption); decoded tokens (vLLM's sample, then the tokens the wave
+        committed ahead, as vLLM scheduled them) go on with one, which restarts from vLLM's
+        tokens where they are not the wave's."""
         wave = self.waves.get(req)
-        if wave is None or len(tokens) != 1 or where[0] != wave.scheduled + 1:
-            raise RuntimeError(f"WFD on vLLM decodes whole prompts and one token per step; "
-                               f"request {req} came with positions {where[0]}..{where[-1]} "
-                               "(leave chunked prefill's token budget above the prompts)")
-        position, token = where[0], tokens[0]
-        wave.block_row = block_row  # new blocks come as the sequence grows
-        wave.token_at[position] = token
-        wave.scheduled = position
-        if isinstance(wave.pending, Verify):
-            ok = wave.drafts.pop(wave.pending.position) == token
-            self.totals["verified"] += 1
-            self.totals["accepted"] += ok
-            wave.pending = ok  # the outcome the plan is sent
+        if where[0] == 0:
+            wave = self.start(req, tokens)
+        elif wave is None or where != list(range(where[0], where[0] + len(tokens))):
+            raise RuntimeError(f"WFD on vLLM decodes whole prompts; request {req} came with "
+                               f"positions {where[0]}..{where[-1]} and no wave (leave chunked "
+                               "prefill's token budget above the prompts)")
+        elif not self.agrees(wave, where[0], tokens[0]):
+            self.totals["restarts"] += 1
+            wave = self.start(req, [wave.token_at[p] for p in range(where[0])] + tokens)
         else:
-            wave.pending = None
-        self.settle(wave, position)
+            wave.scheduled = where[-1]
+        wave.block_row = block_row  # new blocks come as the sequence grows
+        for p in where:
+            self.settle(wave, p)
+        ahead, last = _BOUNDS.get(req, (0, wave.scheduled + 1))
+        wave.limit = min(wave.scheduled + 1 + ahead, last) if ahead else wave.scheduled
         return wave
+
+    def start(self, req: str, tokens: list[int]) -> Wave:
+        """A wave whose prompt is ``tokens``, all scheduled."""
+        plan = self.schedule.plan(len(tokens), self.model.depth,
+                                  coda_attends=self.model.arch.coda_layers > 0)
+        wave = Wave(plan.steps(), dict(enumerate(tokens)), len(tokens) - 1,
+                    committed=len(tokens) - 1)
+        self.waves[req] = wave
+        return wave
+
+    def agrees(self, wave: Wave, position: int, token: int) -> bool:
+        """Whether vLLM's token at ``position`` (the first it scheduled this step) goes on with
+        the wave: a token the wave committed ahead, or vLLM's sample for the commit the wave
+        is paused at."""
+        if position != wave.scheduled + 1:
+            return False
+        if position <= wave.committed:
+            return wave.token_at[position] == token
+        if wave.pending is None or wave.pending.position != position - 1:
+            return False
+        self.answer(wave, token)
+        return True
+
+    def ahead(self, lengths: list[int], newest: list[int], most: int) -> list[list[int]]:
+        """The tokens each request of the step's batch (``_BATCH``'s order) has committed past
+        its ``length`` tokens, if its newest one (vLLM's) is the wave's; at most ``most``."""
+        if len(lengths) != len(_BATCH):
+            return [[] for _ in lengths]
+        proposals = []
+        for req, length, token in zip(_BATCH, lengths, newest, strict=True):
+            wave = self.waves.get(req)
+            if wave is None or not 0 < length <= wave.committed + 1 or (
+                    wave.token_at[length - 1] != token):
+                proposals.append([])
+                continue
+            end = min(wave.committed, length - 1 + most)
+            proposals.append([wave.token_at[p] for p in range(length, end + 1)])
+        return proposals
 
     def settle(self, wave: Wave, position: int) -> None:
         """``position`` is scheduled now: what it wrote ahead moves into its slot of the paged
@@ -219,10 +267,10 @@ class WaveDecoder:
                                   torch.stack([v for _, v in moved]))
 
     def run(self, waves: list[Wave]) -> None:
-        """Every wave's events up to its next commit (the readout at R that vLLM samples the
-        token from), the calls of the same part over several waves run as one: a coda call
-        before a prelude call before a block call, so that waves in step share every call of
-        a tick."""
+        """Every wave's events up to a commit it may not make itself (the readout at R that
+        vLLM samples from, or past its bound ahead), the calls of the same part over several
+        waves run as one: a coda call before a prelude call before a block call, so that waves
+        in step share every call of a tick."""
         calls = {id(wave): self.next_call(wave) for wave in waves}
         while any(calls.values()):
             kind = next(k for k in ("coda", "prelude", "block")
@@ -234,27 +282,47 @@ class WaveDecoder:
                 calls[id(wave)] = self.next_call(wave)
 
     def next_call(self, wave: Wave) -> Call | None:
-        """The wave's events up to its next call (returned, not run), or None where it commits
-        a token (``wave.pending``: vLLM samples it)."""
-        reply, wave.pending = wave.pending, None
+        """The wave's events up to its next call (returned, not run), or None where it is
+        paused at a commit it may not make itself (``wave.pending``)."""
         while True:
-            event = wave.steps.send(reply)
-            reply = None
+            if wave.pending is not None and not self.commit(wave):
+                return None
+            event = wave.steps.send(wave.reply)
+            wave.reply = None
             if isinstance(event, Call):
                 return event
             if isinstance(event, Draft):
-                token = int(self.model.compute_logits(wave.readouts[event.position][None])
-                            .argmax(-1))
-                wave.drafts[event.position] = token
-                wave.token_at[event.position + 1] = token
+                wave.drafts[event.position] = self.argmax(wave, event.position)
+                wave.token_at[event.position + 1] = wave.drafts[event.position]
             elif isinstance(event, Verify | Bonus):
                 wave.pending = event
-                return None
             elif isinstance(event, Rollback):
                 self.totals["flushed_positions"] += event.flushed
                 self.rollback(wave, event.length)
             elif isinstance(event, Check):  # pragma: no cover - no exit rule in this mode
                 raise RuntimeError("WFD on vLLM runs without exit rules")
+
+    def commit(self, wave: Wave) -> bool:
+        """Commit the token the wave is paused at itself (the argmax of its readout at R), if
+        its bound allows."""
+        if wave.pending.position + 1 > wave.limit:
+            return False
+        self.answer(wave, self.argmax(wave, wave.pending.position))
+        return True
+
+    def answer(self, wave: Wave, token: int) -> None:
+        """The commit the wave is paused at is ``token``: a verification's outcome is sent to
+        the plan next."""
+        event, wave.pending = wave.pending, None
+        if isinstance(event, Verify):
+            wave.reply = wave.drafts.pop(event.position) == token
+            self.totals["verified"] += 1
+            self.totals["accepted"] += wave.reply
+        wave.token_at[event.position + 1] = token
+        wave.committed = event.position + 1
+
+    def argmax(self, wave: Wave, position: int) -> int:
+        return int(self.model.compute_logits(wave.readouts[position][None]).argmax(-1))
 
     # -- calls ---------------------------------------------------------------------------------
     def call(self, kind: str, calls: list[tuple[Wave, Call]]) -> None:
