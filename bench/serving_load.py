@@ -3,7 +3,7 @@ same streams: are the simulated latencies the served ones?
 
     python bench/serving_load.py --profile PROFILE.json [--model huginn-tiny] [--rates 2 4 8]
         [--requests 40] [--prompt-tokens 16-64] [--output-tokens 32] [--max-batch 8]
-        [--schedule ar] [--seed 0] [--out FILE.json]
+        [--schedule ar] [--commit-ahead 8] [--seed 0] [--out FILE.json]
 
 Starts `vllm serve` (the plugin, eager, fp32) on a copy of the shipped tiny model with its byte
 tokenizer, and for each rate sends the stream `costmodel serving` draws for it (Poisson
@@ -136,6 +136,7 @@ def main() -> None:
     parser.add_argument("--output-tokens", default="32")
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--schedule", default="ar", choices=["ar", "wfd", "dtv"])
+    parser.add_argument("--commit-ahead", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -144,7 +145,8 @@ def main() -> None:
     spec = get_model(args.model)
     profile = load_profile(args.profile)
     hw = for_engine("vllm", profile.hardware, spec)
-    overrides = None if args.schedule == "ar" else {"schedule": args.schedule}
+    overrides = None if args.schedule == "ar" else {"schedule": args.schedule,
+                                                    "commit_ahead": args.commit_ahead}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         from wfd.tokenizer import write_byte_tokenizer
@@ -159,7 +161,8 @@ def main() -> None:
             send(base, str(folder), [65] * 8, 4)  # warm the engine up
             options = {"max_batch": args.max_batch, "dtype": profile.dtype,
                        "names": [args.schedule], "seed": args.seed}
-            engine = engine_overheads(base, str(folder), spec, hw, prompt, output, options)
+            engine = engine_overheads(base, str(folder), spec, hw, prompt, output, options,
+                                      args.commit_ahead)
             print(f"the engine's own time: {engine.step_s * 1e3:.2f} ms a step, "
                   f"{engine.per_sequence_s * 1e3:.2f} ms a sequence in it, "
                   f"{engine.request_s * 1e3:.2f} ms a request", flush=True)
@@ -182,7 +185,7 @@ def main() -> None:
 
 
 def engine_overheads(base: str, model: str, spec, hw, prompt: Lengths, output: Lengths,
-                     options: dict, repeats: int = 3) -> EngineOverheads:
+                     options: dict, commit_ahead: int, repeats: int = 3) -> EngineOverheads:
     """vLLM's own time beside its calls, from requests of the mean lengths: lone ones, one
     after another, and a full batch arriving together. Their median TPOTs less the simulated
     ones give the time per step and per sequence in a step (two equations, two unknowns); the
@@ -202,11 +205,15 @@ def engine_overheads(base: str, model: str, spec, hw, prompt: Lengths, output: L
 
     batch = options["max_batch"]
     (lone, lone_ttft), (full, _) = measured(1), measured(batch)
-    bare = EngineOverheads()
-    extra_lone, extra_full = lone - simulated(1, bare)[0], full - simulated(batch, bare)[0]
+    bare = EngineOverheads(commit_ahead=commit_ahead)
+    # a token's share of the engine's time: the step's and its sequence's, over the tokens a
+    # step commits of each sequence (a drafting schedule's: those it commits ahead and one)
+    shares = bare.tokens_per_step(bare.commit_ahead and options["names"][0] != "ar")
+    extra_lone = (lone - simulated(1, bare)[0]) * shares
+    extra_full = (full - simulated(batch, bare)[0]) * shares
     per_sequence = max(0.0, (extra_full - extra_lone) / (batch - 1)) if batch > 1 else 0.0
-    steps = EngineOverheads(step_s=max(0.0, extra_lone - per_sequence),
-                            per_sequence_s=per_sequence)
+    steps = bare.model_copy(update={"step_s": max(0.0, extra_lone - per_sequence),
+                                    "per_sequence_s": per_sequence})
     request = max(0.0, lone_ttft - simulated(1, steps)[1])
     return steps.model_copy(update={"request_s": request})
 

@@ -5,7 +5,7 @@ by this project's AR, DtV and WFD, one request at a time and eight together, gre
 this machine's CPU.
 
     python bench/vllm_peer.py [--models huginn-tiny ouro-tiny] [--new-tokens 64] [--repeats 3]
-        [--block-length 4] [--threads 2] [--out FILE.json]
+        [--block-length 4] [--commit-ahead 8] [--threads 2] [--out FILE.json]
 
 Needs the serve-cpu extra (vLLM's CPU build). vLLM runs in a process of its own
 (wfd.serving.offline, eager: on this CPU faster than its torch.compile), started once per model
@@ -13,7 +13,8 @@ and configuration, its engine start excluded, twice: as vLLM runs by default (it
 process of its own, beside the worker) and with the engine core in the client's process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0), and DtV (vLLM's draft_model method, k = --block-length
 drafts at the model's draft depth, the engine core in-process), and the plugin's WFD and DtV
-(k = --block-length, nested reuse) at the model's draft depth, the engine core in-process.
+(k = --block-length, nested reuse) at the model's draft depth, their waves committing up to
+--commit-ahead greedy tokens ahead of vLLM's sampler each step, the engine core in-process.
 Each decodes the eight code prompts one request at a time, then all eight together, --repeats
 times, and the median run is reported. This decoder runs the same prompts with `generate`
 (batch 1) and `decode_batch` (batch 8) in this process, each schedule --repeats times,
@@ -54,10 +55,10 @@ SCHEDULES = ("ar", "dtv", "wfd")
 def vllm_runs(folder: Path, prompts: list[list[int]], new_tokens: int, repeats: int,
               threads: int, in_process: bool, speculative_tokens: int | None = None,
               overrides: dict | None = None
-              ) -> tuple[list[float], list[float], list[list[list[int]]], dict[int, float]]:
+              ) -> tuple[list[float], list[float], list[list[list[int]]], dict[int, dict]]:
     """(seconds per batch-1 run, seconds per batch-8 run, each run's tokens, and for the
-    plugin's own schedules the wave's block calls per new token of a request at each batch)
-    from one engine (``speculative_tokens``: DtV, the
+    plugin's own schedules the wave's figures at each batch: block calls per new token of a
+    request, and the share of its drafts accepted) from one engine (``speculative_tokens``: DtV, the
     checkpoint drafting that many tokens for itself; ``overrides``: the plugin's options, e.g.
     WFD's)."""
     runs = [{"prompts": prompts, "max_tokens": new_tokens, "batch": batch}
@@ -75,15 +76,20 @@ def vllm_runs(folder: Path, prompts: list[list[int]], new_tokens: int, repeats: 
             sys.exit(f"error: vLLM's run failed:\n{done.stderr[-2000:]}")
         results = json.loads(out.read_text())["runs"]
     calls: dict[int, list[float]] = {1: [], 8: []}
-    before = 0
+    verified: dict[int, list[int]] = {1: [0, 0], 8: [0, 0]}
+    before = {"block_calls": 0, "verified": 0, "accepted": 0}
     for run, done in zip(runs, results, strict=True):  # the wave's counters: the engine's so far
         if "wave" in done:
+            new = {key: done["wave"][key] - before[key] for key in before}
             rounds = len(prompts) * new_tokens / run["batch"]  # a token of each request
-            calls[run["batch"]].append((done["wave"]["block_calls"] - before) / rounds)
-            before = done["wave"]["block_calls"]
+            calls[run["batch"]].append(new["block_calls"] / rounds)
+            verified[run["batch"]][0] += new["verified"]
+            verified[run["batch"]][1] += new["accepted"]
+            before = {key: done["wave"][key] for key in before}
     return ([r["seconds"] for r in results[0::2]], [r["seconds"] for r in results[1::2]],
             [r["tokens"] for r in results],
-            {b: statistics.median(v) for b, v in calls.items() if v})
+            {b: {"block_calls_per_token": statistics.median(v),
+                 "acceptance": verified[b][1] / verified[b][0]} for b, v in calls.items() if v})
 
 
 def ours(model, prompts: list[list[int]], schedule: str, batch: int, new_tokens: int,
@@ -107,6 +113,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--block-length", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--commit-ahead", type=int, default=8)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -130,10 +137,11 @@ def main() -> None:
             speculative_tokens=args.block_length)
         one_wfd, eight_wfd, wfd_tokens, wfd_calls = vllm_runs(
             folder, prompts, args.new_tokens, args.repeats, args.threads, in_process=True,
-            overrides={"schedule": "wfd"})
+            overrides={"schedule": "wfd", "commit_ahead": args.commit_ahead})
         one_own, eight_own, own_tokens, own_calls = vllm_runs(
             folder, prompts, args.new_tokens, args.repeats, args.threads, in_process=True,
-            overrides={"schedule": "dtv", "block_length": args.block_length})
+            overrides={"schedule": "dtv", "block_length": args.block_length,
+                       "commit_ahead": args.commit_ahead})
         times = {(s, b): [] for s in SCHEDULES for b in (1, 8)}
         for _ in range(args.repeats):  # interleaved: each repeat runs every configuration
             for schedule in SCHEDULES:
@@ -160,8 +168,12 @@ def main() -> None:
                          "vllm_runs_s": vllm_s, "vllm_in_process_runs_s": vllm_in_s,
                          "vllm_dtv_runs_s": dtv_s, "vllm_wfd_runs_s": wfd_s,
                          "vllm_plugin_dtv_runs_s": own_s,
-                         "vllm_wfd_block_calls_per_token": wfd_calls[batch],
-                         "vllm_plugin_dtv_block_calls_per_token": own_calls[batch],
+                         "vllm_wfd_block_calls_per_token":
+                             wfd_calls[batch]["block_calls_per_token"],
+                         "vllm_wfd_acceptance": wfd_calls[batch]["acceptance"],
+                         "vllm_plugin_dtv_block_calls_per_token":
+                             own_calls[batch]["block_calls_per_token"],
+                         "vllm_plugin_dtv_acceptance": own_calls[batch]["acceptance"],
                          "runs_s": {s: times[s, batch] for s in SCHEDULES}})
             print(f"| {name} | {batch} | {peer:.1f} | {peer_in:.1f} | {peer_dtv:.1f} | "
                   f"{peer_wfd:.1f} | {peer_own:.1f} | {speed['ar']:.1f} | {speed['dtv']:.1f} | "
@@ -175,8 +187,12 @@ def main() -> None:
               f"{row['vllm_wfd_block_calls_per_token']:.2f}, plugin DtV "
               f"{row['vllm_plugin_dtv_block_calls_per_token']:.2f}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"new_tokens": args.new_tokens,
-                                              "prompts": len(prompts), "rows": rows}, indent=1))
+        Path(args.out).write_text(json.dumps({
+            "new_tokens": args.new_tokens, "prompts": len(prompts),
+            "prompt_tokens_mean": statistics.mean(map(len, prompts)),
+            "block_length": args.block_length, "commit_ahead": args.commit_ahead,
+            "threads": args.threads, "rows": rows},
+            indent=1))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import typer
 from . import serving_cli
 from .cli_options import (
     BatchOption,
+    CommitAheadOption,
     ContextOption,
     DtypeOption,
     HardwareOption,
@@ -21,6 +22,8 @@ from .cli_options import (
     ProfileOption,
     SequenceOverheadOption,
     StepOverheadOption,
+    TickOverheadOption,
+    WaveOverheadOption,
     at_least_one,
     engine_overheads,
     hardware_of,
@@ -168,6 +171,9 @@ def predict_cmd(
              "and WFD as they would run inside it)")] = "wfd",
     step_overhead: StepOverheadOption = "0s",
     sequence_overhead: SequenceOverheadOption = "0s",
+    tick_overhead: TickOverheadOption = "0s",
+    wave_overhead: WaveOverheadOption = "0s",
+    commit_ahead: CommitAheadOption = 8,
     as_json: JsonOption = False,
 ) -> None:
     """Per-token latency, speedup and its breakdown for AR, DtV and WFD."""
@@ -195,7 +201,9 @@ def predict_cmd(
                  "DtV and WFD", disable=as_json or prompts is None):
         result = predict(spec, hw, workload, width=width, draft_depth=draft_depth,
                          block_length=block_length,
-                         engine=engine_overheads(step_overhead, sequence_overhead))
+                         engine=engine_overheads(step_overhead, sequence_overhead,
+                                                 tick=tick_overhead, wave=wave_overhead,
+                                                 commit_ahead=commit_ahead))
     flush_notes()  # the input priced: the notes on how it was priced
     loose = undetermined(prof) if prof is not None else []
     host = _host_source(result.hardware, launch_overhead, host_speed)

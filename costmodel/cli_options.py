@@ -29,16 +29,30 @@ StepOverheadOption = Annotated[str, typer.Option(
          "bench/serving_load.py measures vLLM's")]
 SequenceOverheadOption = Annotated[str, typer.Option(
     help="its time per sequence in a step (sampling, output), e.g. 0.5ms")]
+TickOverheadOption = Annotated[str, typer.Option(
+    help="DtV and WFD: the engine's own time per tick of a wave (the plugin's bookkeeping), "
+         "e.g. 0.3ms: bench/vllm_peer.py measures the plugin's")]
+WaveOverheadOption = Annotated[str, typer.Option(
+    help="DtV and WFD: its time per wave in a tick, e.g. 0.1ms")]
+CommitAheadOption = Annotated[int, typer.Option(
+    help="DtV and WFD: tokens a step commits ahead of the engine's sampler, beside its one "
+         "(the plugin's commit_ahead): the step's time is shared by them")]
 
 
-def engine_overheads(step: str, sequence: str, request: str = "0s"):
+def engine_overheads(step: str, sequence: str, request: str = "0s", tick: str = "0s",
+                     wave: str = "0s", commit_ahead: int = 8):
     """The engine's own time the options give (None where all are zero)."""
     from .engines import EngineOverheads
 
+    if commit_ahead < 0:
+        raise UserError(f"--commit-ahead must be at least 0, got {commit_ahead}")
     engine = EngineOverheads(step_s=parse_duration(step),
                              per_sequence_s=parse_duration(sequence),
-                             request_s=parse_duration(request))
-    return engine if engine != EngineOverheads() else None
+                             request_s=parse_duration(request), tick_s=parse_duration(tick),
+                             wave_tick_s=parse_duration(wave),
+                             commit_ahead=commit_ahead)
+    return engine if engine.model_dump(exclude={"commit_ahead"}) != EngineOverheads(
+    ).model_dump(exclude={"commit_ahead"}) else None
 
 
 def override_hardware(hw: HardwareSpec, bandwidth: str | None, flops: str | None,

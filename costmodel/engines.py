@@ -54,13 +54,35 @@ def counted_fields(ops: dict[str, dict[str, int]]) -> dict[str, object]:
 
 class EngineOverheads(Spec):
     """The engine's own time, beside its model's calls (which the cost model prices): per step
-    (scheduling, preparing inputs, sampling), where a step commits one token of every running
-    sequence (vLLM's, the plugin's schedules included), per sequence in a step (its sampling and
-    output: detokenizing, streaming), and per request on its way in (parsing, tokenizing,
-    handing it to the engine). ``bench/serving_load.py`` measures vLLM's from lone and
-    concurrent requests; ``predict`` adds a step's to each token, ``serving`` also a request's
-    to its first."""
+    (scheduling, preparing inputs, sampling), per sequence in a step (its sampling and output:
+    detokenizing, streaming), and per request on its way in (parsing, tokenizing, handing it to
+    the engine). An AR step commits one token of every running sequence; a drafting schedule's
+    step (the plugin's WFD and DtV) up to ``commit_ahead`` + 1, its waves committing greedy
+    tokens ahead of vLLM's sampler (``wfd/serving/ahead.py``), and its waves pay ``tick_s`` per
+    tick (a block call with the prelude and coda calls beside it) and ``wave_tick_s`` per wave
+    in it: the plugin's bookkeeping and the kernels' metadata, which a calibration of ``wfd``'s
+    decoder does not hold.
+    ``bench/serving_load.py`` measures vLLM's step, sequence and request times from lone and
+    concurrent requests, ``bench/vllm_peer.py`` the step and tick times of the plugin; ``predict``
+    adds a step's share to each token, ``serving`` also a request's to its first."""
 
     step_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
     per_sequence_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
     request_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    tick_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    wave_tick_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    commit_ahead: Annotated[int, Field(ge=0)] = 8
+
+    def tokens_per_step(self, drafts: bool) -> int:
+        """Tokens of a sequence one engine step commits, at most (a drafting schedule's: those
+        its wave commits ahead and vLLM's sample)."""
+        return self.commit_ahead + 1 if drafts else 1
+
+    def per_tick_s(self, sequences: int) -> float:
+        """A drafting schedule's own time per tick of ``sequences`` waves."""
+        return self.tick_s + self.wave_tick_s * sequences
+
+    def per_token_s(self, sequences: int, drafts: bool) -> float:
+        """A token's share of the engine's step (a step of ``sequences`` sequences) and of its
+        sequence's share."""
+        return (self.step_s / sequences + self.per_sequence_s) / self.tokens_per_step(drafts)

@@ -199,7 +199,8 @@ def predict(
     hardware and workload, each at its best variant (``Schedule.variants``).
 
     width W means draft depth ceil(R / W). block_length None picks DtV's best k in 1..32.
-    ``engine``: a serving engine's own time per step, added to each token as overhead.
+    ``engine``: a serving engine's own time (per step, per tick of a wave), added to each token
+    as overhead.
     """
     spec, hw = resolve(model, hardware)
     wl = Workload.model_validate(workload or {})  # a Workload, or its fields as a dict
@@ -301,11 +302,15 @@ def _result(spec: LoopedModelSpec, hw: HardwareSpec, wl: Workload, depth: int,
 
 def _with_speedups(results: dict[str, ScheduleResult], engine: EngineOverheads | None,
                    batch: int) -> None:
-    """The engine's time per step (where given) added to each token as overhead; speedups."""
-    step = 0.0 if engine is None else engine.step_s + engine.per_sequence_s * batch
-    for name, r in results.items() if step else ():
-        latency = r.latency_per_token_s + step
-        terms = {**r.breakdown.model_dump(), "overhead_s": r.breakdown.overhead_s + step}
+    """The engine's time (where given) added to each token as overhead: its step's share (a
+    drafting schedule's step commits several tokens of each sequence) and a drafting
+    schedule's ticks; speedups."""
+    for name, r in results.items() if engine is not None else ():
+        drafts = r.draft_depth is not None
+        own = batch * engine.per_token_s(batch, drafts) + (
+            engine.per_tick_s(batch) * r.block_calls_per_token if drafts else 0.0)
+        latency = r.latency_per_token_s + own
+        terms = {**r.breakdown.model_dump(), "overhead_s": r.breakdown.overhead_s + own}
         results[name] = r.model_copy(update={
             "latency_per_token_s": latency, "tokens_per_s": batch / latency,
             "breakdown": Breakdown(**terms), "bound": _bound(terms),

@@ -257,7 +257,9 @@ class _Stream:
             kind=kind, positions=positions, depths=depths,
             contexts=keys_read(positions, self.graphs and not prefill),
             slots=call_slots(kind, depths, self.kv_sharing), sequences=regions, wall_s=0.0),
-            len(lanes), tokens * self.engine_per_token(len(lanes)))
+            len(lanes), tokens * self.engine_per_token(len(lanes))
+            + (self.engine.per_tick_s(len(lanes)) if kind == "block" and self.schedule.drafts
+               else 0.0))
         self.last_call_lanes = len(lanes)
         if prefill:  # the last prefill call's end is the first token's time
             for lane in lanes:
@@ -277,9 +279,9 @@ class _Stream:
         return now - before
 
     def engine_per_token(self, sequences: int) -> float:
-        """A token's share of the engine's step (one token of each of ``sequences``), and its
-        own."""
-        return self.engine.step_s / sequences + self.engine.per_sequence_s
+        """A token's share of the engine's step (of ``sequences`` sequences), and of its
+        sequence's."""
+        return self.engine.per_token_s(sequences, self.schedule.drafts)
 
 
 def summarize(schedule: Schedule, served: list[Served], mean_batch: float, *,

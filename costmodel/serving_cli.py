@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from .cli_options import (
+    CommitAheadOption,
     DtypeOption,
     HardwareOption,
     JsonOption,
@@ -17,6 +18,8 @@ from .cli_options import (
     ProfileOption,
     SequenceOverheadOption,
     StepOverheadOption,
+    TickOverheadOption,
+    WaveOverheadOption,
     at_least_one,
     engine_overheads,
     hardware_of,
@@ -121,6 +124,9 @@ def serving_cmd(
     sequence_overhead: SequenceOverheadOption = "0s",
     request_overhead: Annotated[str, typer.Option(
         help="its time per request on the way in (parsing, tokenizing), e.g. 10ms")] = "0s",
+    tick_overhead: TickOverheadOption = "0s",
+    wave_overhead: WaveOverheadOption = "0s",
+    commit_ahead: CommitAheadOption = 8,
     dtype: DtypeOption = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -146,7 +152,8 @@ def serving_cmd(
                "acceptance": acceptance, "draft_depth": draft_depth, "width": width,
                "block_length": block_length, "slo_ttft_s": ttft, "slo_tpot_s": tpot,
                "seed": seed,
-               "engine": engine_overheads(step_overhead, sequence_overhead, request_overhead)}
+               "engine": engine_overheads(step_overhead, sequence_overhead, request_overhead,
+                                         tick_overhead, wave_overhead, commit_ahead)}
     runs = []
     with spinner(f"serving {requests} requests at {len(sweep)} rate(s)", disable=as_json):
         for r in sweep:

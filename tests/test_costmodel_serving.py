@@ -53,11 +53,14 @@ def test_requests_far_apart_each_take_what_one_alone_takes(schedule):
 
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
 def test_the_engine_s_own_time_is_paid_per_token_step_and_request(schedule):
-    """The engine's time per committed token, whatever the schedule: a lone request pays a step
-    and its own share for the prefill's token (in its TTFT, after its way in) and for each of
-    its other tokens; two together share each step and pay their own shares."""
+    """The engine's time per committed token, whatever the schedule (a step committing one token
+    of each sequence: commit_ahead 0): a lone request pays a step and its own share for the
+    prefill's token (in its TTFT, after its way in) and for each of its other tokens; two
+    together share each step and pay their own shares. With tokens committed ahead, a drafting
+    schedule's tokens share a step nine ways; its block calls pay a tick each, AR none."""
     request = Request(arrival_s=0.0, prompt_tokens=20, output_tokens=10)
-    engine = EngineOverheads(step_s=0.004, per_sequence_s=0.001, request_s=0.010)
+    engine = EngineOverheads(step_s=0.004, per_sequence_s=0.001, request_s=0.010,
+                             commit_ahead=0)
     kw = {"max_batch": 2, "acceptance": 0.7, "depth": 8, "seed": 3}
     (bare,), _ = serve(MODEL, HARDWARE, schedule, [request], **kw)
     (paid,), _ = serve(MODEL, HARDWARE, schedule, [request], engine=engine, **kw)
@@ -68,6 +71,15 @@ def test_the_engine_s_own_time_is_paid_per_token_step_and_request(schedule):
         two_bare, _ = serve(MODEL, HARDWARE, schedule, [request] * 2, **kw)
         two, _ = serve(MODEL, HARDWARE, schedule, [request] * 2, engine=engine, **kw)
         assert two[0].tpot_s - two_bare[0].tpot_s == pytest.approx(0.004 + 2 * 0.001)
+    ahead = engine.model_copy(update={"commit_ahead": 8, "request_s": 0.0})
+    (shared,), _ = serve(MODEL, HARDWARE, schedule, [request], engine=ahead, **kw)
+    share = 0.005 / (9 if schedule.drafts else 1)
+    assert shared.finish_s - bare.finish_s == pytest.approx(10 * share)
+    ticking = EngineOverheads(tick_s=0.001, wave_tick_s=0.0005)
+    (ticked,), _ = serve(MODEL, HARDWARE, schedule, [request], engine=ticking, **kw)
+    ticks = (ticked.finish_s - bare.finish_s) / 0.0015  # a tick of one wave each block call
+    assert ticks == pytest.approx(round(ticks)) and (ticks >= 10 if schedule.drafts else
+                                                     ticks == 0)
 
 
 def test_requests_that_arrive_together_queue_and_share_calls():
@@ -187,24 +199,30 @@ def test_bad_input_is_one_line(capsys, args, said):
 
 
 def test_predict_adds_the_engine_s_time_to_every_token_as_overhead(capsys):
-    """`predict --step-overhead --sequence-overhead`: each schedule's tokens pay a step and each
-    sequence's share, as overhead; throughput and speedups follow."""
+    """`predict --step-overhead --sequence-overhead --tick-overhead --wave-overhead
+    --commit-ahead`: each schedule's tokens pay a step and each sequence's share, as overhead,
+    a drafting schedule's shared by the tokens a step commits ahead and its one, and its block
+    calls a tick and each wave's share; throughput and speedups follow."""
     from costmodel import predict
 
     workload = {"context_length": 64, "new_tokens": 32, "batch_size": 2}
     bare = predict("huginn-tiny", "a6000", workload).schedules
-    paid = predict("huginn-tiny", "a6000", workload,
-                   engine=EngineOverheads(step_s=0.005, per_sequence_s=0.001)).schedules
+    engine = EngineOverheads(step_s=0.005, per_sequence_s=0.001, tick_s=0.0002,
+                             wave_tick_s=0.0001, commit_ahead=3)
+    paid = predict("huginn-tiny", "a6000", workload, engine=engine).schedules
     for name, result in paid.items():
-        assert result.latency_per_token_s == pytest.approx(bare[name].latency_per_token_s + 0.007)
+        drafts = name != "ar"
+        own = 0.007 / 4 + 0.0004 * bare[name].block_calls_per_token if drafts else 0.007
+        assert result.latency_per_token_s == pytest.approx(bare[name].latency_per_token_s + own)
         assert result.breakdown.overhead_s == pytest.approx(bare[name].breakdown.overhead_s
-                                                            + 0.007)
+                                                            + own)
         assert result.tokens_per_s == pytest.approx(2 / result.latency_per_token_s)
         assert result.speedup_vs_ar == pytest.approx(
             paid["ar"].latency_per_token_s / result.latency_per_token_s)
     code, out, _ = run_cli(capsys, "predict", "--model", "huginn-tiny", "--batch", "2",
                            "--context", "64", "--new-tokens", "32", "--step-overhead", "5ms",
-                           "--sequence-overhead", "1ms", "--json")
+                           "--sequence-overhead", "1ms", "--tick-overhead", "0.2ms",
+                           "--wave-overhead", "0.1ms", "--commit-ahead", "3", "--json")
     assert code == 0
     assert json.loads(out)["schedules"]["wfd"]["latency_per_token_s"] == pytest.approx(
         paid["wfd"].latency_per_token_s)

@@ -174,6 +174,11 @@ class WaveDecoder:
             rows.append(range(starts[i], starts[i + 1]))
             tokens, where = input_ids[rows[-1]].tolist(), positions[rows[-1]].tolist()
             waves.append(self.begin(req, tokens, where, metadata.block_table[i]))
+        if any(positions[start] == 0 for start in starts[:-1]):
+            # a step with a prompt commits nothing ahead: the newcomer's first token waits for
+            # no wave's run ahead (the step ends at every wave's due readout)
+            for wave in waves:
+                wave.limit = min(wave.limit, max(wave.scheduled, wave.committed))
         self.run(waves)
         for wave, at in zip(waves, rows, strict=True):
             for row, p in zip(at, range(wave.scheduled - len(at) + 1, wave.scheduled + 1),

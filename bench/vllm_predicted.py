@@ -1,0 +1,102 @@
+"""The cost model beside vLLM: `costmodel predict --engine vllm` for vLLM's AR and the plugin's
+DtV and WFD, against what bench/vllm_peer.py measured on the machine a profile came from.
+
+    python bench/vllm_predicted.py --peer PEER.json --profile PROFILE.json [--fit huginn-tiny]
+
+The per-call costs come from the profile (its calibration of `wfd`'s decoder on this machine);
+what a calibration does not hold is the engine's own time. Three figures of one model (--fit)
+give it: vLLM's AR at batch 1 and 8 (its time per step, and per sequence in a step: measured
+less predicted per token, two equations) and the plugin's WFD at batch 1 and 8 (its time per
+tick, and per wave in a tick: the rest over the block calls per token, two more). Every other
+row is then a prediction (`predict --step-overhead --sequence-overhead --tick-overhead
+--wave-overhead --commit-ahead`, with the acceptance the waves measured): the other model's
+six, and the fitted model's DtV. Tokens/s as the peer bench counts them: a run of its prompts,
+prefills included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from costmodel.clitools import script_main
+from costmodel.engines import EngineOverheads, for_engine
+from costmodel.predict import predict
+from costmodel.presets import get_model
+from costmodel.profile import load_profile
+from costmodel.workload import Workload
+
+MEASURED = {"ar": "vllm_ar_in_process_tokens_per_s", "dtv": "vllm_plugin_dtv_tokens_per_s",
+            "wfd": "vllm_wfd_tokens_per_s"}
+ACCEPTANCE = {"dtv": "vllm_plugin_dtv_acceptance", "wfd": "vllm_wfd_acceptance"}
+
+
+def predicted(peer: dict, row: dict, hw, engine: EngineOverheads | None) -> dict[str, float]:
+    """Each schedule's predicted tokens/s for one row of the peer bench (its model and batch)."""
+    spec = get_model(row["model"])
+    out = {}
+    for schedule in MEASURED:
+        workload = Workload(context_length=round(peer["prompt_tokens_mean"]),
+                            new_tokens=peer["new_tokens"], batch_size=row["batch"],
+                            prompts=peer["prompts"], dtype="fp32",
+                            acceptance=row.get(ACCEPTANCE.get(schedule, ""), None))
+        result = predict(spec, for_engine("vllm", hw, spec), workload,
+                         block_length=peer["block_length"], engine=engine)
+        out[schedule] = result.schedules[schedule]
+    return out
+
+
+def fit(peer: dict, hw, model: str) -> EngineOverheads:
+    """The engine's times from ``model``'s AR and WFD at batch 1 and 8."""
+    rows = {row["batch"]: row for row in peer["rows"] if row["model"] == model}
+    bare = {b: predicted(peer, rows[b], hw, None) for b in (1, 8)}
+    # a step of B sequences takes step + B * sequence more than its calls: (a, b) of a + B * b
+    def line(extra: dict[int, float]) -> tuple[float, float]:
+        per = max(0.0, (extra[8] - extra[1]) / 7)
+        return max(0.0, extra[1] - per), per
+
+    step_s, sequence_s = line({b: b / rows[b][MEASURED["ar"]] - b / bare[b]["ar"].tokens_per_s
+                               for b in (1, 8)})
+    engine = EngineOverheads(step_s=step_s, per_sequence_s=sequence_s,
+                             commit_ahead=peer.get("commit_ahead", 8))
+    # a tick of B waves likewise, its time per step over the block calls a token takes
+    tick_s, wave_s = line({b: (b / rows[b][MEASURED["wfd"]] - b / bare[b]["wfd"].tokens_per_s
+                               - b * engine.per_token_s(b, drafts=True))
+                           / bare[b]["wfd"].block_calls_per_token for b in (1, 8)})
+    return engine.model_copy(update={"tick_s": tick_s, "wave_tick_s": wave_s})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peer", type=Path, required=True)
+    parser.add_argument("--profile", type=Path, required=True)
+    parser.add_argument("--fit", default="huginn-tiny")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    peer = json.loads(args.peer.read_text())
+    hw = load_profile(args.profile).hardware
+    engine = fit(peer, hw, args.fit)
+    print(f"the engine's own time (fitted on {args.fit}): {engine.step_s * 1e3:.2f} ms a step, "
+          f"{engine.per_sequence_s * 1e3:.2f} ms a sequence in it; {engine.tick_s * 1e3:.3f} ms a "
+          f"tick, {engine.wave_tick_s * 1e3:.3f} ms a wave in it; {engine.commit_ahead} tokens "
+          "committed ahead")
+    print("| model | batch | schedule | measured tokens/s | predicted | error | |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for row in peer["rows"]:
+        guesses = predicted(peer, row, hw, engine)
+        for schedule, key in MEASURED.items():
+            fitted = row["model"] == args.fit and schedule in ("ar", "wfd")
+            measured, guess = row[key], guesses[schedule].tokens_per_s
+            rows.append({"model": row["model"], "batch": row["batch"], "schedule": schedule,
+                         "measured_tokens_per_s": measured, "predicted_tokens_per_s": guess,
+                         "fitted": fitted})
+            print(f"| {row['model']} | {row['batch']} | {schedule} | {measured:.1f} | "
+                  f"{guess:.1f} | {guess / measured - 1:+.0%} | {'fitted' if fitted else ''} |")
+    if args.out:
+        args.out.write_text(json.dumps({"engine": engine.model_dump(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    script_main(main)
