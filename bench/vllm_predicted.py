@@ -1,9 +1,11 @@
 """The cost model beside vLLM: `costmodel predict --engine vllm` for vLLM's AR and the plugin's
 DtV and WFD, against what bench/vllm_peer.py measured on the machine a profile came from.
 
-    python bench/vllm_predicted.py --peer PEER.json --profile PROFILE.json [--fit huginn-tiny]
+    python bench/vllm_predicted.py --peer PEER.json --profile PROFILE.json
+        [--profile ouro-tiny=OURO.json] [--fit huginn-tiny] [--out FILE.json]
 
-The per-call costs come from the profile (its calibration of `wfd`'s decoder on this machine);
+The per-call costs come from the profile (a calibration of `wfd`'s decoder on this machine; a
+model's own with MODEL=FILE, e.g. `costmodel calibrate --model ouro --quick`'s for ouro-tiny);
 what a calibration does not hold is the engine's own time. Three figures of one model (--fit)
 give it: vLLM's AR at batch 1 and 8 (its time per step, and per sequence in a step: measured
 less predicted per token, two equations) and the plugin's WFD at batch 1 and 8 (its time per
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from costmodel.clitools import script_main
@@ -32,9 +35,12 @@ MEASURED = {"ar": "vllm_ar_in_process_tokens_per_s", "dtv": "vllm_plugin_dtv_tok
 ACCEPTANCE = {"dtv": "vllm_plugin_dtv_acceptance", "wfd": "vllm_wfd_acceptance"}
 
 
-def predicted(peer: dict, row: dict, hw, engine: EngineOverheads | None) -> dict[str, float]:
-    """Each schedule's predicted tokens/s for one row of the peer bench (its model and batch)."""
+def predicted(peer: dict, row: dict, hardware: dict, engine: EngineOverheads | None
+              ) -> dict[str, float]:
+    """Each schedule's predicted tokens/s for one row of the peer bench (its model and batch),
+    on the model's profile's hardware (``hardware[None]``: every other model's)."""
     spec = get_model(row["model"])
+    hw = hardware.get(row["model"], hardware[None])
     out = {}
     for schedule in MEASURED:
         workload = Workload(context_length=round(peer["prompt_tokens_mean"]),
@@ -47,7 +53,7 @@ def predicted(peer: dict, row: dict, hw, engine: EngineOverheads | None) -> dict
     return out
 
 
-def fit(peer: dict, hw, model: str) -> EngineOverheads:
+def fit(peer: dict, hw: dict, model: str) -> EngineOverheads:
     """The engine's times from ``model``'s AR and WFD at batch 1 and 8."""
     rows = {row["batch"]: row for row in peer["rows"] if row["model"] == model}
     bare = {b: predicted(peer, rows[b], hw, None) for b in (1, 8)}
@@ -70,12 +76,18 @@ def fit(peer: dict, hw, model: str) -> EngineOverheads:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peer", type=Path, required=True)
-    parser.add_argument("--profile", type=Path, required=True)
+    parser.add_argument("--profile", action="append", required=True,
+                        help="PATH, or MODEL=PATH for that model's rows")
     parser.add_argument("--fit", default="huginn-tiny")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     peer = json.loads(args.peer.read_text())
-    hw = load_profile(args.profile).hardware
+    hw = {None: None}
+    for given in args.profile:
+        model, _, path = given.rpartition("=")
+        hw[model or None] = load_profile(Path(path)).hardware
+    if hw[None] is None:
+        sys.exit("error: give one --profile PATH for the models without one of their own")
     engine = fit(peer, hw, args.fit)
     print(f"the engine's own time (fitted on {args.fit}): {engine.step_s * 1e3:.2f} ms a step, "
           f"{engine.per_sequence_s * 1e3:.2f} ms a sequence in it; {engine.tick_s * 1e3:.3f} ms a "

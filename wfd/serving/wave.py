@@ -85,7 +85,8 @@ class Wave:
     steps: object  # the plan's generator
     token_at: dict[int, int]  # committed tokens up to ``committed``, drafts past it
     scheduled: int  # the newest position vLLM has scheduled (it holds a slot)
-    block_row: torch.Tensor | None = None
+    block_row: torch.Tensor | None = None  # its row of vLLM's block table
+    blocks: list[int] = field(default_factory=list)  # the same, as a list
     committed: int = -1  # the newest position whose token is committed
     limit: int = -1  # the newest position the wave may commit a token at itself
     pending: Verify | Bonus | None = None  # the commit the wave is paused at
@@ -177,8 +178,7 @@ class WaveDecoder:
         if any(positions[start] == 0 for start in starts[:-1]):
             # a step with a prompt commits nothing ahead: the newcomer's first token waits for
             # no wave's run ahead (the step ends at every wave's due readout)
-            for wave in waves:
-                wave.limit = min(wave.limit, max(wave.scheduled, wave.committed))
+            self.stop_ahead(waves)
         self.run(waves)
         for wave, at in zip(waves, rows, strict=True):
             for row, p in zip(at, range(wave.scheduled - len(at) + 1, wave.scheduled + 1),
@@ -215,6 +215,7 @@ class WaveDecoder:
         else:
             wave.scheduled = where[-1]
         wave.block_row = block_row  # new blocks come as the sequence grows
+        wave.blocks = block_row.tolist()
         for p in where:
             self.settle(wave, p)
         ahead, last = _BOUNDS.get(req, (0, wave.scheduled + 1))
@@ -286,6 +287,13 @@ class WaveDecoder:
             for wave in together:
                 calls[id(wave)] = self.next_call(wave)
 
+    @staticmethod
+    def stop_ahead(waves: list[Wave]) -> None:
+        """No wave commits further ahead this step: each pauses at its next commit past its due
+        readout."""
+        for wave in waves:
+            wave.limit = min(wave.limit, max(wave.scheduled, wave.committed))
+
     def next_call(self, wave: Wave) -> Call | None:
         """The wave's events up to its next call (returned, not run), or None where it is
         paused at a commit it may not make itself (``wave.pending``)."""
@@ -339,7 +347,7 @@ class WaveDecoder:
         if kind == "prelude":
             tokens = torch.tensor([wave.token_at[p] for wave, p in rows])
             layers = [[j] * len(rows) for j in range(model.prelude_layers)]
-            e = model.prelude(tokens, where, caches=self.stand_ins(rows, layers))
+            e = model.prelude(tokens, where, caches=self.stand_ins(rows, where, layers))
             states = model.initial_state(where, e)
             for i, (wave, p) in enumerate(rows):
                 wave.injections[p], wave.states[p] = e[i], states[i]
@@ -350,24 +358,24 @@ class WaveDecoder:
             layers = [[model.core_layer_index(r, j) for r in depths]
                       for j in range(model.core_layers)]
             e = torch.stack([wave.injections[p] for wave, p in rows])
-            new = model.step(states, e, where, self.stand_ins(rows, layers))
+            new = model.step(states, e, where, self.stand_ins(rows, where, layers))
             for i, (wave, p) in enumerate(rows):
                 wave.states[p] = new[i]
             return
         slots = [0 if r == model.depth else 1 for r in depths]
         layers = [[model.coda_layer_index(s, j) for s in slots]
                   for j in range(model.arch.coda_layers)]
-        out = model.readout(states, where, caches=self.stand_ins(rows, layers))
+        out = model.readout(states, where, caches=self.stand_ins(rows, where, layers))
         for i, (wave, p) in enumerate(rows):
             wave.readouts[p] = out[i]
 
-    def stand_ins(self, rows: list[tuple[Wave, int]], layers: list[list[int]]
-                  ) -> list[LayerAttention]:
-        """The caches a part's layers attend with in this call: layer j's rows each in the
-        cache ``layers[j][row]``."""
+    def stand_ins(self, rows: list[tuple[Wave, int]], where: torch.Tensor,
+                  layers: list[list[int]]) -> list[LayerAttention]:
+        """The caches a part's layers attend with in this call (its rows at positions
+        ``where``): layer j's rows each in the cache ``layers[j][row]``."""
         some = self.model.caches[0]
-        call = CallKV(self.paged_kv(), rows, some.num_heads, some.num_kv_heads, some.head_size,
-                      self.scale, some.isa)
+        call = CallKV(self.paged_kv(), rows, where, some.num_heads, some.num_kv_heads,
+                      some.head_size, self.scale, some.isa)
         return [call.layer(own) for own in layers]
 
     def rollback(self, wave: Wave, length: int) -> None:

@@ -73,23 +73,23 @@ class CallKV:
     what their attention needs worked out once for all the part's layers: their slots, whether
     vLLM's kernel can read all their keys, and its scheduling metadata."""
 
-    def __init__(self, paged: PagedKV, rows: list, heads: int, kv_heads: int, head_dim: int,
-                 scale: float, isa: str):
-        self.paged, self.rows = paged, rows
+    def __init__(self, paged: PagedKV, rows: list, where: torch.Tensor, heads: int,
+                 kv_heads: int, head_dim: int, scale: float, isa: str):
+        self.paged, self.rows, self.where = paged, rows, where
         self.heads, self.kv_heads, self.head_dim, self.scale, self.isa = (
             heads, kv_heads, head_dim, scale, isa)
         n, block = len(rows), paged.block
-        self.where = torch.tensor([p for _, p in rows])
         waves = {id(wave): wave for wave, _ in rows}
         self.tables = (next(iter(waves.values())).block_row.expand(n, -1) if len(waves) == 1
                        else torch.stack([wave.block_row for wave, _ in rows]))  # [rows, width]
-        width = self.tables.shape[1]
-        index = self.where // block
-        blocks = self.tables.gather(1, index.clamp(max=width - 1)[:, None])[:, 0]
-        # a slot exists where the position's block is allocated (vLLM's null block is 0)
-        self.slotted = (index < width) & (blocks != 0)
-        self.slots = blocks.long() * block + self.where % block
-        self.kernel = bool(self.slotted.all()) and not any(w.ahead for w in waves.values())
+        # a slot exists where the position's block is allocated (vLLM's null block is 0); in
+        # Python: a call has a few rows, and a torch op costs more than a row
+        blocks = [wave.blocks[p // block] if p // block < len(wave.blocks) else 0
+                  for wave, p in rows]
+        self.slotted = torch.tensor([b != 0 for b in blocks])
+        self.slots = torch.tensor([b * block + p % block
+                                   for b, (_, p) in zip(blocks, rows, strict=True)])
+        self.kernel = all(blocks) and not any(w.ahead for w in waves.values())
         if self.kernel:
             from vllm import _custom_ops as ops
 
