@@ -66,10 +66,12 @@ def fit(peer: dict, hw: dict, model: str) -> EngineOverheads:
                                for b in (1, 8)})
     engine = EngineOverheads(step_s=step_s, per_sequence_s=sequence_s,
                              commit_ahead=peer.get("commit_ahead", 8))
-    # a tick of B waves likewise, its time per step over the block calls a token takes
+    # a tick of B waves likewise: the rest of the step over the block calls the waves made
+    depth = get_model(model).default_depth
+    ticks = {b: rows[b]["vllm_wfd_block_calls_per_token"] for b in (1, 8)}
     tick_s, wave_s = line({b: (b / rows[b][MEASURED["wfd"]] - b / bare[b]["wfd"].tokens_per_s
-                               - b * engine.per_token_s(b, drafts=True))
-                           / bare[b]["wfd"].block_calls_per_token for b in (1, 8)})
+                               - b * engine.per_token_s(b, True, ticks[b], depth)) / ticks[b]
+                           for b in (1, 8)})
     return engine.model_copy(update={"tick_s": tick_s, "wave_tick_s": wave_s})
 
 

@@ -73,16 +73,26 @@ class EngineOverheads(Spec):
     wave_tick_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
     commit_ahead: Annotated[int, Field(ge=0)] = 8
 
-    def tokens_per_step(self, drafts: bool) -> int:
-        """Tokens of a sequence one engine step commits, at most (a drafting schedule's: those
-        its wave commits ahead and vLLM's sample)."""
-        return self.commit_ahead + 1 if drafts else 1
+    def tokens_per_step(self, drafts: bool, sequences: int = 1, ticks_per_token: float = 0.0,
+                        depth: int = 0) -> float:
+        """Tokens of a sequence one engine step commits: AR's one; a drafting schedule's those
+        its wave commits ahead and vLLM's sample, and with several sequences (the plugin ends
+        such a step after R block calls) R ticks' worth, ``depth / ticks_per_token``, where
+        that is fewer."""
+        if not drafts:
+            return 1.0
+        most = self.commit_ahead + 1.0
+        if sequences > 1 and ticks_per_token > 0 and depth:
+            return min(most, max(1.0, depth / ticks_per_token))
+        return most
 
     def per_tick_s(self, sequences: int) -> float:
         """A drafting schedule's own time per tick of ``sequences`` waves."""
         return self.tick_s + self.wave_tick_s * sequences
 
-    def per_token_s(self, sequences: int, drafts: bool) -> float:
+    def per_token_s(self, sequences: int, drafts: bool, ticks_per_token: float = 0.0,
+                    depth: int = 0) -> float:
         """A token's share of the engine's step (a step of ``sequences`` sequences) and of its
         sequence's share."""
-        return (self.step_s / sequences + self.per_sequence_s) / self.tokens_per_step(drafts)
+        return (self.step_s / sequences + self.per_sequence_s) / self.tokens_per_step(
+            drafts, sequences, ticks_per_token, depth)

@@ -257,7 +257,7 @@ def predict(
     if wl.prompts is not None:
         for name, schedule in chosen.items():
             _finite_run(spec, hw, wl, depth, schedule, float(alpha), results[name])
-    _with_speedups(results, engine, wl.batch_size)
+    _with_speedups(results, engine, wl.batch_size, depth)
     return Prediction(model=spec.name, hardware=hw, workload=wl, depth=depth, memory=memory,
                       schedules=results)
 
@@ -301,13 +301,14 @@ def _result(spec: LoopedModelSpec, hw: HardwareSpec, wl: Workload, depth: int,
 
 
 def _with_speedups(results: dict[str, ScheduleResult], engine: EngineOverheads | None,
-                   batch: int) -> None:
+                   batch: int, depth: int) -> None:
     """The engine's time (where given) added to each token as overhead: its step's share (a
     drafting schedule's step commits several tokens of each sequence) and a drafting
     schedule's ticks; speedups."""
     for name, r in results.items() if engine is not None else ():
         drafts = r.draft_depth is not None
-        own = batch * engine.per_token_s(batch, drafts) + (
+        ticks = r.block_calls_per_token
+        own = batch * engine.per_token_s(batch, drafts, ticks, depth) + (
             engine.per_tick_s(batch) * r.block_calls_per_token if drafts else 0.0)
         latency = r.latency_per_token_s + own
         terms = {**r.breakdown.model_dump(), "overhead_s": r.breakdown.overhead_s + own}

@@ -203,6 +203,7 @@ class _Stream:
         self.served: dict[int, dict[str, float]] = {}
         self.reserved: dict[int, int] = {}
         self.accounted: dict[int, int] = {}  # committed tokens whose engine time is counted
+        self.ticks = self.committed = 0  # block calls and tokens so far, for the engine's share
         self.last_call_lanes = 1
         drafts = {depth} | ({schedule.draft_depth} if schedule.drafts else set())
         self.per_token = model.kv_bytes_per_token(dtype, depth, kv_sharing, len(drafts))
@@ -253,6 +254,8 @@ class _Stream:
         tokens = len(lanes) if prefill and kind == "coda" and self.depth in depths else 0
         for lane in lanes if not prefill else ():
             tokens += self.committed_since(lane)
+        self.ticks += kind == "block" and not prefill
+        self.committed += tokens
         self.clock.add(CallRecord.model_construct(
             kind=kind, positions=positions, depths=depths,
             contexts=keys_read(positions, self.graphs and not prefill),
@@ -281,7 +284,9 @@ class _Stream:
     def engine_per_token(self, sequences: int) -> float:
         """A token's share of the engine's step (of ``sequences`` sequences), and of its
         sequence's."""
-        return self.engine.per_token_s(sequences, self.schedule.drafts)
+        return self.engine.per_token_s(sequences, self.schedule.drafts,
+                                       self.ticks * sequences / max(1, self.committed),
+                                       self.depth)
 
 
 def summarize(schedule: Schedule, served: list[Served], mean_batch: float, *,

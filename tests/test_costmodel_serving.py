@@ -201,18 +201,23 @@ def test_bad_input_is_one_line(capsys, args, said):
 def test_predict_adds_the_engine_s_time_to_every_token_as_overhead(capsys):
     """`predict --step-overhead --sequence-overhead --tick-overhead --wave-overhead
     --commit-ahead`: each schedule's tokens pay a step and each sequence's share, as overhead,
-    a drafting schedule's shared by the tokens a step commits ahead and its one, and its block
-    calls a tick and each wave's share; throughput and speedups follow."""
+    a drafting schedule's shared by the tokens a step commits ahead and its one (with several
+    sequences, no more than R block calls' worth), and its block calls a tick and each wave's
+    share; throughput and speedups follow."""
     from costmodel import predict
 
     workload = {"context_length": 64, "new_tokens": 32, "batch_size": 2}
     bare = predict("huginn-tiny", "a6000", workload).schedules
     engine = EngineOverheads(step_s=0.005, per_sequence_s=0.001, tick_s=0.0002,
                              wave_tick_s=0.0001, commit_ahead=3)
-    paid = predict("huginn-tiny", "a6000", workload, engine=engine).schedules
+    prediction = predict("huginn-tiny", "a6000", workload, engine=engine)
+    paid = prediction.schedules
     for name, result in paid.items():
         drafts = name != "ar"
-        own = 0.007 / 4 + 0.0004 * bare[name].block_calls_per_token if drafts else 0.007
+        calls = bare[name].block_calls_per_token
+        # a step of two sequences ends after R block calls: R / calls tokens, where fewer than 4
+        tokens = min(4, prediction.depth / calls)
+        own = 0.007 / tokens + 0.0004 * calls if drafts else 0.007
         assert result.latency_per_token_s == pytest.approx(bare[name].latency_per_token_s + own)
         assert result.breakdown.overhead_s == pytest.approx(bare[name].breakdown.overhead_s
                                                             + own)

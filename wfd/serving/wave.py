@@ -274,16 +274,24 @@ class WaveDecoder:
 
     def run(self, waves: list[Wave]) -> None:
         """Every wave's events up to a commit it may not make itself (the readout at R that
-        vLLM samples from, or past its bound ahead), the calls of the same part over several
-        waves run as one: a coda call before a prelude call before a block call, so that waves
-        in step share every call of a tick."""
+        vLLM samples from, or past its bound ahead; with several requests, past the step's R
+        block calls), the calls of the same part over several waves run as one: a coda call
+        before a prelude call before a block call, so that waves in step share every call of a
+        tick."""
         calls = {id(wave): self.next_call(wave) for wave in waves}
+        ticks = 0
         while any(calls.values()):
             kind = next(k for k in ("coda", "prelude", "block")
                         if any(c is not None and c.kind == k for c in calls.values()))
             together = [w for w in waves if calls[id(w)] is not None
                         and calls[id(w)].kind == kind]
             self.call(kind, [(w, calls[id(w)]) for w in together])
+            ticks += kind == "block"
+            if ticks == self.model.depth and len(waves) > 1:
+                # requests together (a server under load): past as many block calls as an AR
+                # step makes, no more commits ahead this step, so that a request waiting to
+                # start waits about as long as behind AR's step
+                self.stop_ahead(waves)
             for wave in together:
                 calls[id(wave)] = self.next_call(wave)
 
