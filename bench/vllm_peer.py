@@ -105,6 +105,75 @@ def ours(model, prompts: list[list[int]], schedule: str, batch: int, new_tokens:
     return time.perf_counter() - started, tokens
 
 
+# the --out keys of vLLM's AR runs' seconds (the others: vllm_MODE_runs_s)
+RUNS_KEY = {"ar": "vllm_runs_s", "ar_in_process": "vllm_in_process_runs_s"}
+
+
+def vllm_modes(args) -> dict[str, dict]:
+    """vLLM's modes, each an engine of its own: the options of ``vllm_runs`` by mode."""
+    return {"ar": {"in_process": False}, "ar_in_process": {"in_process": True},
+            "dtv": {"in_process": True, "speculative_tokens": args.block_length},
+            "wfd": {"in_process": True,
+                    "overrides": {"schedule": "wfd", "commit_ahead": args.commit_ahead}},
+            "plugin_dtv": {"in_process": True,
+                           "overrides": {"schedule": "dtv", "block_length": args.block_length,
+                                         "commit_ahead": args.commit_ahead}}}
+
+
+def our_times(name: str, prompts: list[list[int]], args, vllm: dict) -> dict:
+    """This decoder's seconds per run of each schedule at each batch, its repeats interleaved;
+    exits when a vLLM mode's greedy tokens are not its AR's."""
+    model = load_model(name)
+    times = {(s, b): [] for s in SCHEDULES for b in (1, 8)}
+    for _ in range(args.repeats):  # interleaved: each repeat runs every configuration
+        for schedule in SCHEDULES:
+            for batch in (1, 8):
+                seconds, tokens = ours(model, prompts, schedule, batch, args.new_tokens,
+                                       args.block_length)
+                times[schedule, batch].append(seconds)
+                for mode, (_, _, runs, _) in vllm.items():
+                    if schedule == "ar" and batch == 1 and any(t != tokens for t in runs):
+                        sys.exit(f"error: vLLM's {mode} greedy tokens differ from AR's on "
+                                 f"{name}")
+    return times
+
+
+def model_rows(name: str, prompts: list[list[int]], args) -> list[dict]:
+    """One model's rows, batch 1 and 8: tokens/s of every vLLM mode and of this decoder."""
+    folder = ROOT / "wfd" / "models" / name
+    vllm = {mode: vllm_runs(folder, prompts, args.new_tokens, args.repeats, args.threads,
+                            **options) for mode, options in vllm_modes(args).items()}
+    times = our_times(name, prompts, args, vllm)
+    total = len(prompts) * args.new_tokens
+    rows = []
+    for index, batch in enumerate((1, 8)):
+        seconds = {mode: runs[index] for mode, runs in vllm.items()}
+        waves = {mode: vllm[mode][3][batch] for mode in ("wfd", "plugin_dtv")}
+        rows.append({"model": name, "batch": batch,
+                     **{f"vllm_{mode}_tokens_per_s": total / statistics.median(v)
+                        for mode, v in seconds.items()},
+                     **{f"{s}_tokens_per_s": total / statistics.median(times[s, batch])
+                        for s in SCHEDULES},
+                     **{RUNS_KEY.get(mode, f"vllm_{mode}_runs_s"): v
+                        for mode, v in seconds.items()},
+                     **{f"vllm_{mode}_{key}": value for mode, figures in waves.items()
+                        for key, value in figures.items()},
+                     "runs_s": {s: times[s, batch] for s in SCHEDULES}})
+    return rows
+
+
+def table_line(row: dict) -> str:
+    def v(key: str) -> float:
+        return row[f"{key}_tokens_per_s"]
+    ar, ar_in = v("vllm_ar"), v("vllm_ar_in_process")
+    return (f"| {row['model']} | {row['batch']} | {ar:.1f} | {ar_in:.1f} | {v('vllm_dtv'):.1f} | "
+            f"{v('vllm_wfd'):.1f} | {v('vllm_plugin_dtv'):.1f} | {v('ar'):.1f} | {v('dtv'):.1f} | "
+            f"{v('wfd'):.1f} | {ar / v('ar'):.2f}x, {ar_in / v('ar'):.2f}x"
+            f" | {v('vllm_dtv') / ar_in:.2f}x | {v('vllm_wfd') / ar_in:.2f}x | "
+            f"{v('vllm_plugin_dtv') / ar_in:.2f}x | {v('wfd') / ar:.2f}x | "
+            f"{v('vllm_wfd') / v('wfd'):.2f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -118,69 +187,16 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     prompts = [list(text.encode()) for text in CODE]
-    total = len(prompts) * args.new_tokens
-    rows = []
-    print(f"| model | batch | vLLM AR | vLLM AR, engine in-process | vLLM DtV k={args.block_length}"
-          f" | vLLM WFD | vLLM plugin DtV | AR | DtV k={args.block_length} | WFD | vLLM AR / AR | "
-          "vLLM DtV / vLLM AR | vLLM WFD / vLLM AR | vLLM plugin DtV / vLLM AR | WFD / vLLM AR | "
-          "vLLM WFD / WFD |")
+    k = args.block_length
+    print(f"| model | batch | vLLM AR | vLLM AR, engine in-process | vLLM DtV k={k} | vLLM WFD | "
+          f"vLLM plugin DtV | AR | DtV k={k} | WFD | vLLM AR / AR | vLLM DtV / vLLM AR | "
+          "vLLM WFD / vLLM AR | vLLM plugin DtV / vLLM AR | WFD / vLLM AR | vLLM WFD / WFD |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
     for name in args.models:
-        model = load_model(name)
-        folder = ROOT / "wfd" / "models" / name
-        one, eight, vllm_tokens, _ = vllm_runs(folder, prompts, args.new_tokens, args.repeats,
-                                               args.threads, in_process=False)
-        one_in, eight_in, _, _ = vllm_runs(folder, prompts, args.new_tokens, args.repeats,
-                                           args.threads, in_process=True)
-        one_dtv, eight_dtv, dtv_tokens, _ = vllm_runs(
-            folder, prompts, args.new_tokens, args.repeats, args.threads, in_process=True,
-            speculative_tokens=args.block_length)
-        one_wfd, eight_wfd, wfd_tokens, wfd_calls = vllm_runs(
-            folder, prompts, args.new_tokens, args.repeats, args.threads, in_process=True,
-            overrides={"schedule": "wfd", "commit_ahead": args.commit_ahead})
-        one_own, eight_own, own_tokens, own_calls = vllm_runs(
-            folder, prompts, args.new_tokens, args.repeats, args.threads, in_process=True,
-            overrides={"schedule": "dtv", "block_length": args.block_length,
-                       "commit_ahead": args.commit_ahead})
-        times = {(s, b): [] for s in SCHEDULES for b in (1, 8)}
-        for _ in range(args.repeats):  # interleaved: each repeat runs every configuration
-            for schedule in SCHEDULES:
-                for batch in (1, 8):
-                    seconds, tokens = ours(model, prompts, schedule, batch, args.new_tokens,
-                                           args.block_length)
-                    times[schedule, batch].append(seconds)
-                    for mode, runs in (("AR", vllm_tokens), ("DtV", dtv_tokens),
-                                       ("WFD", wfd_tokens), ("plugin DtV", own_tokens)):
-                        if schedule == "ar" and batch == 1 and any(t != tokens for t in runs):
-                            sys.exit(f"error: vLLM's {mode} greedy tokens differ from AR's on "
-                                     f"{name}")
-        for batch, vllm_s, vllm_in_s, dtv_s, wfd_s, own_s in (
-                (1, one, one_in, one_dtv, one_wfd, one_own),
-                (8, eight, eight_in, eight_dtv, eight_wfd, eight_own)):
-            speed = {s: total / statistics.median(times[s, batch]) for s in SCHEDULES}
-            peer, peer_in, peer_dtv, peer_wfd, peer_own = (
-                total / statistics.median(v) for v in (vllm_s, vllm_in_s, dtv_s, wfd_s, own_s))
-            rows.append({"model": name, "batch": batch, "vllm_ar_tokens_per_s": peer,
-                         "vllm_ar_in_process_tokens_per_s": peer_in,
-                         "vllm_dtv_tokens_per_s": peer_dtv, "vllm_wfd_tokens_per_s": peer_wfd,
-                         "vllm_plugin_dtv_tokens_per_s": peer_own,
-                         **{f"{s}_tokens_per_s": v for s, v in speed.items()},
-                         "vllm_runs_s": vllm_s, "vllm_in_process_runs_s": vllm_in_s,
-                         "vllm_dtv_runs_s": dtv_s, "vllm_wfd_runs_s": wfd_s,
-                         "vllm_plugin_dtv_runs_s": own_s,
-                         "vllm_wfd_block_calls_per_token":
-                             wfd_calls[batch]["block_calls_per_token"],
-                         "vllm_wfd_acceptance": wfd_calls[batch]["acceptance"],
-                         "vllm_plugin_dtv_block_calls_per_token":
-                             own_calls[batch]["block_calls_per_token"],
-                         "vllm_plugin_dtv_acceptance": own_calls[batch]["acceptance"],
-                         "runs_s": {s: times[s, batch] for s in SCHEDULES}})
-            print(f"| {name} | {batch} | {peer:.1f} | {peer_in:.1f} | {peer_dtv:.1f} | "
-                  f"{peer_wfd:.1f} | {peer_own:.1f} | {speed['ar']:.1f} | {speed['dtv']:.1f} | "
-                  f"{speed['wfd']:.1f} | {peer / speed['ar']:.2f}x, {peer_in / speed['ar']:.2f}x"
-                  f" | {peer_dtv / peer_in:.2f}x | {peer_wfd / peer_in:.2f}x | "
-                  f"{peer_own / peer_in:.2f}x | {speed['wfd'] / peer:.2f}x | "
-                  f"{peer_wfd / speed['wfd']:.2f}x |")
+        rows += model_rows(name, prompts, args)
+        for row in rows[-2:]:
+            print(table_line(row), flush=True)
     print("\nThe plugin's waves, block calls per new token of a request (AR: R):")
     for row in rows:
         print(f"{row['model']}, batch {row['batch']}: WFD "
@@ -191,8 +207,7 @@ def main() -> None:
             "new_tokens": args.new_tokens, "prompts": len(prompts),
             "prompt_tokens_mean": statistics.mean(map(len, prompts)),
             "block_length": args.block_length, "commit_ahead": args.commit_ahead,
-            "threads": args.threads, "rows": rows},
-            indent=1))
+            "threads": args.threads, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
