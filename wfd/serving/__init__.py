@@ -11,8 +11,9 @@ itself as drafter, at its draft depth), or the plugin's own WFD or DtV (``schedu
 ``recurrence_depth`` (R; default the checkpoint's), ``kv_sharing`` (0: a KV slot per depth; S in
 1..R: S shared slots), ``draft_depth`` (DtV's and WFD's d), ``schedule`` ("wfd": WaveFront
 Decoding in the engine, with ``width_cap``; "dtv": DtV with nested reuse, with
-``block_length``; ``wfd.serving.wave``), and for Huginn ``init_scale`` and ``state_seed`` (its
-initial state, as ``wfd generate --init-scale --seed``).
+``block_length``; ``wfd.serving.wave``), ``commit_ahead`` (their greedy tokens committed ahead
+of vLLM's sampler, as its speculative tokens; ``wfd.serving.ahead``), and for Huginn
+``init_scale`` and ``state_seed`` (its initial state, as ``wfd generate --init-scale --seed``).
 """
 
 from __future__ import annotations
