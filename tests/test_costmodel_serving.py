@@ -82,6 +82,22 @@ def test_the_engine_s_own_time_is_paid_per_token_step_and_request(schedule):
                                                      ticks == 0)
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES[1:], ids=lambda s: s.name)
+def test_a_drafting_step_of_several_requests_is_shared_by_r_block_calls_worth(schedule):
+    """Two requests together, a drafting schedule: a step commits several tokens of each (the
+    plugin's commits ahead), but no more than its R block calls' worth; so a token's share of the
+    engine's step is more than a ninth of it, and less than AR's whole share."""
+    requests = [Request(arrival_s=0.0, prompt_tokens=20, output_tokens=40)] * 2
+    kw = {"max_batch": 2, "acceptance": 0.9, "depth": 8, "seed": 3}
+    bare, _ = serve(MODEL, HARDWARE, schedule, requests, **kw)
+    paid, _ = serve(MODEL, HARDWARE, schedule, requests,
+                    engine=EngineOverheads(step_s=0.004, commit_ahead=8), **kw)
+    # 39 tokens after the first, each a half share of a step (two sequences), over its tokens
+    per_token = (paid[0].finish_s - paid[0].first_token_s
+                 - (bare[0].finish_s - bare[0].first_token_s)) / 39
+    assert 0.002 / 9 < per_token < 0.002
+
+
 def test_requests_that_arrive_together_queue_and_share_calls():
     """Twelve requests at once, four places: the batch fills (four sequences per call), the
     later ones wait for a place (their first tokens later), and the engine's rate exceeds one
