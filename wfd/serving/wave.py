@@ -91,6 +91,7 @@ class Wave:
     limit: int = -1  # the newest position the wave may commit a token at itself
     pending: Verify | Bonus | None = None  # the commit the wave is paused at
     reply: bool | None = None  # what the plan is sent next (a verification's outcome)
+    fresh: bool = True  # started this step: its rows are a prompt's
     states: dict[int, torch.Tensor] = field(default_factory=dict)
     injections: dict[int, torch.Tensor] = field(default_factory=dict)
     readouts: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -184,10 +185,12 @@ class WaveDecoder:
             for row, p in zip(at, range(wave.scheduled - len(at) + 1, wave.scheduled + 1),
                               strict=True):
                 # a prompt's rows carry their readouts at R too (prompt logprobs; with no coda
-                # the readout is the state); a row past a token vLLM will reject, none
-                readout = wave.readouts.get(p, wave.states.get(p))
+                # the readout is the state at R); a row past a token vLLM will reject (one the
+                # wave did not commit), none: a state there may be shallower than R
+                readout = wave.readouts.get(p, wave.states.get(p) if wave.fresh else None)
                 if readout is not None:
                     out[row] = readout
+            wave.fresh = False
             self.prune(wave)
         return out
 
