@@ -89,16 +89,17 @@ def engines(tmp_path_factory):
 def vllm_job(engines: Engines, tmp_path: Path, model: Path, runs: list[dict],
              overrides: dict | None = None, tensor_parallel: int = 1,
              speculative_tokens: int | None = None, kv_blocks: int | None = None,
-             block_tokens: int | None = None) -> dict:
+             block_tokens: int | None = None, max_model_len: int | None = None) -> dict:
     """wfd.serving.offline's output for this job, from an engine of its own (``kv_blocks``: its
-    KV cache held to that many blocks of ``block_tokens``, its sequences to 256 tokens): one
+    KV cache held to that many blocks of ``block_tokens``, its sequences to 256 tokens, or to
+    ``max_model_len``): one
     rank in this worker's engine process, two in a process of their own (vLLM's default)."""
     job, out = tmp_path / "job.json", tmp_path / "out.json"
     job.write_text(json.dumps({"model": str(model), "runs": runs, "overrides": overrides,
                                "tensor_parallel": tensor_parallel,
                                "speculative_tokens": speculative_tokens,
                                "kv_blocks": kv_blocks, "block_tokens": block_tokens,
-                               "max_model_len": 256 if kv_blocks else None}))
+                               "max_model_len": max_model_len or (256 if kv_blocks else None)}))
     if tensor_parallel == 1:
         engines.run(job, out)
     else:
@@ -243,6 +244,21 @@ def test_the_plugin_s_wfd_and_dtv_emit_ar_tokens_and_verify_what_wfd_verifies(
         assert ar[0]["tokens"] != job["runs"][1]["tokens"]  # sampled, not greedy
     if restarting:
         assert job["runs"][-1]["wave"]["restarts"] > job["runs"][-2]["wave"]["restarts"]
+
+
+def test_waves_near_the_longest_sequence_go_on_where_vllm_drafts_zeros(engines, tmp_path):
+    """Sequences that end at the engine's longest length: within commit_ahead tokens of it,
+    vLLM's runner drafts zeros for every request in place of the proposer's tokens, and accepts
+    fewer tokens than it scheduled. The waves go on from the tokens vLLM accepted (no restart)
+    and the tokens are wfd's AR's."""
+    prompts = [list(text.encode()) for text in CODE]
+    longest = max(map(len, prompts)) + NEW_TOKENS
+    job = vllm_job(engines, tmp_path, ROOT / "wfd" / "models" / "huginn-tiny",
+                   [{"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": 8}],
+                   overrides={"schedule": "wfd", "draft_depth": 2}, max_model_len=longest)
+    assert job["runs"][0]["tokens"] == ar_tokens(load_model("huginn-tiny"), prompts)
+    assert job["runs"][0]["wave"]["restarts"] == 0
+    assert job["counters"]["accepted_tokens"] > 0
 
 
 ABORTING = """

@@ -92,6 +92,7 @@ class Wave:
     pending: Verify | Bonus | None = None  # the commit the wave is paused at
     reply: bool | None = None  # what the plan is sent next (a verification's outcome)
     fresh: bool = True  # started this step: its rows are a prompt's
+    kept: int = 0  # what positions before it computed is forgotten (vLLM committed them)
     states: dict[int, torch.Tensor] = field(default_factory=dict)
     injections: dict[int, torch.Tensor] = field(default_factory=dict)
     readouts: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -182,8 +183,8 @@ class WaveDecoder:
             self.stop_ahead(waves)
         self.run(waves)
         for wave, at in zip(waves, rows, strict=True):
-            for row, p in zip(at, range(wave.scheduled - len(at) + 1, wave.scheduled + 1),
-                              strict=True):
+            first = wave.scheduled - len(at) + 1
+            for row, p in zip(at, range(first, wave.scheduled + 1), strict=True):
                 # a prompt's rows carry their readouts at R too (prompt logprobs; with no coda
                 # the readout is the state at R); a row past a token vLLM will reject (one the
                 # wave did not commit), none: a state there may be shallower than R
@@ -191,13 +192,16 @@ class WaveDecoder:
                 if readout is not None:
                     out[row] = readout
             wave.fresh = False
-            self.prune(wave)
+            self.prune(wave, first)
         return out
 
-    def prune(self, wave: Wave) -> None:
-        """Forget what positions before the newest scheduled one hold: they are committed and
-        at R, and nothing the plan does reads them again (their KV stays in the cache)."""
-        _forget(wave, lambda p: p < wave.scheduled)
+    def prune(self, wave: Wave, first: int) -> None:
+        """Forget what positions before ``first`` (the step's first, vLLM's newest sample) hold:
+        vLLM has committed them, they are at R, and nothing the plan does reads them again
+        (their KV stays in the cache). The step's later positions are kept until vLLM says
+        how many of them it accepted."""
+        _forget(wave, lambda p: p < first)
+        wave.kept = first
 
     def begin(self, req: str, tokens: list[int], where: list[int], block_row: torch.Tensor
               ) -> Wave:
@@ -236,9 +240,10 @@ class WaveDecoder:
 
     def agrees(self, wave: Wave, position: int, token: int) -> bool:
         """Whether vLLM's token at ``position`` (the first it scheduled this step) goes on with
-        the wave: a token the wave committed ahead, or vLLM's sample for the commit the wave
-        is paused at."""
-        if position != wave.scheduled + 1:
+        the wave: a token the wave committed ahead (vLLM may have accepted fewer than it
+        scheduled: tokens it drafted itself, as its zeros near the longest sequence), or vLLM's
+        sample for the commit the wave is paused at."""
+        if not wave.kept <= position <= wave.scheduled + 1:
             return False
         if position <= wave.committed:
             return wave.token_at[position] == token
