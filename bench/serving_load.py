@@ -208,7 +208,7 @@ def engine_overheads(base: str, model: str, spec, hw, prompt: Lengths, output: L
     bare = EngineOverheads(commit_ahead=commit_ahead)
     # a token's share of the engine's time: the step's and its sequence's, over the tokens a
     # step commits of each sequence (a drafting schedule's: those it commits ahead and one)
-    shares = bare.tokens_per_step(bare.commit_ahead and options["names"][0] != "ar")
+    shares = bare.tokens_per_step(options["names"][0] != "ar")
     extra_lone = (lone - simulated(1, bare)[0]) * shares
     extra_full = (full - simulated(batch, bare)[0]) * shares
     per_sequence = max(0.0, (extra_full - extra_lone) / (batch - 1)) if batch > 1 else 0.0

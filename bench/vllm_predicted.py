@@ -25,7 +25,7 @@ from pathlib import Path
 
 from costmodel.clitools import script_main
 from costmodel.engines import EngineOverheads, for_engine
-from costmodel.predict import predict
+from costmodel.predict import ScheduleResult, predict
 from costmodel.presets import get_model
 from costmodel.profile import load_profile
 from costmodel.workload import Workload
@@ -36,9 +36,9 @@ ACCEPTANCE = {"dtv": "vllm_plugin_dtv_acceptance", "wfd": "vllm_wfd_acceptance"}
 
 
 def predicted(peer: dict, row: dict, hardware: dict, engine: EngineOverheads | None
-              ) -> dict[str, float]:
-    """Each schedule's predicted tokens/s for one row of the peer bench (its model and batch),
-    on the model's profile's hardware (``hardware[None]``: every other model's)."""
+              ) -> dict[str, ScheduleResult]:
+    """Each schedule's prediction for one row of the peer bench (its model and batch), on the
+    model's profile's hardware (``hardware[None]``: every other model's)."""
     spec = get_model(row["model"])
     hw = hardware.get(row["model"], hardware[None])
     out = {}

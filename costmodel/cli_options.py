@@ -51,8 +51,7 @@ def engine_overheads(step: str, sequence: str, request: str = "0s", tick: str = 
                              request_s=parse_duration(request), tick_s=parse_duration(tick),
                              wave_tick_s=parse_duration(wave),
                              commit_ahead=commit_ahead)
-    return engine if engine.model_dump(exclude={"commit_ahead"}) != EngineOverheads(
-    ).model_dump(exclude={"commit_ahead"}) else None
+    return engine if engine != EngineOverheads(commit_ahead=commit_ahead) else None
 
 
 def override_hardware(hw: HardwareSpec, bandwidth: str | None, flops: str | None,

@@ -55,6 +55,7 @@ def run_job(job: dict) -> dict:
     k = job.get("speculative_tokens")
     speculative = {"method": "draft_model", "model": job["model"], "num_speculative_tokens": k,
                    **job.get("speculative_options", {})} if k else None
+    counted = speculative or job.get("kv_blocks") or wave  # the output gives vLLM's counters
     started = time.perf_counter()
     llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"),
               enforce_eager=job.get("eager", True),
@@ -64,7 +65,7 @@ def run_job(job: dict) -> dict:
               hf_overrides=job.get("overrides") or None, speculative_config=speculative,
               num_gpu_blocks_override=job.get("kv_blocks"),
               block_size=job.get("block_tokens"),
-              disable_log_stats=not (speculative or job.get("kv_blocks") or wave))
+              disable_log_stats=not counted)
     engine_s = time.perf_counter() - started
     cache = llm.llm_engine.vllm_config.cache_config  # filled in where the engine core ran
     kv = {"kv_cache_tokens": cache.num_gpu_blocks * cache.block_size,
@@ -88,7 +89,6 @@ def run_job(job: dict) -> dict:
             tokens += [list(out.outputs[0].token_ids) for out in outputs]
         results.append({"tokens": tokens, "seconds": time.perf_counter() - started,
                         **({"wave": wave_counters(llm)} if wave else {})})
-    counted = speculative or job.get("kv_blocks") or wave
     result = {"engine_s": engine_s, **kv, "runs": results,
               **({"counters": engine_counters(llm)} if counted else {})}
     shut_down(llm)

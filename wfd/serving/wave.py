@@ -172,12 +172,13 @@ class WaveDecoder:
         out = torch.zeros(len(input_ids), self.model.arch.hidden_size,
                           dtype=self.model.lm_head.weight.dtype)
         starts = metadata.query_start_loc.tolist()
-        waves, rows = [], []
+        waves, rows, prompted = [], [], False
         for i, req in enumerate(_BATCH):
             rows.append(range(starts[i], starts[i + 1]))
             tokens, where = input_ids[rows[-1]].tolist(), positions[rows[-1]].tolist()
+            prompted |= where[0] == 0
             waves.append(self.begin(req, tokens, where, metadata.block_table[i]))
-        if any(positions[start] == 0 for start in starts[:-1]):
+        if prompted:
             # a step with a prompt commits nothing ahead: the newcomer's first token waits for
             # no wave's run ahead (the step ends at every wave's due readout)
             self.stop_ahead(waves)
