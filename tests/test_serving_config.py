@@ -75,3 +75,35 @@ def test_the_config_hook_refuses_in_one_line_and_gives_the_wave_whole_prompts():
     plain = engine(config())
     ScheduleHook.verify_and_update_config(plain)
     assert plain.cache_config.enable_prefix_caching  # AR keeps vLLM's defaults
+
+
+def test_a_wave_hears_of_requests_arriving_at_the_engine_it_is_built_in():
+    """The plugin's waves stop running ahead when the server has a request waiting
+    (wfd.serving.wave.arrived): they find the engine core's input queue from the model's
+    constructor, which runs inside ``EngineCoreProc.__init__``; an engine in this process (no
+    server) has none."""
+    import queue
+
+    pytest.importorskip("vllm.v1.engine.core")
+    from vllm.v1.engine.core import EngineCoreProc
+
+    from wfd.serving import wave
+
+    class Core(EngineCoreProc):
+        def __init__(self):  # what vLLM's does first, then the model is built
+            self.input_queue = queue.Queue()
+            self.found = build_model()
+
+    def build_model():
+        return wave.engine_inbox()
+
+    core = Core()
+    assert core.found is core.input_queue
+    assert build_model() is None
+    wave._INBOX[0] = core.input_queue
+    try:
+        assert not wave.arrived()
+        core.input_queue.put_nowait(("ADD", None))
+        assert wave.arrived()
+    finally:
+        wave._INBOX[0] = None

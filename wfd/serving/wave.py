@@ -29,6 +29,8 @@ wraps.
 
 from __future__ import annotations
 
+import queue
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +47,23 @@ from .wave_kv import CallKV, LayerAttention, PagedKV
 _BATCH: list[str] = []
 _BOUNDS: dict[str, tuple[int, int]] = {}
 _FORGOTTEN: set[str] = set()
+# the engine core's queue of requests arriving from the server (None in-process, where every
+# request is added between steps, and on a worker of its own process: tensor parallel)
+_INBOX: list[queue.Queue | None] = [None]
+
+
+def engine_inbox() -> queue.Queue | None:
+    """The input queue of the engine core being built around the caller (the model is made in
+    ``EngineCoreProc.__init__``, on its thread), where the server's requests land mid-step."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, EngineCoreProc):
+            return owner.input_queue
+        frame = frame.f_back
+    return None
 
 
 def install_hooks() -> None:
@@ -72,6 +91,12 @@ def install_hooks() -> None:
     GPUModelRunner._wfd_hooks = True
 
 
+def arrived() -> bool:
+    """Whether a request (or another message from the server) waits for the step to end."""
+    inbox = _INBOX[0]
+    return inbox is not None and not inbox.empty()
+
+
 def counters(model) -> dict[str, int]:
     """The wave's counters of a model of the plugin (``LLM.apply_model(counters)``)."""
     return model.wave.counters()
@@ -89,6 +114,7 @@ class Wave:
     blocks: list[int] = field(default_factory=list)  # the same, as a list
     committed: int = -1  # the newest position whose token is committed
     limit: int = -1  # the newest position the wave may commit a token at itself
+    last: int = sys.maxsize  # the request's last position (its max_tokens, the longest length)
     pending: Verify | Bonus | None = None  # the commit the wave is paused at
     reply: bool | None = None  # what the plan is sent next (a verification's outcome)
     fresh: bool = True  # started this step: its rows are a prompt's
@@ -153,6 +179,7 @@ class WaveDecoder:
         self.totals = {"verified": 0, "accepted": 0, "flushed_positions": 0, "block_calls": 0,
                        "restarts": 0}
         install_hooks()
+        _INBOX[0] = engine_inbox()
 
     def counters(self) -> dict[str, int]:
         """Drafts verified and accepted, positions flushed and block calls (ticks) so far."""
@@ -226,8 +253,8 @@ class WaveDecoder:
         wave.blocks = block_row.tolist()
         for p in where:
             self.settle(wave, p)
-        ahead, last = _BOUNDS.get(req, (0, wave.scheduled + 1))
-        wave.limit = min(wave.scheduled + 1 + ahead, last) if ahead else wave.scheduled
+        ahead, wave.last = _BOUNDS.get(req, (0, sys.maxsize))
+        wave.limit = min(wave.scheduled + 1 + ahead, wave.last) if ahead else wave.scheduled
         return wave
 
     def start(self, req: str, tokens: list[int]) -> Wave:
@@ -296,10 +323,11 @@ class WaveDecoder:
                         and calls[id(w)].kind == kind]
             self.call(kind, [(w, calls[id(w)]) for w in together])
             ticks += kind == "block"
-            if ticks == self.model.depth and len(waves) > 1:
+            if ticks == self.model.depth and len(waves) > 1 or arrived():
                 # requests together (a server under load): past as many block calls as an AR
                 # step makes, no more commits ahead this step, so that a request waiting to
-                # start waits about as long as behind AR's step
+                # start waits about as long as behind AR's step; a request that arrived
+                # mid-step ends it at every wave's due readout, to start in the next
                 self.stop_ahead(waves)
             for wave in together:
                 calls[id(wave)] = self.next_call(wave)
@@ -316,6 +344,8 @@ class WaveDecoder:
         paused at a commit it may not make itself (``wave.pending``)."""
         while True:
             if wave.pending is not None and not self.commit(wave):
+                return None
+            if wave.committed >= wave.last:  # the request's last token: nothing follows it
                 return None
             event = wave.steps.send(wave.reply)
             wave.reply = None
