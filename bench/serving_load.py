@@ -41,6 +41,7 @@ import numpy as np
 
 from costmodel.clitools import script_main
 from costmodel.engines import EngineOverheads, for_engine
+from costmodel.predict import predict
 from costmodel.presets import get_model
 from costmodel.profile import load_profile
 from costmodel.requests import Lengths, Request, request_stream
@@ -203,14 +204,20 @@ def engine_overheads(base: str, model: str, spec, hw, prompt: Lengths, output: L
         result = predict_serving(spec, hw, requests, engine=engine, **options)
         return result[options["names"][0]].tpot_s.p50, result[options["names"][0]].ttft_s.p50
 
-    batch = options["max_batch"]
+    batch, name = options["max_batch"], options["names"][0]
     (lone, lone_ttft), (full, _) = measured(1), measured(batch)
     bare = EngineOverheads(commit_ahead=commit_ahead)
     # a token's share of the engine's time: the step's and its sequence's, over the tokens a
-    # step commits of each sequence (a drafting schedule's: those it commits ahead and one)
-    shares = bare.tokens_per_step(options["names"][0] != "ar")
-    extra_lone = (lone - simulated(1, bare)[0]) * shares
-    extra_full = (full - simulated(batch, bare)[0]) * shares
+    # step commits of each sequence (a drafting schedule's: those it commits ahead and one, or
+    # with several sequences R block calls' worth: its ticks per token as the model counts them)
+    drafts = name != "ar"
+    ticks = predict(spec, hw, {"context_length": round(prompt.mean),
+                               "new_tokens": round(output.mean), "batch_size": batch,
+                               "dtype": options["dtype"]}
+                    ).schedules[name].block_calls_per_token if drafts else 0.0
+    extra_lone = (lone - simulated(1, bare)[0]) * bare.tokens_per_step(drafts)
+    extra_full = (full - simulated(batch, bare)[0]) * bare.tokens_per_step(
+        drafts, batch, ticks, spec.default_depth)
     per_sequence = max(0.0, (extra_full - extra_lone) / (batch - 1)) if batch > 1 else 0.0
     steps = bare.model_copy(update={"step_s": max(0.0, extra_lone - per_sequence),
                                     "per_sequence_s": per_sequence})

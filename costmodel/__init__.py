@@ -7,7 +7,7 @@ The names below load on first use, so a command imports only the modules it runs
 from .lazy import lazy_exports
 
 __all__ = lazy_exports(__name__, {
-    "Prediction": "predict", "ScheduleResult": "predict", "predict": "predict", "sweep": "predict",
+    "Prediction": "predict", "ScheduleResult": "predict", "predict": "predict", "sweep": "sweep",
     "get_hardware": "presets", "get_model": "presets", "MODELS": "presets", "HARDWARE": "presets",
     "Choice": "recommend", "recommend": "recommend",
     "SimulationResult": "simulate", "simulate": "simulate",

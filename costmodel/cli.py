@@ -17,17 +17,23 @@ from .cli_options import (
     DtypeOption,
     HardwareOption,
     JsonOption,
+    LinkBandwidthOption,
+    LinkLatencyOption,
+    LinkOption,
     ModelOption,
     NewTokensOption,
     ProfileOption,
     SequenceOverheadOption,
     StepOverheadOption,
+    TensorParallelOption,
     TickOverheadOption,
     WaveOverheadOption,
     at_least_one,
+    chosen_link,
     engine_overheads,
     hardware_of,
     override_hardware,
+    parallel_devices,
 )
 from .clitools import (
     UserError,
@@ -41,6 +47,7 @@ from .engines import ENGINES, VLLM_SOURCE, for_engine
 from .errors import ProfileError, TraceError
 from .hardware import EAGER_HOST_SOURCE, HardwareSpec
 from .memory import DoesNotFit, does_not_fit
+from .parallel import devices_text
 from .predict import Prediction, predict
 from .presets import UnknownPresetError, get_model
 from .schedules import get as get_schedule
@@ -66,8 +73,10 @@ def _flops_text(flops_per_s: float) -> str:
 def _print_table(p: Prediction) -> None:
     wl, hw, mem = p.workload, p.hardware, p.memory
     alpha = next((r.acceptance for r in p.schedules.values() if r.acceptance is not None), None)
+    tp = hw.tensor_parallel
     typer.echo(
-        f"{p.model} on {hw.name} ({hw.roofline.memory_bandwidth_bytes_per_s / 1e9:.0f} "
+        f"{p.model} on {devices_text(hw)} "
+        f"({hw.roofline.memory_bandwidth_bytes_per_s / 1e9:.0f} "
         f"GB/s, {_flops_text(hw.roofline.peak_flops_per_s.get(wl.dtype, 0))} {wl.dtype}, "
         f"{format_bytes(hw.roofline.memory_capacity_bytes)}), R = {p.depth}, context "
         f"{wl.context_length}"
@@ -83,7 +92,8 @@ def _print_table(p: Prediction) -> None:
            else ""))
     fit = "fits" if mem.fits else "DOES NOT FIT"
     typer.echo(
-        f"memory: {fit}: weights {format_bytes(mem.weights_bytes)} + KV "
+        f"memory{' per device' if tp else ''}: {fit}: weights "
+        f"{format_bytes(mem.weights_bytes)} + KV "
         f"{format_bytes(mem.kv_bytes)} + activations {format_bytes(mem.activation_bytes)} = "
         f"{format_bytes(mem.total_bytes)} of {format_bytes(mem.capacity_bytes)}; the longest "
         f"sequence that fits is {mem.max_context:,} tokens"
@@ -91,17 +101,43 @@ def _print_table(p: Prediction) -> None:
     if not mem.fits:
         return
     rows = []
+    # the link's column where the devices are several
+    terms = ["weights_s", "kv_s", "compute_s", "overhead_s"] + (
+        ["link_s"] if p.hardware.tensor_parallel else [])
     for key, r in p.schedules.items():
         label = get_schedule(key).label(r.draft_depth, r.block_length, r.width, r.width_cap)
         b = r.breakdown
         rows.append([label, f"{r.latency_per_token_s * 1e3:.2f}", f"{r.tokens_per_s:.1f}",
                      f"{r.speedup_vs_ar:.2f}x", f"{r.block_calls_per_token:.2f}",
-                     *(f"{t * 1e3:.2f}" for t in (b.weights_s, b.kv_s, b.compute_s,
-                                                   b.overhead_s)),
+                     *(f"{getattr(b, t) * 1e3:.2f}" for t in terms),
                      f"{r.roofline_fraction:.0%}", r.bound])
+    names = {"weights_s": "weights ms", "kv_s": "KV ms", "compute_s": "compute ms",
+             "overhead_s": "overhead ms", "link_s": "link ms"}
     typer.echo(text_table(["schedule", "ms/token", "tokens/s", "speedup", "B calls/token",
-                           "weights ms", "KV ms", "compute ms", "overhead ms", "roofline",
-                           "bound"], rows, left=(0, 10)))
+                           *(names[t] for t in terms), "roofline", "bound"], rows,
+                          left=(0, len(terms) + 6)))
+
+
+def _placement(spec, hw, workload, result, layout: str | None, link) -> dict | None:
+    """What ``--placement`` asks for (None: not asked, or the model does not fit)."""
+    if layout is None or not result.memory.fits:
+        return None
+    from .placement import place
+
+    return place(spec, hw, workload, layout=layout, link=link)
+
+
+def _print_placement(placed: dict) -> None:
+    rows = [[name, f"{r.one_device_latency_s * 1e3:.2f}", f"{r.latency_s * 1e3:.2f}",
+             "-" if r.across_wave_latency_s is None else f"{r.across_wave_latency_s * 1e3:.2f}",
+             f"{r.pipelined_latency_s * 1e3:.2f}", r.busiest,
+             f"{r.handoff_s * 1e3:.3f}"] for name, r in placed.items()]
+    first = next(iter(placed.values()))
+    typer.echo(text_table(
+        ["schedule", "1 device ms", "placed ms", "across the wave ms", "pipelined ms",
+         "busiest", "hand-offs ms"], rows, left=(0, 5),
+        title=f"placed {first.layout} on {first.devices} devices (ms per token of a sequence; "
+              "pipelined: of a group, with every device busy)"))
 
 
 def _exit_options(rule: str | None, min_depth: int, exit_depths: str | None, depth: int
@@ -174,6 +210,14 @@ def predict_cmd(
     tick_overhead: TickOverheadOption = "0s",
     wave_overhead: WaveOverheadOption = "0s",
     commit_ahead: CommitAheadOption = 8,
+    tensor_parallel: TensorParallelOption = 1,
+    link: LinkOption = None,
+    link_bandwidth: LinkBandwidthOption = None,
+    link_latency: LinkLatencyOption = None,
+    placement: Annotated[str | None, typer.Option(
+        help="also price each schedule with its model's parts on devices of their own: "
+             "p|r|c (prelude | block | coda) or pc|r (prelude and coda | block), joined by "
+             "--link")] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Per-token latency, speedup and its breakdown for AR, DtV and WFD."""
@@ -188,6 +232,8 @@ def predict_cmd(
     spec = get_model(model)
     base = for_engine(engine, base, spec)
     hw = override_hardware(base, bandwidth, flops, memory, launch_overhead, dtype, mode, host_speed)
+    spec, hw = parallel_devices(spec, hw, tensor_parallel, link, link_bandwidth, link_latency,
+                                placement)
     exits = _exit_options(exit_rule, min_depth, exit_depths, depth or spec.default_depth)
     if exit_rule is not None and exit_depths is None and depth_trace is None:
         raise UserError("--exit is priced from the exit depths a --depth-trace gives under it "
@@ -210,18 +256,19 @@ def predict_cmd(
     if engine == "vllm":
         host = VLLM_SOURCE.format(mode="CUDA graphs" if result.hardware.graphs.cuda_graphs
                                   else "eager (enforce_eager)")
+    placed = _placement(spec, hw, workload, result, placement,
+                        chosen_link(hw, link, link_bandwidth, link_latency))
     if as_json:
-        payload = result.model_dump(mode="json")
-        payload["host_source"] = host
-        payload["engine"] = engine
-        payload["hardware"] = result.hardware.name
-        payload["hardware_spec"] = result.hardware.flat()
-        payload["mode"] = result.hardware.mode
-        payload["host_speed"] = host_speed or 1.0
-        payload["profile_undetermined"] = loose
-        print_json(payload)
+        print_json({**result.model_dump(mode="json"), "host_source": host, "engine": engine,
+                    "hardware": result.hardware.name, "hardware_spec": result.hardware.flat(),
+                    "mode": result.hardware.mode, "host_speed": host_speed or 1.0,
+                    "profile_undetermined": loose,
+                    **({} if placed is None else {"placement": {
+                        k: v.model_dump(mode="json") for k, v in placed.items()}})})
     else:
         _print_table(result)
+        if placed is not None:
+            _print_placement(placed)
         note_undetermined(loose)
         if host is not None:
             typer.echo(f"note: {'engine' if engine == 'vllm' else 'host'}: {host}", err=True)

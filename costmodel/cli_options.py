@@ -34,6 +34,16 @@ TickOverheadOption = Annotated[str, typer.Option(
          "e.g. 0.3ms: bench/vllm_peer.py measures the plugin's")]
 WaveOverheadOption = Annotated[str, typer.Option(
     help="DtV and WFD: its time per wave in a tick, e.g. 0.1ms")]
+TensorParallelOption = Annotated[int, typer.Option(
+    help="devices each call is split over, as vLLM splits a model (heads, MLP rows, "
+         "vocabulary), joined by --link")]
+LinkOption = Annotated[str | None, typer.Option(
+    help="what joins the devices: nvlink3, nvlink4, nvlink5, infinity-fabric, pcie4, pcie5, "
+         "cpu-shm (default: the hardware's usual one)")]
+LinkBandwidthOption = Annotated[str | None, typer.Option(
+    help="the link's bandwidth per device, one way, e.g. 450GB/s (replaces --link's)")]
+LinkLatencyOption = Annotated[str | None, typer.Option(
+    help="the link's time per collective, e.g. 8us (replaces --link's)")]
 CommitAheadOption = Annotated[int, typer.Option(
     help="DtV and WFD: tokens a step commits ahead of the engine's sampler, beside its one "
          "(the plugin's commit_ahead): the step's time is shared by them")]
@@ -105,3 +115,39 @@ def note_machine(profile, path: Path) -> None:
     if profile.device == "cpu" and profile.machine != here:
         note(f"note: profile {path} was measured on {profile.machine!r}, not this machine "
              f"({here!r}): it predicts that one; calibrate here with `costmodel calibrate`")
+
+
+def chosen_link(hw: HardwareSpec, link: str | None, bandwidth: str | None = None,
+                latency: str | None = None):
+    """The link the options name (default: the hardware's usual one), figures overridden."""
+    from .links import Link, default_link, get_link
+
+    chosen = get_link(link or default_link(hw))
+    if bandwidth is None and latency is None:
+        return chosen
+    return Link(name=f"{chosen.name}*", source=chosen.source,
+                bandwidth_bytes_per_s=parse_bandwidth(bandwidth) if bandwidth is not None
+                else chosen.bandwidth_bytes_per_s,
+                latency_s=parse_duration(latency) if latency is not None
+                else chosen.latency_s)
+
+
+def parallel_devices(spec, hw: HardwareSpec, degree: int, link: str | None,
+                     bandwidth: str | None = None, latency: str | None = None,
+                     placement: str | None = None):
+    """(one device's share of the model, the hardware of ``degree`` such devices over the
+    link) the options give; the model and hardware as they are at one device."""
+    from .parallel import split
+
+    if degree < 1:
+        raise UserError(f"--tensor-parallel must be at least 1, got {degree}")
+    if degree == 1:
+        if placement is None and (link is not None or bandwidth is not None
+                                  or latency is not None):
+            raise UserError("a link joins several devices: give --tensor-parallel 2 or more "
+                            "(or --placement)")
+        return spec, hw
+    if placement is not None:
+        raise UserError("a placement's devices each hold whole parts: give --placement or "
+                        "--tensor-parallel, not both")
+    return split(spec, hw, degree, chosen_link(hw, link, bandwidth, latency))

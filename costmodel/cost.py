@@ -2,6 +2,7 @@
 
     t = t_host + layers * t_layer + n_kernels * (t_launch + t_kernel)
         + max(bytes / BW_eff, matmul flops / F_eff + attention flops / F_attention_eff)
+        + t_link   (tensor parallel: the collectives joining the devices' shares)
 
 On a GPU the host's overhead overlaps the device's work and a call costs the larger of the two
 (``overhead_overlaps``); a CPU with a measured matrix-product curve prices its products by the
@@ -22,6 +23,8 @@ from .model import LoopedModelSpec, PartSpec
 from .specs import DTYPE_BYTES
 
 ArrayLike = float | np.ndarray
+# the terms a call's time is the sum of (CallCost's, a breakdown's)
+TERMS = ("weights_s", "kv_s", "compute_s", "overhead_s", "link_s")
 
 
 @dataclass(frozen=True)
@@ -43,10 +46,11 @@ class CallCost:
     compute_s: ArrayLike
     overhead_s: ArrayLike
     ideal_s: ArrayLike  # the roofline bound at peak bandwidth and peak flops, no overhead
+    link_s: ArrayLike = 0.0  # tensor parallel: the collectives over the devices' link
 
     @property
     def time_s(self) -> ArrayLike:
-        return self.weights_s + self.kv_s + self.compute_s + self.overhead_s
+        return self.weights_s + self.kv_s + self.compute_s + self.overhead_s + self.link_s
 
     @property
     def bytes(self) -> ArrayLike:
@@ -190,6 +194,19 @@ def host_overhead(hw: HardwareSpec, part: PartSpec, n_slots: ArrayLike, key_sets
     return kernels, overhead
 
 
+def collectives_s(model: LoopedModelSpec, hw: HardwareSpec, part: PartSpec, dtype: str,
+                  n_positions: ArrayLike) -> ArrayLike:
+    """Tensor parallel: the collectives joining the devices' shares of a call, device time
+    after its products (none on one device)."""
+    tp = hw.tensor_parallel
+    if tp is None:
+        return 0.0
+    if model.tensor_parallel != tp.degree:
+        raise ValueError(f"{tp.degree} devices price a model split as many ways "
+                         f"(costmodel.parallel.split), not {model.tensor_parallel}")
+    return tp.call_s(model, part, dtype, n_positions)
+
+
 def call_cost(
     model: LoopedModelSpec,
     hw: HardwareSpec,
@@ -253,22 +270,15 @@ def call_cost(
     kv_s = kv_s + key_sets_s
     roofline_s = roofline_s + key_sets_s
     device_kernels_s = kernels * roof.kernel_device_s
+    link_s = collectives_s(model, hw, part, dtype, n_positions)
+    device_s = roofline_s + link_s
     if hw.host.overhead_overlaps:  # the call costs the larger of the host's time and the device's
-        overhead = np.maximum(overhead, roofline_s + device_kernels_s) - roofline_s
+        overhead = np.maximum(overhead, device_s + device_kernels_s) - device_s
     else:
         overhead = overhead + device_kernels_s
     total_bytes = weight_bytes + kv_read + kv_write + activation_bytes
     ideal = np.maximum(total_bytes / bw_peak, flops / flops_peak)
-    return CallCost(
-        weight_bytes=weight_bytes,
-        kv_read_bytes=kv_read,
-        kv_write_bytes=kv_write,
-        activation_bytes=activation_bytes,
-        flops=flops,
-        kernels=kernels,
-        weights_s=weights_s,
-        kv_s=kv_s,
-        compute_s=compute_s,
-        overhead_s=overhead,
-        ideal_s=ideal,
-    )
+    return CallCost(weight_bytes=weight_bytes, kv_read_bytes=kv_read, kv_write_bytes=kv_write,
+                    activation_bytes=activation_bytes, flops=flops, kernels=kernels,
+                    weights_s=weights_s, kv_s=kv_s, compute_s=compute_s, overhead_s=overhead,
+                    ideal_s=ideal, link_s=link_s)

@@ -7,6 +7,7 @@ from typing import Annotated, ClassVar
 
 from pydantic import Field, model_validator
 
+from .links import TensorParallel
 from .specs import Spec
 
 # The eager host's time per dispatched operation when no calibration gives one: the mean of the
@@ -191,6 +192,8 @@ class HardwareSpec(Spec):
     graphs: Graphs = Graphs()
     operations: Operations = Operations()
     cpu: CpuTerms | None = None
+    # T devices of this kind running each call together, and their link (costmodel.parallel)
+    tensor_parallel: TensorParallel | None = None
 
     PARTS: ClassVar[dict[str, type[Spec]]] = {
         "roofline": Roofline, "host": Host, "graphs": Graphs, "operations": Operations,

@@ -77,6 +77,9 @@ class LoopedModelSpec(Spec):
     default_acceptance: Annotated[float, Field(ge=0, le=1)]
     default_draft_depth: Annotated[int, Field(ge=1)]  # given, or ceil(R / 8) below R
     max_position_embeddings: Annotated[int, Field(gt=0)]
+    # the devices this spec's layers are split over (costmodel.parallel.shard): above 1, its
+    # heads, KV heads, MLP rows and vocabulary are one device's share
+    tensor_parallel: Annotated[int, Field(ge=1)] = 1
 
     @model_validator(mode="before")
     @classmethod

@@ -28,8 +28,10 @@ from pydantic import BaseModel, ConfigDict
 
 from .engines import EngineOverheads
 from .hardware import HardwareSpec
+from .links import Link
 from .memory import memory_report
 from .model import LoopedModelSpec
+from .parallel import split
 from .requests import Request
 from .schedules.base import Schedule
 from .trace import CallRecord
@@ -346,10 +348,12 @@ def predict_serving(model: LoopedModelSpec, hw: HardwareSpec, requests: Sequence
                     draft_depth: int | None = None, width: int | None = None,
                     block_length: int | None = None, slo_ttft_s: float | None = None,
                     slo_tpot_s: float | None = None, names: Sequence[str] | None = None,
-                    seed: int = 0, engine: EngineOverheads | None = None
+                    seed: int = 0, engine: EngineOverheads | None = None,
+                    tensor_parallel: int = 1, link: str | Link | None = None
                     ) -> dict[str, ServingResult]:
     """Each schedule (``names``: those of the registry to run; default all) serving the
-    stream."""
+    stream; on ``tensor_parallel`` devices joined by ``link`` (``costmodel.parallel.split``)."""
+    model, hw = split(model, hw, tensor_parallel, link)
     depth = depth or model.default_depth
     schedules, alpha = chosen_schedules(
         model, hw, requests, max_batch=max_batch, depth=depth, dtype=dtype,

@@ -14,20 +14,26 @@ from .cli_options import (
     DtypeOption,
     HardwareOption,
     JsonOption,
+    LinkBandwidthOption,
+    LinkLatencyOption,
+    LinkOption,
     ModelOption,
     ProfileOption,
     SequenceOverheadOption,
     StepOverheadOption,
+    TensorParallelOption,
     TickOverheadOption,
     WaveOverheadOption,
     at_least_one,
     engine_overheads,
     hardware_of,
     override_hardware,
+    parallel_devices,
 )
 from .clitools import UserError, print_json, spinner, text_table
 from .engines import for_engine
 from .figures import NO_PLOTS, latency_against_rate, save_figure
+from .parallel import devices_text
 from .presets import get_model
 from .units import parse_duration, parse_rate
 
@@ -127,6 +133,10 @@ def serving_cmd(
     tick_overhead: TickOverheadOption = "0s",
     wave_overhead: WaveOverheadOption = "0s",
     commit_ahead: CommitAheadOption = 8,
+    tensor_parallel: TensorParallelOption = 1,
+    link: LinkOption = None,
+    link_bandwidth: LinkBandwidthOption = None,
+    link_latency: LinkLatencyOption = None,
     dtype: DtypeOption = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -148,6 +158,7 @@ def serving_cmd(
     _, base, dtype = hardware_of(profile, hardware, dtype)
     spec = get_model(model)
     hw = override_hardware(for_engine(engine, base, spec), None, None, None, None, dtype)
+    spec, hw = parallel_devices(spec, hw, tensor_parallel, link, link_bandwidth, link_latency)
     options = {"max_batch": max_batch, "depth": depth, "dtype": dtype, "kv_sharing": kv_sharing,
                "acceptance": acceptance, "draft_depth": draft_depth, "width": width,
                "block_length": block_length, "slo_ttft_s": ttft, "slo_tpot_s": tpot,
@@ -173,7 +184,7 @@ def serving_cmd(
         return
     for r, results in runs:
         source = f"{requests_file}" if requests_file else f"{r:g}/s {arrivals}"
-        _print(results, found, f"{spec.name} on {hw.name}, {head['requests']} requests "
+        _print(results, found, f"{spec.name} on {devices_text(hw)}, {head['requests']} requests "
                f"({source}), at most {max_batch} together")
     if engine == "vllm" and options["engine"] is None:
         typer.echo("note: the engine's own time (scheduling, sampling, output) is not counted: "

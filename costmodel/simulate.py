@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .cost import call_cost
+from .cost import TERMS, call_cost
 from .hardware import HardwareSpec
 from .model import LoopedModelSpec
 from .plans import Call, EarlyExit, Executor, Plan
@@ -288,7 +288,7 @@ def price_shapes(model: LoopedModelSpec, hw: HardwareSpec,
                  batch_size: int = 1) -> tuple[dict[str, float], dict[str, np.ndarray]]:
     """Calls given by their ``call_shape`` and whether they follow another part's call, per
     part: the summed breakdown, and each call's time."""
-    totals = {"weights_s": 0.0, "kv_s": 0.0, "compute_s": 0.0, "overhead_s": 0.0}
+    totals = dict.fromkeys(TERMS, 0.0)
     times: dict[str, np.ndarray] = {}
     for kind, cost, count in _part_costs(model, hw, shapes, dtype, batch_size):
         times[kind] = np.broadcast_to(cost.time_s, (count,))

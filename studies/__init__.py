@@ -14,7 +14,7 @@ from .common import StudyResult, write_outputs
 
 # each study's module: its name with "_" for "-"
 STUDIES = ("paper-table", "dtv-block-length", "width", "hardware", "context", "batch", "memory",
-           "overhead", "recommend", "adaptive-depth", "serving")
+           "overhead", "recommend", "adaptive-depth", "serving", "placement")
 
 
 def run(name: str, *, profile: HardwareSpec | None = None, out: str | Path | None = None,

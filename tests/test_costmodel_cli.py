@@ -39,7 +39,8 @@ def test_json_has_the_documented_shape():
         assert set(entry) >= {"latency_per_token_s", "tokens_per_s", "speedup_vs_ar",
                               "block_calls_per_token", "draft_depth", "width", "block_length",
                               "breakdown"}
-        assert set(entry["breakdown"]) == {"weights_s", "kv_s", "compute_s", "overhead_s"}
+        assert set(entry["breakdown"]) == {"weights_s", "kv_s", "compute_s", "overhead_s",
+                                           "link_s"}  # link_s: 0 on one device
 
 
 def test_a_run_of_prompts_is_said_and_priced_as_such():
@@ -136,6 +137,10 @@ def test_kv_sharing_lets_longer_contexts_fit():
      ["--exit", "kl"], ["--exit", "gate:2", "--exit-depths", "8:1"], ["--exit-depths", "8:0.5"],
      ["--exit-depths", "33:1"], ["--exit-depths", "eight"], ["--min-depth", "3"],
      ["--exit-depths", "8:1", "--prompts", "4"],
+     ["--tensor-parallel", "4"], ["--tensor-parallel", "0"], ["--link", "pcie4"],
+     ["--tensor-parallel", "5", "--link", "copper"],
+     ["--tensor-parallel", "5", "--link-bandwidth", "fast"], ["--placement", "p|c"],
+     ["--placement", "p|r|c", "--tensor-parallel", "5"],
      ["--profile", CPU_PROFILE, "--model", "huginn-tiny", "--mode", "graphs"],
      ["--profile", CPU_PROFILE, "--model", "huginn-tiny", "--engine", "vllm", "--mode",
       "graphs"]],

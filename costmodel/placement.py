@@ -1,0 +1,151 @@
+"""P/R/C placement: the prelude, the recurrent block and the coda on devices of their own (or
+the prelude and coda sharing one), the activations handed from one to the next over a link.
+
+Per committed token, a schedule's calls cost each part its own time, priced by the same call
+cost on one device of the hardware (``T_P``, ``T_B``, ``T_C``), and each change of device a
+hand-off: the link's latency plus the positions' hidden states over its bandwidth (into the
+block from the prelude, into the coda from the block, and the token back to the prelude).
+
+- In order (one group of sequences, nothing to overlap): a token costs
+  ``T_P + T_B + T_C + hand-offs``, never less than on one device.
+- Pipelined across requests (enough groups of sequences in flight that every device is busy):
+  a device's share is the sum of its parts' times, and a token of a group costs the busiest
+  device's share: the throughput of the arrangement.
+- WFD pipelined across its wave (``lag``): the block's device does not wait for the coda's
+  readout and the prelude's embedding of the token a draft enters; the draft enters ``lag``
+  ticks later than on one device, so a wave enters a position every d + lag ticks (WFD(d +
+  lag)'s ticks, at the acceptance of drafts made at d), and a tick costs the busiest device's
+  share of it, hand-offs on the chain beside the block.
+
+Where the parts' times are lopsided (Huginn-3.5B's block runs R = 32 times a token under AR,
+its coda once), placement frees little; under WFD every tick reads out, and the coda's
+share is large. ``costmodel study placement`` weighs it against replication and tensor
+parallelism.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from .groups import CallGroup, basis_value
+from .hardware import HardwareSpec
+from .links import Link, default_link, get_link
+from .model import LoopedModelSpec
+from .predict import _Pricer, acceptance_for, decode_keys, predict
+from .schedules import SCHEDULES, WFD
+from .schedules import get as get_schedule
+from .specs import DTYPE_BYTES
+from .workload import Workload
+
+Layout = Literal["p|r|c", "pc|r"]
+LAYOUTS: dict[str, dict[str, int]] = {  # each part's device
+    "p|r|c": {"prelude": 0, "block": 1, "coda": 2}, "pc|r": {"prelude": 0, "block": 1,
+                                                            "coda": 0}}
+
+
+class Placed(BaseModel):
+    """One schedule placed: per committed token of one sequence, at the workload's batch."""
+
+    model_config = ConfigDict(extra="forbid")
+    schedule: str
+    layout: str
+    devices: int
+    one_device_latency_s: float  # the schedule on one device (predict's, no engine)
+    part_s: dict[str, float]  # each part's time
+    handoff_s: float  # the hand-offs between devices
+    latency_s: float  # in order: one group of sequences
+    pipelined_latency_s: float  # a token of a group when every device is busy (throughput)
+    busiest: str  # the device that bounds the pipeline: its parts
+    across_wave_latency_s: float | None = None  # WFD pipelined across its wave
+    lag_ticks: int | None = None
+
+
+def part_times(pricer: _Pricer, groups: list[CallGroup], alpha) -> dict[str, float]:
+    """Each part's time per committed token."""
+    return {part: float(pricer.per_token([g for g in groups if g.part == part],
+                                         alpha)["latency_s"])
+            for part in ("prelude", "block", "coda")}
+
+
+def handoffs(model: LoopedModelSpec, groups: list[CallGroup], alpha, batch: int, dtype: str,
+             layout: str, link: Link) -> float:
+    """The hand-offs a committed token costs: a prelude call's positions into the block, a coda
+    call's out of it, and (the coda on a device of its own) the token back to the prelude."""
+    device = LAYOUTS[layout]
+    total = 0.0
+    for g in groups:
+        if g.part == "block":
+            continue
+        size = g.positions * batch * model.hidden_size * DTYPE_BYTES[dtype]
+        calls = g.count * float(basis_value(g.basis, np.asarray(alpha)))
+        total += calls * (link.latency_s + size / link.bandwidth_bytes_per_s)
+        if g.part == "prelude" and device["coda"] != device["prelude"]:
+            total += calls * link.latency_s  # the sampled tokens, a few bytes
+    return total
+
+
+def busiest(parts: dict[str, float], layout: str) -> tuple[float, str]:
+    """The busiest device's time and its parts' names."""
+    loads: dict[int, list[str]] = {}
+    for part, device in LAYOUTS[layout].items():
+        loads.setdefault(device, []).append(part)
+    name, time = max(((" + ".join(names), sum(parts[p] for p in names))
+                      for names in loads.values()), key=lambda item: item[1])
+    return time, name
+
+
+def place(model: LoopedModelSpec, hw: HardwareSpec, workload: Workload | dict, *,
+          layout: str = "p|r|c", link: str | Link | None = None, lag: int = 1
+          ) -> dict[str, Placed]:
+    """Each schedule (at the variant ``predict`` finds best on one device) placed by
+    ``layout`` over devices of ``hw`` joined by ``link`` (None: the hardware's usual one)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; use {' or '.join(LAYOUTS)}")
+    if lag < 1:
+        raise ValueError(f"the lag across the wave must be at least 1 tick, got {lag}")
+    if hw.tensor_parallel is not None:
+        raise ValueError("a placement's devices each hold whole parts: leave out tensor "
+                         "parallelism")
+    link = link if isinstance(link, Link) else get_link(link or default_link(hw))
+    wl = Workload.model_validate(workload)
+    one = predict(model, hw, wl)
+    if not one.memory.fits:
+        raise ValueError(f"{model.name} does not fit {hw.name} at this workload")
+    depth, batch = one.depth, wl.batch_size
+    pricer = _Pricer(model, hw, wl.dtype, np.asarray(decode_keys(wl, hw)),
+                     np.asarray(float(batch)), None)
+    out = {}
+    for name in SCHEDULES:
+        result = one.schedules[name]
+        schedule = get_schedule(name).of(result.draft_depth, result.block_length,
+                                         result.width_cap)
+        alpha = acceptance_for(model, wl, depth, result.draft_depth) if schedule.drafts \
+            else 0.0
+        groups = schedule.call_groups(depth, wl.kv_sharing)
+        parts = part_times(pricer, groups, alpha)
+        moved = handoffs(model, groups, alpha, batch, wl.dtype, layout, link)
+        bound, where = busiest(parts, layout)
+        placed = Placed(schedule=name, layout=layout, devices=len(set(LAYOUTS[layout].values())),
+                        one_device_latency_s=result.latency_per_token_s, part_s=parts,
+                        handoff_s=moved, latency_s=sum(parts.values()) + moved,
+                        pipelined_latency_s=bound, busiest=where)
+        if isinstance(schedule, WFD) and result.draft_depth + lag < depth:
+            placed.across_wave_latency_s, placed.lag_ticks = _across_wave(
+                model, pricer, schedule, depth, alpha, batch, wl, layout, link, lag), lag
+        out[name] = placed
+    return out
+
+
+def _across_wave(model, pricer, schedule, depth, alpha, batch, wl, layout, link, lag) -> float:
+    """WFD's token when the block's device never waits for the coda and the prelude: WFD(d +
+    lag)'s ticks at the acceptance of drafts made at d, each device busy with its share of
+    every tick (the coda and prelude's device also with the hand-offs)."""
+    lagged = WFD(draft_depth=schedule.draft_depth + lag, width_cap=schedule.width_cap)
+    groups = lagged.call_groups(depth, wl.kv_sharing)
+    parts = part_times(pricer, groups, alpha)
+    moved = handoffs(model, groups, alpha, batch, wl.dtype, layout, link)
+    side = {**parts, "coda": parts["coda"] + moved}  # the chain beside the block
+    return busiest(side, layout)[0]
