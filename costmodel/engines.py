@@ -90,6 +90,13 @@ class EngineOverheads(Spec):
         """A drafting schedule's own time per tick of ``sequences`` waves."""
         return self.tick_s + self.wave_tick_s * sequences
 
+    def token_share_s(self, sequences: int, drafts: bool, ticks_per_token: float = 0.0,
+                      depth: int = 0) -> float:
+        """The engine's own time one sequence's committed token costs in a batch of
+        ``sequences``: the batch's share of its steps, and a drafting schedule's ticks."""
+        share = sequences * self.per_token_s(sequences, drafts, ticks_per_token, depth)
+        return share + (self.per_tick_s(sequences) * ticks_per_token if drafts else 0.0)
+
     def per_token_s(self, sequences: int, drafts: bool, ticks_per_token: float = 0.0,
                     depth: int = 0) -> float:
         """A token's share of the engine's step (a step of ``sequences`` sequences) and of its

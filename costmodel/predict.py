@@ -313,8 +313,7 @@ def _with_speedups(results: dict[str, ScheduleResult], engine: EngineOverheads |
     for name, r in results.items() if engine is not None else ():
         drafts = r.draft_depth is not None
         ticks = r.block_calls_per_token
-        own = batch * engine.per_token_s(batch, drafts, ticks, depth) + (
-            engine.per_tick_s(batch) * ticks if drafts else 0.0)
+        own = engine.token_share_s(batch, drafts, ticks, depth)
         latency = r.latency_per_token_s + own
         terms = {**r.breakdown.model_dump(), "overhead_s": r.breakdown.overhead_s + own}
         results[name] = r.model_copy(update={

@@ -160,23 +160,56 @@ def kv_budget_bytes(model: LoopedModelSpec, hw: HardwareSpec, dtype: str, depth:
     return memory.capacity_bytes - memory.weights_bytes - memory.activation_bytes
 
 
+def kv_needs(model: LoopedModelSpec, schedule: Schedule, requests: Sequence[Request], *,
+             depth: int, dtype: str, kv_sharing: int, kv_budget: int) -> list[int]:
+    """The KV each request reserves when it starts (its prompt, output and the schedule's
+    lookahead); refused in one line where one alone needs more than the budget."""
+    drafts = {depth} | ({schedule.draft_depth} if schedule.drafts else set())
+    per_token = model.kv_bytes_per_token(dtype, depth, kv_sharing, len(drafts))
+    needs = [(r.prompt_tokens + r.output_tokens + schedule.lookahead(depth)) * per_token
+             for r in requests]
+    for i, (r, need) in enumerate(zip(requests, needs, strict=True)):
+        if need > kv_budget:
+            raise ValueError(f"request {i} ({r.prompt_tokens:,} + {r.output_tokens:,} tokens) "
+                             f"needs {need:,} bytes of KV; {kv_budget:,} are free beside the "
+                             "weights")
+    return needs
+
+
+FIDELITIES = ("calls", "steps")
+
+
 def serve(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
           requests: Sequence[Request], *, max_batch: int, acceptance: float, depth: int,
           kv_sharing: int = 0, dtype: str = "bf16", kv_budget: int | None = None,
-          seed: int = 0, engine: EngineOverheads | None = None
+          seed: int = 0, engine: EngineOverheads | None = None, fidelity: str = "calls"
           ) -> tuple[list[Served], float]:
     """Each request as ``schedule`` serves the stream (drafts accepted at ``acceptance``, drawn
     per request from ``seed``), and the mean number of sequences per call. ``engine``: the
     engine's own time, a step's shared by the tokens it commits (one per running sequence: an
     AR round's, a share of one for a WFD tick that commits some sequences' tokens), paid with
-    the call that commits them; a request's before it reaches the line."""
+    the call that commits them; a request's before it reaches the line. ``fidelity``: "calls"
+    (simulated call by call) or "steps" (a step at a time from the closed forms:
+    ``costmodel.stream``)."""
     from .batching import run_batch
 
     if max_batch < 1:
         raise ValueError(f"the batch must hold at least 1 sequence, got {max_batch}")
+    if fidelity not in FIDELITIES:
+        raise ValueError(f"unknown fidelity {fidelity!r}; use {' or '.join(FIDELITIES)}")
     if kv_budget is None:
         kv_budget = kv_budget_bytes(model, hw, dtype, depth, max_batch,
                                     schedule.positions_per_call(depth))
+    if fidelity == "steps":
+        from .stream import serve_steps
+
+        needs = kv_needs(model, schedule, requests, depth=depth, dtype=dtype,
+                         kv_sharing=kv_sharing, kv_budget=kv_budget)
+        served, mean_batch = serve_steps(
+            model, hw, schedule, requests, max_batch=max_batch, acceptance=acceptance,
+            depth=depth, kv_budget=kv_budget, kv_per_request=needs, kv_sharing=kv_sharing,
+            dtype=dtype, engine=engine)
+        return [Served(**s) for s in served], mean_batch
     stream = _Stream(model, hw, schedule, requests, acceptance=acceptance, depth=depth,
                      kv_sharing=kv_sharing, dtype=dtype, kv_budget=kv_budget, seed=seed,
                      engine=engine or EngineOverheads())
@@ -207,19 +240,11 @@ class _Stream:
         self.accounted: dict[int, int] = {}  # committed tokens whose engine time is counted
         self.ticks = self.committed = 0  # block calls and tokens so far, for the engine's share
         self.last_call_lanes = 1
-        drafts = {depth} | ({schedule.draft_depth} if schedule.drafts else set())
-        self.per_token = model.kv_bytes_per_token(dtype, depth, kv_sharing, len(drafts))
-        for i, r in enumerate(requests):
-            if self.need(i) > kv_budget:
-                raise ValueError(f"request {i} ({r.prompt_tokens:,} + {r.output_tokens:,} "
-                                 f"tokens) needs {self.need(i):,} bytes of KV; {kv_budget:,} "
-                                 "are free beside the weights")
+        self.needs = kv_needs(model, schedule, requests, depth=depth, dtype=dtype,
+                              kv_sharing=kv_sharing, kv_budget=kv_budget)
 
     def need(self, i: int) -> int:
-        """The KV request i reserves: its prompt, output and the schedule's lookahead."""
-        r = self.requests[i]
-        return (r.prompt_tokens + r.output_tokens + self.schedule.lookahead(self.depth)) \
-            * self.per_token
+        return self.needs[i]
 
     def admit(self, i: int, lanes) -> bool:
         clock, arrives = self.clock, self.requests[i].arrival_s + self.engine.request_s
@@ -349,8 +374,8 @@ def predict_serving(model: LoopedModelSpec, hw: HardwareSpec, requests: Sequence
                     block_length: int | None = None, slo_ttft_s: float | None = None,
                     slo_tpot_s: float | None = None, names: Sequence[str] | None = None,
                     seed: int = 0, engine: EngineOverheads | None = None,
-                    tensor_parallel: int = 1, link: str | Link | None = None
-                    ) -> dict[str, ServingResult]:
+                    tensor_parallel: int = 1, link: str | Link | None = None,
+                    fidelity: str = "calls") -> dict[str, ServingResult]:
     """Each schedule (``names``: those of the registry to run; default all) serving the
     stream; on ``tensor_parallel`` devices joined by ``link`` (``costmodel.parallel.split``)."""
     model, hw = split(model, hw, tensor_parallel, link)
@@ -365,7 +390,7 @@ def predict_serving(model: LoopedModelSpec, hw: HardwareSpec, requests: Sequence
             continue
         served, mean_batch = serve(model, hw, schedule, requests, max_batch=max_batch,
                                    acceptance=alpha, depth=depth, kv_sharing=kv_sharing,
-                                   dtype=dtype, seed=seed, engine=engine)
+                                   dtype=dtype, seed=seed, engine=engine, fidelity=fidelity)
         results[name] = summarize(schedule, served, mean_batch, slo_ttft_s=slo_ttft_s,
                                   slo_tpot_s=slo_tpot_s)
     return results

@@ -30,7 +30,7 @@ from .cli_options import (
     override_hardware,
     parallel_devices,
 )
-from .clitools import UserError, print_json, spinner, text_table
+from .clitools import UserError, one_of, print_json, spinner, text_table
 from .engines import for_engine
 from .figures import NO_PLOTS, latency_against_rate, save_figure
 from .parallel import devices_text
@@ -137,12 +137,16 @@ def serving_cmd(
     link: LinkOption = None,
     link_bandwidth: LinkBandwidthOption = None,
     link_latency: LinkLatencyOption = None,
+    fidelity: Annotated[str, typer.Option(
+        help="calls (each call of each sequence simulated: drafts' acceptance drawn) or steps "
+             "(a step at a time from the closed forms: hundreds of times faster, for long "
+             "streams and rate searches)")] = "calls",
     dtype: DtypeOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Serve a stream of requests: TTFT, TPOT and latency percentiles, throughput and goodput
-    for AR, DtV and WFD (simulated call by call, priced by the cost model)."""
-    from .serving import predict_serving
+    for AR, DtV and WFD (simulated call by call, or step by step, priced by the cost model)."""
+    from .serving import FIDELITIES, predict_serving
 
     names, ttft, tpot = _checked(requests, max_batch, acceptance, attainment,
                                  schedule, slo_ttft, slo_tpot, find_rate)
@@ -162,7 +166,7 @@ def serving_cmd(
     options = {"max_batch": max_batch, "depth": depth, "dtype": dtype, "kv_sharing": kv_sharing,
                "acceptance": acceptance, "draft_depth": draft_depth, "width": width,
                "block_length": block_length, "slo_ttft_s": ttft, "slo_tpot_s": tpot,
-               "seed": seed,
+               "seed": seed, "fidelity": one_of("fidelity", fidelity, FIDELITIES),
                "engine": engine_overheads(step_overhead, sequence_overhead, request_overhead,
                                          tick_overhead, wave_overhead, commit_ahead)}
     runs = []

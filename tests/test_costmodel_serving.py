@@ -203,6 +203,7 @@ def test_the_command_prints_each_schedule_and_finds_the_rate(capsys):
     (["--find-rate"], "--find-rate searches the rate"),
     (["--schedule", "beam"], "unknown schedule 'beam'"),
     (["--max-batch", "0"], "max batch must be at least 1"),
+    (["--fidelity", "fast"], "unknown fidelity 'fast'; use calls or steps"),
     # requests whose KV exceeds the memory left beside the weights
     (["--prompt-tokens", "100000000"], "the stream's mean request: 100,000,000 + 256 tokens"),
 ])
@@ -266,3 +267,76 @@ def test_a_sweep_of_rates_gives_a_table_each_and_a_figure(capsys, tmp_path):
     code, _, err = run_cli(capsys, "serving", "--model", "huginn-tiny", "--plot",
                            str(figure))
     assert code == 2 and "--plot needs two rates or more" in err
+
+
+# -- step by step (costmodel.stream) ------------------------------------------------------------
+
+def test_a_lone_request_stepped_takes_its_prefill_then_a_step_per_token():
+    """One request: its first token after its prompt's prefill (predict's, at batch 1), each
+    other token after a step priced at batch 1 and its context, the engine's request time
+    before it all."""
+    from costmodel.predict import prefill_time_s
+    from costmodel.stream import step_times
+    from costmodel.workload import Workload
+
+    request = Request(arrival_s=1.0, prompt_tokens=40, output_tokens=9)
+    engine = EngineOverheads(request_s=0.004, step_s=0.001)
+    for schedule in SCHEDULES:
+        served, mean_batch = serve(MODEL, HARDWARE, schedule, [request], max_batch=4,
+                                   acceptance=0.7, depth=8, engine=engine, fidelity="steps")
+        readouts = 2 if schedule.drafts else 1
+        prefill = prefill_time_s(MODEL, HARDWARE, Workload(context_length=40, new_tokens=1),
+                                 8, readouts)
+        times = step_times(MODEL, HARDWARE, schedule, alpha=0.7, depth=8, kv_sharing=0,
+                           dtype="bf16", max_batch=4, longest=49, engine=engine)
+        assert served[0].ttft_s == pytest.approx(0.004 + prefill, rel=1e-9)
+        assert served[0].finish_s - served[0].first_token_s == pytest.approx(
+            times[0, 41:49].sum(), rel=1e-9)
+        assert mean_batch == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("model, hardware", [("huginn-3.5b", "h200"),
+                                             ("ouro-2.6b", "h100-sxm")])
+def test_steps_agree_with_calls_on_a_stream_below_saturation(model, hardware):
+    """A stream of 40 requests at 0.5/s: step by step, each schedule's TPOT median within 10%
+    of the call-by-call simulation's, its throughput within 5% and its TTFT median within
+    the prefill's spread (a DtV newcomer waits for a round, stepped for a token)."""
+    spec, hw = resolve(model, hardware)
+    stream = request_stream(0.5, 40, Lengths(low=256, high=1024), Lengths(low=64, high=256),
+                            seed=0)
+    calls = predict_serving(spec, hw, stream, max_batch=16)
+    steps = predict_serving(spec, hw, stream, max_batch=16, fidelity="steps")
+    for name, called in calls.items():
+        stepped = steps[name]
+        assert stepped.tpot_s.p50 == pytest.approx(called.tpot_s.p50, rel=0.10), name
+        assert stepped.throughput_tokens_per_s == pytest.approx(
+            called.throughput_tokens_per_s, rel=0.05), name
+        assert stepped.ttft_s.p50 == pytest.approx(called.ttft_s.p50, rel=0.5), name
+
+
+def test_a_wfd_batch_s_waves_read_out_out_of_phase():
+    """Stepped, a batch of WFD waves pays a prelude and coda call on every tick where any wave's
+    readout falls due, more than waves in step would; AR's and DtV's steps are in phase."""
+    import numpy as np
+
+    from costmodel.predict import _Pricer
+    from costmodel.stream import _priced
+
+    wfd = WFD(draft_depth=2)
+    groups = wfd.call_groups(8)
+    keys, batches = np.array([[100.0]]), np.array([[1.0], [8.0]])
+    in_phase = _Pricer(MODEL, HARDWARE, "bf16", keys, batches, None).per_token(
+        groups, np.asarray(0.7))["latency_s"]
+    out_of_phase = _priced(MODEL, HARDWARE, wfd, groups, 0.7, "bf16", keys, batches)
+    assert out_of_phase[0, 0] == pytest.approx(in_phase[0, 0])  # one wave: its own phase
+    assert out_of_phase[1, 0] > in_phase[1, 0]
+
+
+def test_the_command_steps_a_long_stream(capsys):
+    code, out, err = run_cli(capsys, "serving", "--model", "huginn-3.5b", "--hardware", "h200",
+                             "--requests", "3000", "--rate", "4/s", "--fidelity", "steps",
+                             "--json")
+    assert code in (0, None), err
+    payload = json.loads(out)
+    assert set(payload["schedules"]) == {"ar", "dtv", "wfd"}
+    assert payload["schedules"]["wfd"]["requests"] == 3000

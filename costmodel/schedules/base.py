@@ -61,6 +61,9 @@ class Schedule(Spec):
     # drafts at a shallow depth and verifies at R: verifier statistics, a draft depth, an
     # acceptance; AR (False) is the baseline speedups are over
     drafts: ClassVar[bool] = False
+    # whether a batch's sequences read out in the same calls (AR's tokens and DtV's rounds run in
+    # step); a WFD wave's readouts fall on ticks of its own phase, each wave's another
+    in_phase: ClassVar[bool] = True
 
     # --- the run (plans.py executes it: the decoder with tensors, the simulator with draws)
 
@@ -73,6 +76,12 @@ class Schedule(Spec):
         """Positions past the committed ones the schedule may write (the static KV cache holds
         them beside the sequence, and the memory model counts them)."""
         return 0
+
+    def tokens_per_round(self, alpha: float) -> float:
+        """Tokens a sequence commits in one of its rounds on average, the points between which
+        a batch admits a newcomer (an AR token; a DtV round; a WFD tick commits a share of
+        one, so a newcomer waits for no token)."""
+        return 1.0
 
     def positions_per_call(self, depth: int) -> int:
         """The most positions one of its block calls holds, per sequence."""

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 import numpy as np
 from pydantic import Field
 
-from ..groups import CallGroup, binomial
+from ..groups import CallGroup, binomial, expected_tokens_per_round
 from ..plans import Bonus, Call, Draft, Plan, Rollback, Steps, Verify, check_draft_depth
 from .base import Drafting, Schedule, register
 
@@ -101,6 +101,9 @@ class DtV(Drafting):
 
     def lookahead(self, depth: int) -> int:  # k drafts and the bonus position
         return self.block_length + 1
+
+    def tokens_per_round(self, alpha: float) -> float:
+        return float(expected_tokens_per_round(alpha, self.block_length))
 
     def positions_per_call(self, depth: int) -> int:
         return self.block_length + 1

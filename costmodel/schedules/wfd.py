@@ -149,6 +149,7 @@ def wfd_tick_basis(tick: Tick, depth: int, verifies_per_period: int) -> Basis:
 @register
 class WFD(Drafting):
     title = "WFD"
+    in_phase = False
     kind: Literal["wfd"] = "wfd"
     width_cap: Annotated[int, Field(ge=1)] | None = None
 

@@ -1,0 +1,169 @@
+"""A stream of requests served step by step (``predict_serving(..., fidelity="steps")``,
+`costmodel serving --fidelity steps`): the same engine as ``costmodel.serving``'s call-by-call
+simulation, its decoding priced a step at a time from the closed forms, fast enough for tens of
+thousands of requests.
+
+A step commits one token of every running sequence (in expectation: a DtV or WFD sequence's
+share of its rounds or ticks, ``predict``'s steady state) and costs the schedule's time per
+token at the step's batch and the sequences' mean context, plus the engine's own time. Those
+times are priced once, vectorized over every batch size and context (in buckets of
+``CONTEXT_BUCKET`` keys), and summed along the context, so the engine's clock jumps from one
+event to the next (an arrival it may admit, a sequence that finishes) in one lookup, not a step
+at a time. Newcomers are admitted between steps, as the call-by-call simulation admits them
+between rounds (first come first served, their whole KV reserved), and their prompts prefilled
+together, whole, before the next step.
+
+What it leaves out against the call-by-call simulation: the draws of each draft's acceptance (a
+DtV or WFD sequence advances at its mean rate, so its TPOT spreads less: p99 shorter) and the
+wave's ramp after a prefill; and it prices a step at the batch's mean context (exact for the KV
+reads and attention, which are linear in it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from .engines import EngineOverheads
+from .groups import block_calls_per_token
+from .hardware import HardwareSpec
+from .model import LoopedModelSpec
+from .predict import _Pricer, prefill_time_s
+from .requests import Request
+from .schedules.base import Schedule
+from .slots import static_span
+from .workload import Workload
+
+CONTEXT_BUCKET = 16  # keys: a step's time is priced at its context rounded to these
+
+
+def step_times(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule, *, alpha: float,
+               depth: int, kv_sharing: int, dtype: str, max_batch: int, longest: int,
+               engine: EngineOverheads) -> np.ndarray:
+    """Seconds a step takes, ``[batch - 1, context]`` for every batch up to ``max_batch`` and
+    every context (a sequence's tokens so far) up to ``longest``."""
+    buckets = np.arange(0, longest + CONTEXT_BUCKET, CONTEXT_BUCKET, dtype=float)
+    keys = buckets + 1
+    if hw.graphs.cuda_graphs:  # a replayed step reads its static span
+        keys = np.array([static_span(int(k)) for k in keys], dtype=float)
+    batches = np.arange(1, max_batch + 1, dtype=float)[:, None]
+    groups = schedule.call_groups(depth, kv_sharing)
+    per_token = np.broadcast_to(_priced(model, hw, schedule, groups, alpha, dtype,
+                                        keys[None, :], batches), (max_batch, len(buckets)))
+    ticks = float(block_calls_per_token(groups, np.asarray(alpha))) if schedule.drafts else 0.0
+    own = np.array([engine.token_share_s(b, schedule.drafts, ticks, depth)
+                    for b in range(1, max_batch + 1)])
+    bucketed = per_token + own[:, None]
+    return np.repeat(bucketed, CONTEXT_BUCKET, axis=1)[:, :longest + 1]
+
+
+def _priced(model, hw, schedule: Schedule, groups, alpha: float, dtype: str, keys, batches):
+    """A step's calls at each batch: in phase, every call serves the whole batch; a WFD
+    batch's waves each read out on ticks of their own phase, so a tick's prelude and coda
+    calls come whenever any wave's readout falls due (1 - (1 - q)^B of the ticks, where one
+    wave reads out on q of them) and serve the waves whose readout is due."""
+    alpha = np.asarray(alpha)
+    if schedule.in_phase:
+        return _Pricer(model, hw, dtype, keys, batches, None).per_token(groups, alpha)[
+            "latency_s"]
+    block = [g for g in groups if g.part == "block"]
+    ticks = sum(g.weight(alpha) for g in block)
+    total = _Pricer(model, hw, dtype, keys, batches, None).per_token(block, alpha)["latency_s"]
+    for part in ("prelude", "coda"):
+        own = [g for g in groups if g.part == part]
+        q = min(1.0, float(sum(g.weight(alpha) for g in own) / ticks)) if own else 0.0
+        if not q:
+            continue
+        due = 1 - (1 - q) ** batches  # the ticks with a call of this part
+        served = batches * q / due  # the waves a call serves
+        calls = _Pricer(model, hw, dtype, keys, served, None).per_token(own, alpha)
+        total = total + calls["latency_s"] * due / q  # due / q times the in-phase calls
+    return total
+
+
+class _Prefills:
+    """The time a group of newcomers' prompts take, prefilled together at their mean length."""
+
+    def __init__(self, model, hw, depth: int, dtype: str, kv_sharing: int, readouts: int):
+        self.args = model, hw, depth, readouts
+        self.fields = {"dtype": dtype, "kv_sharing": kv_sharing, "new_tokens": 1}
+        self.memo: dict[tuple[int, int], float] = {}
+
+    def __call__(self, prompts: list[int]) -> float:
+        key = (len(prompts), round(np.mean(prompts)))
+        if key not in self.memo:
+            model, hw, depth, readouts = self.args
+            workload = Workload(context_length=key[1], batch_size=key[0], **self.fields)
+            self.memo[key] = prefill_time_s(model, hw, workload, depth, readouts)
+        return self.memo[key]
+
+
+def serve_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
+                requests: Sequence[Request], *, max_batch: int, acceptance: float, depth: int,
+                kv_budget: int, kv_per_request: Sequence[int], kv_sharing: int = 0,
+                dtype: str = "bf16", engine: EngineOverheads | None = None
+                ) -> tuple[list[dict], float]:
+    """Each request's arrival, first token and finish as ``schedule`` serves the stream step by
+    step, and the mean number of sequences per step (weighed by the steps' time)."""
+    engine = engine or EngineOverheads()
+    longest = max(r.prompt_tokens + r.output_tokens for r in requests)
+    times = step_times(model, hw, schedule, alpha=acceptance, depth=depth,
+                       kv_sharing=kv_sharing, dtype=dtype, max_batch=max_batch,
+                       longest=longest, engine=engine)
+    elapsed = np.concatenate([np.zeros((max_batch, 1)), np.cumsum(times, axis=1)], axis=1)
+    per_round = max(1, round(schedule.tokens_per_round(acceptance)))  # a round's tokens
+    readouts = 2 if schedule.drafts else 1
+    prefill = _Prefills(model, hw, depth, dtype, kv_sharing, readouts)
+    served = [{"arrival_s": r.arrival_s, "output_tokens": r.output_tokens} for r in requests]
+    ready = [r.arrival_s + engine.request_s for r in requests]
+    running: dict[int, list[int]] = {}  # request -> [tokens still to commit, its context]
+    now, reserved, waiting, busy, weighed = 0.0, 0, 0, 0.0, 0.0
+    while waiting < len(requests) or running:
+        newcomers = []
+        while (waiting < len(requests) and len(running) + len(newcomers) < max_batch
+               and ready[waiting] <= now
+               and reserved + kv_per_request[waiting] <= kv_budget):
+            newcomers.append(waiting)
+            reserved += kv_per_request[waiting]
+            waiting += 1
+        if newcomers:
+            took = prefill([requests[i].prompt_tokens for i in newcomers])
+            busy, weighed, now = busy + took, weighed + took * len(newcomers), now + took
+            for i in newcomers:
+                served[i]["first_token_s"] = now
+                running[i] = [requests[i].output_tokens - 1, requests[i].prompt_tokens + 1]
+            reserved -= finish(running, served, now, kv_per_request)
+        if not running:
+            if waiting < len(requests) and not newcomers:
+                if ready[waiting] <= now:  # nothing runs, and the next one's KV cannot fit
+                    raise ValueError(f"request {waiting} needs more KV than the engine has")
+                now = ready[waiting]
+            continue
+        # decode until a sequence finishes, or past the next arrival that could start
+        b = len(running)
+        context = round(np.mean([c for _, c in running.values()]))
+        steps = min(left for left, _ in running.values())
+        line = elapsed[b - 1]
+        if waiting < len(requests) and b < max_batch and ready[waiting] > now:
+            # the first round's end at or after it arrives
+            until = np.searchsorted(line, line[context] + ready[waiting] - now) - context
+            steps = max(1, min(steps, int(np.ceil(until / per_round) * per_round)))
+        steps = min(steps, len(line) - 1 - context)
+        took = float(line[context + steps] - line[context])
+        busy, weighed, now = busy + took, weighed + took * b, now + took
+        for state in running.values():
+            state[0] -= steps
+            state[1] += steps
+        reserved -= finish(running, served, now, kv_per_request)
+    return served, weighed / busy if busy else 0.0
+
+
+def finish(running: dict[int, list[int]], served: list[dict], now: float,
+           kv_per_request: Sequence[int]) -> int:
+    """The sequences with no token left finish now: their KV given back (its bytes)."""
+    done = [i for i, (left, _) in running.items() if left <= 0]
+    for i in done:
+        served[i]["finish_s"] = now
+        del running[i]
+    return sum(kv_per_request[i] for i in done)
