@@ -162,8 +162,9 @@ def main() -> None:
             send(base, str(folder), [65] * 8, 4)  # warm the engine up
             options = {"max_batch": args.max_batch, "dtype": profile.dtype,
                        "names": [args.schedule], "seed": args.seed}
-            engine = engine_overheads(base, str(folder), spec, hw, prompt, output, options,
-                                      args.commit_ahead)
+            engine = engine_overheads(lambda requests, seed: load(base, str(folder), requests,
+                                                                  seed),
+                                      spec, hw, prompt, output, options, args.commit_ahead)
             print(f"the engine's own time: {engine.step_s * 1e3:.2f} ms a step, "
                   f"{engine.per_sequence_s * 1e3:.2f} ms a sequence in it, "
                   f"{engine.request_s * 1e3:.2f} ms a request", flush=True)
@@ -185,16 +186,17 @@ def main() -> None:
                                         "rows": rows}, indent=2))
 
 
-def engine_overheads(base: str, model: str, spec, hw, prompt: Lengths, output: Lengths,
-                     options: dict, commit_ahead: int, repeats: int = 3) -> EngineOverheads:
-    """vLLM's own time beside its calls, from requests of the mean lengths: lone ones, one
-    after another, and a full batch arriving together. Their median TPOTs less the simulated
-    ones give the time per step and per sequence in a step (two equations, two unknowns); the
-    lone ones' TTFT less the simulated one (with those) the time per request on its way in."""
+def engine_overheads(measure, spec, hw, prompt: Lengths, output: Lengths, options: dict,
+                     commit_ahead: int, repeats: int = 3) -> EngineOverheads:
+    """An engine's own time beside its calls (``measure(requests, seed)``: the requests as it
+    served them), from requests of the mean lengths: lone ones, one after another, and a full
+    batch arriving together. Their median TPOTs less the simulated ones give the time per step
+    and per sequence in a step (two equations, two unknowns); the lone ones' TTFT less the
+    simulated one (with those) the time per request on its way in."""
     def measured(together: int) -> tuple[float, float]:
         requests = [Request(arrival_s=0.0, prompt_tokens=round(prompt.mean),
                             output_tokens=round(output.mean))] * together
-        runs = [load(base, model, requests, seed) for seed in range(repeats)]
+        runs = [measure(requests, seed) for seed in range(repeats)]
         return (float(np.median([s.tpot_s for run in runs for s in run])),
                 float(np.median([s.ttft_s for run in runs for s in run])))
 

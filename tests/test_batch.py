@@ -150,6 +150,26 @@ def test_bad_requests_are_refused():
                      batch_size=2)
     with pytest.raises(GenerationError, match="ar, dtv or wfd"):
         decode_batch(model, [Request(0, [1], 2)], schedule="auto", batch_size=1)
+    with pytest.raises(GenerationError, match="one time per request, in order"):
+        decode_batch(model, [Request(0, [1], 2), Request(1, [2], 2)], schedule="ar",
+                     batch_size=2, arrivals=[0.5, 0.1])
+
+
+@pytest.mark.parametrize("schedule", ["ar", "wfd"])
+def test_a_stream_s_requests_start_no_sooner_than_they_arrive(schedule):
+    """``arrivals``: a request is admitted once its time has passed (an idle batch sleeps until
+    then), in order, and its tokens are those of the same requests all at once."""
+    model = model_for("huginn", False)
+    requests = [Request(i, [i + 1, i + 2, i + 3], 4) for i in range(4)]
+    arrivals = [0.0, 0.0, 0.15, 0.3]
+    run = decode_batch(model, requests, schedule=schedule, batch_size=2, arrivals=arrivals)
+    together = decode_batch(model, requests, schedule=schedule, batch_size=2)
+    by_index = {r.index: r for r in run.results}
+    for i, at in enumerate(arrivals):
+        assert by_index[i].admitted_s >= at
+    assert by_index[3].admitted_s < 0.3 + 0.25  # admitted at the round after it arrived
+    assert {r.index: r.tokens for r in together.results} == {
+        i: r.tokens for i, r in by_index.items()}
 
 
 def test_slot_layouts_of_batched_calls():

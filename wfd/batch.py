@@ -44,6 +44,7 @@ class SequenceResult:
     block_calls: int  # the batch's block calls this sequence took part in
     acceptance: float | None
     forced_acceptance: bool = False
+    admitted_s: float = 0.0  # from the run's start to the sequence's admission
 
 
 @dataclass
@@ -107,14 +108,18 @@ def run_together(runner: Runner, lanes: list[Lane]) -> None:
 def decode_batch(model: nn.Module, requests: Sequence[Request], options: RunOptions | None = None,
                  *, batch_size: int = 8, record: bool = False,
                  on_result: Callable[[SequenceResult], None] | None = None,
-                 on_call: Callable[[], None] | None = None, **settings) -> BatchRun:
+                 on_call: Callable[[], None] | None = None,
+                 arrivals: Sequence[float] | None = None, **settings) -> BatchRun:
     """Decode ``requests`` with ``batch_size`` sequences in flight (fewer if fewer remain), with
     the run ``options`` or the same settings as keywords (wfd.generate.generate), each request
     with its own number of new tokens. Each sequence's tokens are its own batch-1 run's (same
     plan, sampling seed and forced outcomes, seeded by the seed + its index). ``on_result`` gets
     each sequence as it ends; ``on_call`` is called after every call (progress). The mode: eager
     by default, on any device (wfd.runtime.Runner). An exit rule: adaptive depth per position of
-    each sequence: a position that exits leaves the calls while the others go on."""
+    each sequence: a position that exits leaves the calls while the others go on.
+    ``arrivals``: seconds from the run's start at which each request arrives (a stream:
+    bench/batch_load.py); a request is admitted no sooner, in order, and an idle batch waits
+    for the next."""
     options = RunOptions.of(options, settings)
     if options.auto:
         raise GenerationError(f"a batch decodes with {registered()}, not 'auto'")
@@ -122,6 +127,9 @@ def decode_batch(model: nn.Module, requests: Sequence[Request], options: RunOpti
         raise GenerationError(f"batch size must be at least 1, got {batch_size}")
     if not requests:
         raise GenerationError("no prompts to decode")
+    if arrivals is not None and (len(arrivals) != len(requests)
+                                 or list(arrivals) != sorted(arrivals)):
+        raise GenerationError("arrivals: one time per request, in order")
     for req in requests:
         check_prompt(req.prompt, model.config.vocab_size, f"prompt {req.index}")
         if req.max_new_tokens < 1:
@@ -140,17 +148,35 @@ def decode_batch(model: nn.Module, requests: Sequence[Request], options: RunOpti
                         sequences=regions)
     if options.draft_rule is not None:
         runner.cache.allow_rewrites("coda")
-    return _run(runner, setup, requests, probe, regions, on_result, on_call)
+    return _run(runner, setup, requests, probe, regions, on_result, on_call, arrivals)
+
+
+def arrived(requests: Sequence[Request], arrivals: Sequence[float] | None, start: list[float]):
+    """``run_batch``'s admission hook for requests arriving at ``arrivals`` (None: every one
+    at once) on the clock that starts at ``start[0]``: a request may start once its time has
+    passed; with nothing running, the batch sleeps until it has."""
+    if arrivals is None:
+        return None
+    due = {id(req): at for req, at in zip(requests, arrivals, strict=True)}
+
+    def admit(req: Request, lanes: list[Lane]) -> bool:
+        wait = start[0] + due[id(req)] - time.perf_counter()
+        if wait > 0 and not lanes:
+            time.sleep(wait)
+            return True
+        return wait <= 0
+
+    return admit
 
 
 def _run(runner: Runner, setup: RunSetup, requests: Sequence[Request], probe, regions: int,
          on_result: Callable[[SequenceResult], None] | None,
-         on_call: Callable[[], None] | None) -> BatchRun:
+         on_call: Callable[[], None] | None, arrivals: Sequence[float] | None) -> BatchRun:
     """``decode_batch`` once its runner is ready: the continuous batching loop and its
     report."""
     cache, options = runner.cache, setup.options
 
-    def start(req: Request, region: int):
+    def begin(req: Request, region: int):
         verifier = setup.verifier(len(req.prompt), req.max_new_tokens, options.seed + req.index)
         decoder = BatchDecoder(runner, req.prompt, max_new_tokens=req.max_new_tokens,
                                sampling=verifier.sampling, verifier=verifier,
@@ -178,13 +204,14 @@ def _run(runner: Runner, setup: RunSetup, requests: Sequence[Request], probe, re
         cache.release(lane.region)
         exit_depths.append(lane.executor.exit_depths)
         results.append(lane.executor.result(lane.job, lane.block_calls))
+        results[-1].admitted_s = lane.executor.admitted_at - start[0]
         if on_result is not None:
             on_result(results[-1])
 
-    start_s = time.perf_counter()
+    start = [time.perf_counter()]
     with torch.inference_mode():
-        run_batch(requests, regions, start, run_call, finish)
-    wall = time.perf_counter() - start_s - runner.capture_s
+        run_batch(requests, regions, begin, run_call, finish, arrived(requests, arrivals, start))
+    wall = time.perf_counter() - start[0] - runner.capture_s
     stats: dict[str, object] = {
         "schedule": setup.schedule.name, "batch_size": regions, "depth": setup.depth,
         "kv_bytes_allocated": cache.nbytes, "lookahead": probe.lookahead,
