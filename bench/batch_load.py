@@ -22,15 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from pathlib import Path
 
 import numpy as np
-from serving_load import engine_overheads
+from serving_load import engine_overheads, stream_arguments, stream_lengths
 
 from costmodel.clitools import script_main
 from costmodel.presets import get_model
 from costmodel.profile import load_profile
-from costmodel.requests import Lengths, request_stream
+from costmodel.requests import request_stream
 from costmodel.schedules import AR
 from costmodel.serving import Served, predict_serving, summarize
 
@@ -64,21 +63,11 @@ def figures(result) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--profile", type=Path, required=True)
-    parser.add_argument("--model", default="huginn-tiny")
-    parser.add_argument("--schedule", default="ar", choices=["ar", "dtv", "wfd"])
-    parser.add_argument("--rates", type=float, nargs="+", default=[2.0, 8.0, 32.0])
-    parser.add_argument("--requests", type=int, default=40)
-    parser.add_argument("--prompt-tokens", default="16-64")
-    parser.add_argument("--output-tokens", default="32")
-    parser.add_argument("--max-batch", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path)
+    stream_arguments(parser, [2.0, 8.0, 32.0])
     args = parser.parse_args()
     from wfd.checkpoint import load_model
 
-    prompt = Lengths.parse(args.prompt_tokens, "--prompt-tokens")
-    output = Lengths.parse(args.output_tokens, "--output-tokens")
+    prompt, output = stream_lengths(args)
     profile = load_profile(args.profile)
     spec, model = get_model(args.model), load_model(args.model)
     decoded(model, request_stream(100.0, 4, prompt, output, seed=1), args.schedule,

@@ -127,22 +127,31 @@ def load(base: str, model: str, requests, seed: int) -> list[Served]:
     return served
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def stream_arguments(parser: argparse.ArgumentParser, rates: list[float]) -> None:
+    """A load bench's options: the profile, the model and schedule, and the streams'."""
     parser.add_argument("--profile", type=Path, required=True)
     parser.add_argument("--model", default="huginn-tiny")
-    parser.add_argument("--rates", type=float, nargs="+", default=[2.0, 4.0, 8.0])
+    parser.add_argument("--schedule", default="ar", choices=["ar", "wfd", "dtv"])
+    parser.add_argument("--rates", type=float, nargs="+", default=rates)
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--prompt-tokens", default="16-64")
     parser.add_argument("--output-tokens", default="32")
     parser.add_argument("--max-batch", type=int, default=8)
-    parser.add_argument("--schedule", default="ar", choices=["ar", "wfd", "dtv"])
-    parser.add_argument("--commit-ahead", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path)
+
+
+def stream_lengths(args) -> tuple[Lengths, Lengths]:
+    return (Lengths.parse(args.prompt_tokens, "--prompt-tokens"),
+            Lengths.parse(args.output_tokens, "--output-tokens"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    stream_arguments(parser, [2.0, 4.0, 8.0])
+    parser.add_argument("--commit-ahead", type=int, default=8)
     args = parser.parse_args()
-    prompt = Lengths.parse(args.prompt_tokens, "--prompt-tokens")
-    output = Lengths.parse(args.output_tokens, "--output-tokens")
+    prompt, output = stream_lengths(args)
     spec = get_model(args.model)
     profile = load_profile(args.profile)
     hw = for_engine("vllm", profile.hardware, spec)
