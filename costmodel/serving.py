@@ -15,7 +15,7 @@ served at decoding-round boundaries (vLLM: every engine step), a request's whole
 output and its schedule's lookahead) is reserved when it starts, so none is ever preempted
 (vLLM reserves as tokens come and preempts when the cache runs out), and prefills run whole
 before the round they join (vLLM's chunked prefill splits a long one over steps with a token
-budget).
+budget). Step by step with a token budget, ``costmodel.stream_vllm`` schedules as vLLM does.
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ class ServingResult(BaseModel):
     mean_batch: float  # sequences per call, averaged over the engine's busy time
     slo_attainment: float | None = None  # the fraction meeting every objective given
     goodput_requests_per_s: float | None = None
+    preemptions: int | None = None  # vLLM's scheduling (a token budget): requests preempted
 
 
 @dataclass
@@ -182,7 +183,8 @@ FIDELITIES = ("calls", "steps")
 def serve(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
           requests: Sequence[Request], *, max_batch: int, acceptance: float, depth: int,
           kv_sharing: int = 0, dtype: str = "bf16", kv_budget: int | None = None,
-          seed: int = 0, engine: EngineOverheads | None = None, fidelity: str = "calls"
+          seed: int = 0, engine: EngineOverheads | None = None, fidelity: str = "calls",
+          token_budget: int | None = None, stats: dict | None = None
           ) -> tuple[list[Served], float]:
     """Each request as ``schedule`` serves the stream (drafts accepted at ``acceptance``, drawn
     per request from ``seed``), and the mean number of sequences per call. ``engine``: the
@@ -190,7 +192,9 @@ def serve(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
     AR round's, a share of one for a WFD tick that commits some sequences' tokens), paid with
     the call that commits them; a request's before it reaches the line. ``fidelity``: "calls"
     (simulated call by call) or "steps" (a step at a time from the closed forms:
-    ``costmodel.stream``)."""
+    ``costmodel.stream``); with ``token_budget``, steps scheduled as vLLM's (chunked prefills,
+    KV taken as tokens come, preemption: ``costmodel.stream_vllm``; ``stats`` gets how many
+    preemptions)."""
     from .batching import run_batch
 
     if max_batch < 1:
@@ -200,6 +204,24 @@ def serve(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
     if kv_budget is None:
         kv_budget = kv_budget_bytes(model, hw, dtype, depth, max_batch,
                                     schedule.positions_per_call(depth))
+    if token_budget is not None:
+        if fidelity != "steps":
+            raise ValueError("a token budget schedules steps as vLLM does: give fidelity steps")
+        if token_budget < 1:
+            raise ValueError(f"the token budget must be at least 1, got {token_budget}")
+        from .stream_vllm import serve_vllm_steps
+
+        kv_needs(model, schedule, requests, depth=depth, dtype=dtype, kv_sharing=kv_sharing,
+                 kv_budget=kv_budget)  # a request that never fits: refused
+        readouts = 2 if schedule.drafts else 1
+        served, mean_batch, preempted = serve_vllm_steps(
+            model, hw, schedule, requests, max_batch=max_batch, acceptance=acceptance,
+            depth=depth, kv_budget=kv_budget, token_budget=token_budget, kv_sharing=kv_sharing,
+            kv_per_token=model.kv_bytes_per_token(dtype, depth, kv_sharing, readouts),
+            dtype=dtype, engine=engine)
+        if stats is not None:
+            stats["preemptions"] = preempted
+        return [Served(**s) for s in served], mean_batch
     if fidelity == "steps":
         from .stream import serve_steps
 
@@ -317,8 +339,8 @@ class _Stream:
 
 
 def summarize(schedule: Schedule, served: list[Served], mean_batch: float, *,
-              slo_ttft_s: float | None = None, slo_tpot_s: float | None = None
-              ) -> ServingResult:
+              slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
+              preemptions: int | None = None) -> ServingResult:
     """The stream's figures: percentiles, throughput, and (with objectives) goodput."""
     start = min(s.arrival_s for s in served)
     duration = max(s.finish_s for s in served) - start
@@ -335,7 +357,8 @@ def summarize(schedule: Schedule, served: list[Served], mean_batch: float, *,
         tpot_s=Percentiles.of([s.tpot_s for s in served]),
         e2e_s=Percentiles.of([s.e2e_s for s in served]), mean_batch=mean_batch,
         slo_attainment=None if met is None else met / len(served),
-        goodput_requests_per_s=None if met is None else met / duration)
+        goodput_requests_per_s=None if met is None else met / duration,
+        preemptions=preemptions)
 
 
 def chosen_schedules(model: LoopedModelSpec, hw: HardwareSpec, requests: Sequence[Request], *,
@@ -375,7 +398,8 @@ def predict_serving(model: LoopedModelSpec, hw: HardwareSpec, requests: Sequence
                     slo_tpot_s: float | None = None, names: Sequence[str] | None = None,
                     seed: int = 0, engine: EngineOverheads | None = None,
                     tensor_parallel: int = 1, link: str | Link | None = None,
-                    fidelity: str = "calls") -> dict[str, ServingResult]:
+                    fidelity: str = "calls", token_budget: int | None = None
+                    ) -> dict[str, ServingResult]:
     """Each schedule (``names``: those of the registry to run; default all) serving the
     stream; on ``tensor_parallel`` devices joined by ``link`` (``costmodel.parallel.split``)."""
     model, hw = split(model, hw, tensor_parallel, link)
@@ -388,11 +412,13 @@ def predict_serving(model: LoopedModelSpec, hw: HardwareSpec, requests: Sequence
     for name, schedule in schedules.items():
         if names is not None and name not in names:
             continue
+        stats: dict = {}
         served, mean_batch = serve(model, hw, schedule, requests, max_batch=max_batch,
                                    acceptance=alpha, depth=depth, kv_sharing=kv_sharing,
-                                   dtype=dtype, seed=seed, engine=engine, fidelity=fidelity)
+                                   dtype=dtype, seed=seed, engine=engine, fidelity=fidelity,
+                                   token_budget=token_budget, stats=stats)
         results[name] = summarize(schedule, served, mean_batch, slo_ttft_s=slo_ttft_s,
-                                  slo_tpot_s=slo_tpot_s)
+                                  slo_tpot_s=slo_tpot_s, preemptions=stats.get("preemptions"))
     return results
 
 

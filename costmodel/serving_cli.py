@@ -141,6 +141,10 @@ def serving_cmd(
         help="calls (each call of each sequence simulated: drafts' acceptance drawn) or steps "
              "(a step at a time from the closed forms: hundreds of times faster, for long "
              "streams and rate searches)")] = "calls",
+    token_budget: Annotated[int | None, typer.Option(
+        help="with --fidelity steps: schedule as vLLM does, this many tokens a step (its "
+             "max_num_batched_tokens) shared by decoding and chunked prefills, KV taken as "
+             "tokens come and the newest request preempted when it runs out")] = None,
     dtype: DtypeOption = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -167,6 +171,7 @@ def serving_cmd(
                "acceptance": acceptance, "draft_depth": draft_depth, "width": width,
                "block_length": block_length, "slo_ttft_s": ttft, "slo_tpot_s": tpot,
                "seed": seed, "fidelity": one_of("fidelity", fidelity, FIDELITIES),
+               "token_budget": token_budget,
                "engine": engine_overheads(step_overhead, sequence_overhead, request_overhead,
                                          tick_overhead, wave_overhead, commit_ahead)}
     runs = []

@@ -204,6 +204,7 @@ def test_the_command_prints_each_schedule_and_finds_the_rate(capsys):
     (["--schedule", "beam"], "unknown schedule 'beam'"),
     (["--max-batch", "0"], "max batch must be at least 1"),
     (["--fidelity", "fast"], "unknown fidelity 'fast'; use calls or steps"),
+    (["--fidelity", "steps", "--token-budget", "0"], "the token budget must be at least 1"),
     # requests whose KV exceeds the memory left beside the weights
     (["--prompt-tokens", "100000000"], "the stream's mean request: 100,000,000 + 256 tokens"),
 ])
@@ -340,3 +341,64 @@ def test_the_command_steps_a_long_stream(capsys):
     payload = json.loads(out)
     assert set(payload["schedules"]) == {"ar", "dtv", "wfd"}
     assert payload["schedules"]["wfd"]["requests"] == 3000
+
+
+# -- vLLM's scheduling, step by step (costmodel.stream_vllm) -------------------------------------
+
+def prefill_of(tokens: int, schedule) -> float:
+    from costmodel.predict import prefill_time_s
+    from costmodel.workload import Workload
+
+    return prefill_time_s(MODEL, HARDWARE, Workload(context_length=tokens, new_tokens=1), 8,
+                          2 if schedule.drafts else 1)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
+def test_a_lone_prompt_is_prefilled_in_chunks_of_the_token_budget(schedule):
+    """A prompt of 150 tokens under a budget of 64 a step: three steps of chunks (64, 64, 22),
+    its first token at the end of the third; then a token a step as without the budget."""
+    request = Request(arrival_s=0.0, prompt_tokens=150, output_tokens=6)
+    served, _ = serve(MODEL, HARDWARE, schedule, [request], max_batch=2, acceptance=0.7,
+                      depth=8, fidelity="steps", token_budget=64)
+    whole, _ = serve(MODEL, HARDWARE, schedule, [request], max_batch=2, acceptance=0.7,
+                     depth=8, fidelity="steps")
+    assert served[0].ttft_s == pytest.approx(
+        2 * prefill_of(64, schedule) + prefill_of(22, schedule), rel=1e-9)
+    assert served[0].finish_s - served[0].first_token_s == pytest.approx(
+        whole[0].finish_s - whole[0].first_token_s, rel=1e-9)
+
+
+def test_kv_taken_as_tokens_come_runs_out_and_preempts_the_newest():
+    """A KV budget for about three requests' whole sequences and eight arriving together:
+    vLLM's scheduling admits more than fit to the end, preempts when the cache runs out, and
+    every request still finishes, its tokens all out; reserving whole sequences never
+    preempts."""
+    requests = [Request(arrival_s=0.0, prompt_tokens=30, output_tokens=40)] * 8
+    per_token = MODEL.kv_bytes_per_token("bf16", 8, 0, 1)
+    budget = 3 * (30 + 40) * per_token
+    stats: dict = {}
+    served, mean_batch = serve(MODEL, HARDWARE, AR(), requests, max_batch=8, acceptance=0.7,
+                               depth=8, kv_budget=budget, fidelity="steps", token_budget=512,
+                               stats=stats)
+    assert stats["preemptions"] > 0 and mean_batch > 3
+    for s in served:
+        assert s.arrival_s < s.first_token_s < s.finish_s
+    _, reserved_batch = serve(MODEL, HARDWARE, AR(), requests, max_batch=8, acceptance=0.7,
+                              depth=8, kv_budget=budget, fidelity="steps")
+    assert reserved_batch <= 3
+    with pytest.raises(ValueError, match="request 0 .* needs"):
+        serve(MODEL, HARDWARE, AR(), requests, max_batch=8, acceptance=0.7, depth=8,
+              kv_budget=budget // 4, fidelity="steps", token_budget=512)
+    with pytest.raises(ValueError, match="give fidelity steps"):
+        serve(MODEL, HARDWARE, AR(), requests, max_batch=8, acceptance=0.7, depth=8,
+              token_budget=512)
+
+
+def test_the_command_schedules_as_vllm_and_counts_preemptions(capsys):
+    code, out, err = run_cli(capsys, "serving", "--model", "huginn-3.5b", "--hardware",
+                             "a6000", "--requests", "200", "--rate", "4/s", "--prompt-tokens",
+                             "1024-2048", "--output-tokens", "256-1024", "--max-batch", "32",
+                             "--fidelity", "steps", "--token-budget", "2048", "--schedule",
+                             "ar", "--json")
+    assert code in (0, None), err
+    assert json.loads(out)["schedules"]["ar"]["preemptions"] > 0
