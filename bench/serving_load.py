@@ -3,7 +3,7 @@ same streams: are the simulated latencies the served ones?
 
     python bench/serving_load.py --profile PROFILE.json [--model huginn-tiny] [--rates 2 4 8]
         [--requests 40] [--prompt-tokens 16-64] [--output-tokens 32] [--max-batch 8]
-        [--schedule ar] [--commit-ahead 8] [--seed 0] [--out FILE.json]
+        [--schedule ar] [--commit-ahead 8] [--token-budget 2048] [--seed 0] [--out FILE.json]
 
 Starts `vllm serve` (the plugin, eager, fp32) on a copy of the shipped tiny model with its byte
 tokenizer, and for each rate sends the stream `costmodel serving` draws for it (Poisson
@@ -12,7 +12,8 @@ at its arrival time on a thread of its own, streamed (`/v1/completions`, greedy,
 its first and last chunks timed as they arrive. TTFT is arrival to the first chunk (the
 prefill's token), TPOT the rest over the tokens after the first. The same streams are then
 simulated (`costmodel.serving`, `--engine vllm`: vLLM's kernel counts, eager on a CPU) with the
-profile's hardware, and the medians, p99s and throughput printed side by side.
+profile's hardware, and the medians, p99s and throughput printed side by side: call by call,
+or with `--token-budget N` step by step as vLLM schedules (`costmodel.stream_vllm`).
 
 The engine's own time (per step, per sequence in a step, per request on its way in), which the
 per-call cost does not hold, is measured first and apart from the streams, from lone requests
@@ -150,6 +151,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     stream_arguments(parser, [2.0, 4.0, 8.0])
     parser.add_argument("--commit-ahead", type=int, default=8)
+    parser.add_argument("--token-budget", type=int, default=None,
+                        help="simulate step by step with vLLM's scheduling at this budget "
+                             "(the CPU server's default: 2048); default: call by call")
     args = parser.parse_args()
     prompt, output = stream_lengths(args)
     spec = get_model(args.model)
@@ -170,7 +174,9 @@ def main() -> None:
         try:
             send(base, str(folder), [65] * 8, 4)  # warm the engine up
             options = {"max_batch": args.max_batch, "dtype": profile.dtype,
-                       "names": [args.schedule], "seed": args.seed}
+                       "names": [args.schedule], "seed": args.seed,
+                       "token_budget": args.token_budget,
+                       "fidelity": "calls" if args.token_budget is None else "steps"}
             engine = engine_overheads(lambda requests, seed: load(base, str(folder), requests,
                                                                   seed),
                                       spec, hw, prompt, output, options, args.commit_ahead)
