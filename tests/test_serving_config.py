@@ -107,3 +107,21 @@ def test_a_wave_hears_of_requests_arriving_at_the_engine_it_is_built_in():
         assert wave.arrived()
     finally:
         wave._INBOX[0] = None
+
+
+def test_a_prompt_s_rows_attend_as_one_request_and_a_wave_s_rows_one_each():
+    """``runs_of``: consecutive positions of one wave in one layer (a prompt, a verification)
+    make one request of vLLM's kernel; a wave's rows at different depths, another wave's rows,
+    or a gap in the positions start a new one."""
+    pytest.importorskip("vllm")
+    from wfd.serving.wave_kv import runs_of
+
+    a, b = object(), object()
+    prompt = [(a, p) for p in range(5)]
+    assert runs_of(prompt, [[3] * 5, [4] * 5]) == [(0, 5)]
+    # a wave at depths 2, 4, 6 (different layers), then another wave's prompt of two
+    rows = [(a, 7), (a, 8), (a, 9), (b, 0), (b, 1)]
+    layers = [[10, 20, 30, 1, 1], [11, 21, 31, 2, 2]]
+    assert runs_of(rows, layers) == [(0, 1), (1, 2), (2, 3), (3, 5)]
+    assert runs_of([(a, 0), (a, 2)], [[1, 1]]) == [(0, 1), (1, 2)]
+    assert runs_of([], [[]]) == []

@@ -10,8 +10,9 @@ and the wave's side buffer when it is not, moved into the paged cache when vLLM 
 vLLM lays the layers' caches back to back in one buffer, so all of them read as one cache of
 layers x blocks blocks: block b of layer l is block l x blocks + b there. A call's rows, each in
 its own layer (its recurrence step's), then attend in one kernel call per layer of the part:
-each row a request of one query at its position (``seq_lens`` p + 1), its block table its
-request's shifted to its layer.
+each run of rows (``runs_of``: one wave's consecutive positions in one layer, a prompt's) a
+request of the kernel, causal, up to its last position (``seq_lens`` p + 1), its block table
+its request's shifted to its layer; a lone row, a request of one query.
 """
 
 from __future__ import annotations
@@ -68,13 +69,27 @@ class PagedKV:
         return self.keys[layer, n, :, :, b], self.values[layer, n, :, b, :]
 
 
+def runs_of(rows: list, layers: list[list[int]]) -> list[tuple[int, int]]:
+    """A call's rows ((wave, position) pairs) in runs (start, end): consecutive rows of one
+    wave at consecutive positions, in one layer in every layer of the part (a prompt's, a DtV
+    verification's), which attend as one request of vLLM's kernel, not one each."""
+    runs, start = [], 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or rows[i][0] is not rows[i - 1][0] or (
+                rows[i][1] != rows[i - 1][1] + 1) or any(own[i] != own[i - 1] for own in layers):
+            runs.append((start, i))
+            start = i
+    return runs
+
+
 class CallKV:
     """The rows of one call of a part (each a wave's position, with the wave's block table),
     what their attention needs worked out once for all the part's layers: their slots, whether
     vLLM's kernel can read all their keys, and its scheduling metadata."""
 
     def __init__(self, paged: PagedKV, rows: list, where: torch.Tensor, heads: int,
-                 kv_heads: int, head_dim: int, scale: float, isa: str):
+                 kv_heads: int, head_dim: int, scale: float, isa: str,
+                 runs: list[tuple[int, int]] | None = None):
         self.paged, self.rows, self.where = paged, rows, where
         self.heads, self.kv_heads, self.head_dim, self.scale, self.isa = (
             heads, kv_heads, head_dim, scale, isa)
@@ -93,10 +108,14 @@ class CallKV:
         if self.kernel:
             from vllm import _custom_ops as ops
 
-            self.seq_lens = (self.where + 1).to(torch.int32)
-            self.starts = torch.arange(n + 1, dtype=torch.int32)
+            # each run of rows (one wave's consecutive positions in one layer: a prompt, a
+            # verification) one request of the kernel, its queries the run's, causal
+            runs = runs or [(i, i + 1) for i in range(n)]
+            self.firsts = torch.tensor([start for start, _ in runs])
+            self.seq_lens = (self.where[[end - 1 for _, end in runs]] + 1).to(torch.int32)
+            self.starts = torch.tensor([0] + [end for _, end in runs], dtype=torch.int32)
             self.metadata = ops.cpu_attn_get_scheduler_metadata(
-                num_reqs=n, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                num_reqs=len(runs), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                 seq_lens=self.seq_lens, dtype=paged.key_cache.dtype,
                 query_start_loc=self.starts, causal=True, sliding_window_size=-1, isa=isa,
                 enable_kv_split=False)
@@ -124,7 +143,8 @@ class CallKV:
             query=q, key_cache=paged.key_cache, value_cache=paged.value_cache, output=out,
             query_start_loc=self.starts, seq_lens=self.seq_lens, scale=self.scale, causal=True,
             alibi_slopes=None, sliding_window=-1,
-            block_table=self.tables + shift[:, None].to(torch.int32), softcap=0.0,
+            block_table=self.tables[self.firsts] + shift[self.firsts, None].to(torch.int32),
+            softcap=0.0,
             scheduler_metadata=self.metadata, s_aux=None)
         return out
 
