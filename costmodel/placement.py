@@ -37,6 +37,7 @@ from .model import LoopedModelSpec
 from .predict import _Pricer, acceptance_for, decode_keys, predict
 from .schedules import SCHEDULES, WFD
 from .schedules import get as get_schedule
+from .slots import static_span
 from .specs import DTYPE_BYTES
 from .workload import Workload
 
@@ -61,6 +62,35 @@ class Placed(BaseModel):
     busiest: str  # the device that bounds the pipeline: its parts
     across_wave_latency_s: float | None = None  # WFD pipelined across its wave
     lag_ticks: int | None = None
+    device_bytes: dict[str, int] = {}  # each device's weights and KV, by its parts
+    fits: bool = True  # every device's within its capacity
+
+
+def device_bytes(model: LoopedModelSpec, wl: Workload, layout: str, *, depth: int,
+                 readouts: int, lookahead: int, static: bool) -> dict[str, int]:
+    """Each device's weights and KV cache, by its parts: a part's weights (the prelude's with
+    the embedding table, the coda's with the head: a tied one held by both where they are
+    apart) and its layers' KV for every position of every sequence (decode activations, a few
+    megabytes, left out)."""
+    width = DTYPE_BYTES[wl.dtype]
+    sequence = wl.context_length + wl.new_tokens + lookahead
+    tokens = wl.batch_size * (static_span(sequence) if static else sequence)
+    per_layer = model.kv_bytes_per_token_per_layer(wl.dtype) * tokens
+    layers = {"prelude": model.prelude_layers,
+              "block": model.core_layers * model.core_slots(depth, wl.kv_sharing),
+              "coda": model.coda_layers * readouts}
+    own = {name: (part.weight_params + part.lookup_params) * width + layers[name] * per_layer
+           for name, part in model.parts.items()}
+    loads: dict[int, list[str]] = {}
+    for part, device in LAYOUTS[layout].items():
+        loads.setdefault(device, []).append(part)
+    out = {}
+    for names in loads.values():
+        total = sum(own[name] for name in names)
+        if model.tied_head and {"prelude", "coda"} <= set(names):
+            total -= model.embedding_params * width  # one table for both
+        out[" + ".join(names)] = total
+    return out
 
 
 def part_times(pricer: _Pricer, groups: list[CallGroup], alpha) -> dict[str, float]:
@@ -111,9 +141,9 @@ def place(model: LoopedModelSpec, hw: HardwareSpec, workload: Workload | dict, *
                          "parallelism")
     link = link if isinstance(link, Link) else get_link(link or default_link(hw))
     wl = Workload.model_validate(workload)
-    one = predict(model, hw, wl)
-    if not one.memory.fits:
-        raise ValueError(f"{model.name} does not fit {hw.name} at this workload")
+    # the variants as one device runs them, however much memory that one would need
+    roomy = hw.with_terms(memory_capacity_bytes=hw.roofline.memory_capacity_bytes * 64)
+    one = predict(model, roomy, wl)
     depth, batch = one.depth, wl.batch_size
     pricer = _Pricer(model, hw, wl.dtype, np.asarray(decode_keys(wl, hw)),
                      np.asarray(float(batch)), None)
@@ -128,10 +158,14 @@ def place(model: LoopedModelSpec, hw: HardwareSpec, workload: Workload | dict, *
         parts = part_times(pricer, groups, alpha)
         moved = handoffs(model, groups, alpha, batch, wl.dtype, layout, link)
         bound, where = busiest(parts, layout)
+        memory = device_bytes(model, wl, layout, depth=depth, lookahead=schedule.lookahead(depth),
+                              readouts=2 if schedule.drafts else 1,
+                              static=hw.graphs.cuda_graphs)
         placed = Placed(schedule=name, layout=layout, devices=len(set(LAYOUTS[layout].values())),
                         one_device_latency_s=result.latency_per_token_s, part_s=parts,
                         handoff_s=moved, latency_s=sum(parts.values()) + moved,
-                        pipelined_latency_s=bound, busiest=where)
+                        pipelined_latency_s=bound, busiest=where, device_bytes=memory,
+                        fits=max(memory.values()) <= hw.roofline.memory_capacity_bytes)
         if isinstance(schedule, WFD) and result.draft_depth + lag < depth:
             placed.across_wave_latency_s, placed.lag_ticks = _across_wave(
                 model, pricer, schedule, depth, alpha, batch, wl, layout, link, lag), lag

@@ -36,7 +36,7 @@ def arrangements(model, hw, batch: int, devices: int, placed: dict) -> list[dict
                          split.tokens_per_s))
         for layout, result in placed.items():
             copies = devices // result[name].devices
-            if copies:
+            if copies and result[name].fits:
                 r = result[name]
                 latency = min(r.latency_s, r.across_wave_latency_s or r.latency_s)
                 rows.append((f"{copies} x {layout}", name, latency,

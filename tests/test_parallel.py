@@ -172,3 +172,26 @@ def test_predict_prices_a_placement_beside_its_table():
     assert out.returncode == 0, out.stderr
     placed = json.loads(out.stdout)["placement"]
     assert set(placed) == {"ar", "dtv", "wfd"} and placed["wfd"]["devices"] == 3
+
+
+def test_placed_devices_hold_their_parts_weights_and_kv_and_may_fit_what_one_cannot():
+    """pc|r: the two devices' bytes add up to one device's weights and KV (a tied embedding held
+    once); p|r|c holds the tied table twice. Huginn-3.5B on the A6000 preset at 15,000 tokens
+    does not fit one device (14,396 do) and fits two placed (about 16,500 would): predict says
+    so and goes on."""
+    from costmodel.memory import kv_cache_bytes
+    from costmodel.placement import device_bytes
+    from costmodel.workload import Workload
+
+    model = get_model("huginn-3.5b")
+    wl = Workload(context_length=1024, new_tokens=512)
+    kv = kv_cache_bytes(model, wl, depth=32, readout_depths=2)
+    two = device_bytes(model, wl, "pc|r", depth=32, readouts=2, lookahead=0, static=False)
+    three = device_bytes(model, wl, "p|r|c", depth=32, readouts=2, lookahead=0, static=False)
+    assert set(two) == {"prelude + coda", "block"}
+    assert sum(two.values()) == model.weight_bytes("bf16") + kv
+    assert sum(three.values()) == sum(two.values()) + model.embedding_params * 2
+    out = subprocess.run([sys.executable, "-m", "costmodel", "predict", "--context", "15000",
+                          "--placement", "pc|r"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "DOES NOT FIT" in out.stdout and "memory per device" in out.stdout
