@@ -32,9 +32,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -44,6 +42,7 @@ from costmodel.clitools import script_main
 from wfd.batch import Request, decode_batch
 from wfd.checkpoint import load_model
 from wfd.generate import generate
+from wfd.serving.offline import run_apart
 
 ROOT = Path(__file__).resolve().parents[1]
 CODE = ["import os\nimport sys\n\n\ndef main(argv):\n    ", "class Node:\n    def __init__(self",
@@ -63,18 +62,9 @@ def vllm_runs(folder: Path, prompts: list[list[int]], new_tokens: int, repeats: 
     WFD's)."""
     runs = [{"prompts": prompts, "max_tokens": new_tokens, "batch": batch}
             for _ in range(repeats) for batch in (1, 8)]
-    with tempfile.TemporaryDirectory() as tmp:
-        job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
-        job.write_text(json.dumps({"model": str(folder), "runs": runs,
-                                   "in_process": in_process,
-                                   "speculative_tokens": speculative_tokens,
-                                   "overrides": overrides}))
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        done = subprocess.run([sys.executable, "-m", "wfd.serving.offline", str(job), str(out)],
-                              capture_output=True, text=True, env=env)
-        if done.returncode:
-            sys.exit(f"error: vLLM's run failed:\n{done.stderr[-2000:]}")
-        results = json.loads(out.read_text())["runs"]
+    results = run_apart({"model": str(folder), "runs": runs, "in_process": in_process,
+                         "speculative_tokens": speculative_tokens, "overrides": overrides},
+                        env={**os.environ, "OMP_NUM_THREADS": str(threads)})["runs"]
     calls: dict[int, list[float]] = {1: [], 8: []}
     verified: dict[int, list[int]] = {1: [0, 0], 8: [0, 0]}
     before = {"block_calls": 0, "verified": 0, "accepted": 0}

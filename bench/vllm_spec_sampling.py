@@ -13,9 +13,7 @@ Needs the serve-cpu extra (vLLM's CPU build). Prints one line per position.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -26,18 +24,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def sample(folder: Path, requests: int, speculative_tokens: int | None, tmp: Path
            ) -> list[list[int]]:
     """Each request's 4 new tokens (T = 1, unseeded), from an engine of its own."""
-    job, out = tmp / "job.json", tmp / "out.json"
-    job.write_text(json.dumps({"model": str(folder), "in_process": True,
-                               "speculative_tokens": speculative_tokens,
-                               "runs": [{"prompts": [list(b"import os\n")] * requests,
-                                         "max_tokens": 4, "batch": 50, "temperature": 1.0,
-                                         "seed": None}]}))
+    from wfd.serving.offline import run_apart
+
+    job = {"model": str(folder), "in_process": True, "speculative_tokens": speculative_tokens,
+           "runs": [{"prompts": [list(b"import os\n")] * requests, "max_tokens": 4,
+                     "batch": 50, "temperature": 1.0, "seed": None}]}
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "wfd.serving.offline", str(job), str(out)],
-                          capture_output=True, text=True, env=env, cwd=tmp)
-    if done.returncode:
-        sys.exit(f"error: vLLM's run failed:\n{done.stderr[-2000:]}")
-    return json.loads(out.read_text())["runs"][0]["tokens"]
+    return run_apart(job, env=env, cwd=tmp)["runs"][0]["tokens"]
 
 
 def main() -> None:

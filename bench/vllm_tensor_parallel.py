@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -35,6 +33,7 @@ from costmodel.predict import predict
 from costmodel.presets import get_model
 from costmodel.profile import load_profile
 from costmodel.workload import Workload
+from wfd.serving.offline import run_apart
 
 
 def checkpoint(preset: str, folder: Path) -> Path:
@@ -45,7 +44,7 @@ def checkpoint(preset: str, folder: Path) -> Path:
 
 
 def measured(folder: Path, ranks: int, batch: int, prompts: list[list[int]], new: int,
-             depth: int | None, work: Path) -> float:
+             depth: int | None) -> float:
     """Tokens/s of a run of ``prompts`` on ``ranks`` ranks, ``batch`` at a time."""
     # one rank in-process: a served engine (its scheduler in a process of its own) keeps a core
     # of the CPU for the scheduler and runs the model on the rest, on this 2-core machine one
@@ -55,15 +54,8 @@ def measured(folder: Path, ranks: int, batch: int, prompts: list[list[int]], new
            "overrides": {"recurrence_depth": depth} if depth else None,
            "runs": [{"prompts": prompts[:batch], "max_tokens": 2, "batch": batch},  # warm-up
                     {"prompts": prompts, "max_tokens": new, "batch": batch}]}
-    spec, out = work / f"job-{ranks}-{batch}.json", work / f"out-{ranks}-{batch}.json"
-    spec.write_text(json.dumps(job))
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
-    done = subprocess.run([sys.executable, "-m", "wfd.serving.offline", str(spec), str(out)],
-                          capture_output=True, text=True, env=env, timeout=1800)
-    if done.returncode:
-        raise SystemExit(f"vllm_tensor_parallel: the engine of {ranks} rank(s) failed:\n"
-                         + done.stderr[-6000:])
-    run = json.loads(out.read_text())["runs"][1]
+    run = run_apart(job, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"},
+                    timeout=1800)["runs"][1]
     return sum(map(len, run["tokens"])) / run["seconds"]
 
 
@@ -107,7 +99,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = checkpoint(args.model, Path(tmp) / args.model)
-        runs = {(r, b): measured(folder, r, b, prompts, args.new_tokens, args.depth, Path(tmp))
+        runs = {(r, b): measured(folder, r, b, prompts, args.new_tokens, args.depth)
                 for r in (1, 2) for b in args.batches}
     engines = {b: engine_at(spec, hw, args, b, runs[(1, b)]) for b in args.batches}
     print(f"{args.model}, R = {args.depth or spec.default_depth}, {args.prompts} prompts of "

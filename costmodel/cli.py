@@ -102,8 +102,7 @@ def _print_table(p: Prediction) -> None:
         return
     rows = []
     # the link's column where the devices are several
-    terms = ["weights_s", "kv_s", "compute_s", "overhead_s"] + (
-        ["link_s"] if p.hardware.tensor_parallel else [])
+    terms = ["weights_s", "kv_s", "compute_s", "overhead_s"] + (["link_s"] if tp else [])
     for key, r in p.schedules.items():
         label = get_schedule(key).label(r.draft_depth, r.block_length, r.width, r.width_cap)
         b = r.breakdown
@@ -118,7 +117,7 @@ def _print_table(p: Prediction) -> None:
                           left=(0, len(terms) + 6)))
 
 
-def _placement(spec, hw, workload, result, layout: str | None, link) -> dict | None:
+def _placement(spec, hw, workload, layout: str | None, link) -> dict | None:
     """What ``--placement`` asks for (None: not asked)."""
     if layout is None:
         return None
@@ -260,7 +259,7 @@ def predict_cmd(
     if engine == "vllm":
         host = VLLM_SOURCE.format(mode="CUDA graphs" if result.hardware.graphs.cuda_graphs
                                   else "eager (enforce_eager)")
-    placed = _placement(spec, hw, workload, result, placement,
+    placed = _placement(spec, hw, workload, placement,
                         chosen_link(hw, link, link_bandwidth, link_latency))
     if as_json:
         print_json({**result.model_dump(mode="json"), "host_source": host, "engine": engine,

@@ -120,9 +120,9 @@ def note_machine(profile, path: Path) -> None:
 def chosen_link(hw: HardwareSpec, link: str | None, bandwidth: str | None = None,
                 latency: str | None = None):
     """The link the options name (default: the hardware's usual one), figures overridden."""
-    from .links import Link, default_link, get_link
+    from .links import Link, resolve_link
 
-    chosen = get_link(link or default_link(hw))
+    chosen = resolve_link(hw, link)
     if bandwidth is None and latency is None:
         return chosen
     return Link(name=f"{chosen.name}*", source=chosen.source,

@@ -56,10 +56,6 @@ def _links() -> dict:
     return json.loads(LINKS_FILE.read_text())
 
 
-def link_names() -> list[str]:
-    return sorted(_links()["links"])
-
-
 def get_link(name: str) -> Link:
     links = _links()["links"]
     if name not in links:
@@ -73,3 +69,9 @@ def default_link(hw) -> str:
     if hw.cpu is not None:
         return "cpu-shm"
     return _links()["defaults"].get(hw.name.rstrip("*"), "pcie4")
+
+
+def resolve_link(hw, link: str | Link | None) -> Link:
+    """The link ``link`` names (a name of links.json, a Link as it is, or None: the hardware's
+    usual one)."""
+    return link if isinstance(link, Link) else get_link(link or default_link(hw))

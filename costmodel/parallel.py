@@ -19,7 +19,7 @@ its bandwidth the link's in one direction per device.
 from __future__ import annotations
 
 from .hardware import HardwareSpec
-from .links import Link, TensorParallel, default_link, get_link
+from .links import Link, TensorParallel, resolve_link
 from .model import LoopedModelSpec
 
 MOST_DEGREES = 64  # the degrees listed when one is refused
@@ -57,8 +57,6 @@ def shard(model: LoopedModelSpec, degree: int) -> LoopedModelSpec:
     if model.tensor_parallel != 1:
         raise ValueError(f"{model.name} is already split over {model.tensor_parallel} devices")
     check_degree(model, degree)
-    if degree == 1:
-        return model
     return model.model_copy(update={
         "num_heads": model.num_heads // degree,
         "num_kv_heads": max(1, model.num_kv_heads // degree),
@@ -75,13 +73,12 @@ def split(model: LoopedModelSpec, hw: HardwareSpec, degree: int = 1,
     them: its bandwidth, flops and products at 1/T of the speed, its capacity 1/T (its host's
     work runs on each rank's own core, at the same speed)."""
     if degree == 1 and link is None:
-        check_degree(model, 1)
         return model, hw
     if degree == 1:
         raise ValueError("a link joins several devices: give --tensor-parallel 2 or more")
     if hw.tensor_parallel is not None:
         raise ValueError(f"{hw.name} is already {hw.tensor_parallel.degree} devices")
-    chosen = link if isinstance(link, Link) else get_link(link or default_link(hw))
+    chosen = resolve_link(hw, link)
     device = hw
     if hw.cpu is not None:
         device = hw.with_device_speed(1 / degree).with_terms(

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .groups import CallGroup, basis_value
 from .hardware import HardwareSpec
-from .links import Link, default_link, get_link
+from .links import Link, resolve_link
 from .model import LoopedModelSpec
 from .predict import _Pricer, acceptance_for, decode_keys, predict
 from .schedules import SCHEDULES, WFD
@@ -45,6 +45,14 @@ Layout = Literal["p|r|c", "pc|r"]
 LAYOUTS: dict[str, dict[str, int]] = {  # each part's device
     "p|r|c": {"prelude": 0, "block": 1, "coda": 2}, "pc|r": {"prelude": 0, "block": 1,
                                                             "coda": 0}}
+
+
+def devices(layout: str) -> list[list[str]]:
+    """The parts on each device of ``layout``."""
+    loads: dict[int, list[str]] = {}
+    for part, device in LAYOUTS[layout].items():
+        loads.setdefault(device, []).append(part)
+    return list(loads.values())
 
 
 class Placed(BaseModel):
@@ -81,11 +89,8 @@ def device_bytes(model: LoopedModelSpec, wl: Workload, layout: str, *, depth: in
               "coda": model.coda_layers * readouts}
     own = {name: (part.weight_params + part.lookup_params) * width + layers[name] * per_layer
            for name, part in model.parts.items()}
-    loads: dict[int, list[str]] = {}
-    for part, device in LAYOUTS[layout].items():
-        loads.setdefault(device, []).append(part)
     out = {}
-    for names in loads.values():
+    for names in devices(layout):
         total = sum(own[name] for name in names)
         if model.tied_head and {"prelude", "coda"} <= set(names):
             total -= model.embedding_params * width  # one table for both
@@ -119,11 +124,8 @@ def handoffs(model: LoopedModelSpec, groups: list[CallGroup], alpha, batch: int,
 
 def busiest(parts: dict[str, float], layout: str) -> tuple[float, str]:
     """The busiest device's time and its parts' names."""
-    loads: dict[int, list[str]] = {}
-    for part, device in LAYOUTS[layout].items():
-        loads.setdefault(device, []).append(part)
     name, time = max(((" + ".join(names), sum(parts[p] for p in names))
-                      for names in loads.values()), key=lambda item: item[1])
+                      for names in devices(layout)), key=lambda item: item[1])
     return time, name
 
 
@@ -139,7 +141,7 @@ def place(model: LoopedModelSpec, hw: HardwareSpec, workload: Workload | dict, *
     if hw.tensor_parallel is not None:
         raise ValueError("a placement's devices each hold whole parts: leave out tensor "
                          "parallelism")
-    link = link if isinstance(link, Link) else get_link(link or default_link(hw))
+    link = resolve_link(hw, link)
     wl = Workload.model_validate(workload)
     # the variants as one device runs them, however much memory that one would need
     roomy = hw.with_terms(memory_capacity_bytes=hw.roofline.memory_capacity_bytes * 64)
@@ -161,7 +163,7 @@ def place(model: LoopedModelSpec, hw: HardwareSpec, workload: Workload | dict, *
         memory = device_bytes(model, wl, layout, depth=depth, lookahead=schedule.lookahead(depth),
                               readouts=2 if schedule.drafts else 1,
                               static=hw.graphs.cuda_graphs)
-        placed = Placed(schedule=name, layout=layout, devices=len(set(LAYOUTS[layout].values())),
+        placed = Placed(schedule=name, layout=layout, devices=len(devices(layout)),
                         one_device_latency_s=result.latency_per_token_s, part_s=parts,
                         handoff_s=moved, latency_s=sum(parts.values()) + moved,
                         pipelined_latency_s=bound, busiest=where, device_bytes=memory,

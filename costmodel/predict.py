@@ -32,7 +32,6 @@ from .workload import Workload
 # the most tokens a finite run may simulate (prompts x new tokens), for the three schedules: a
 # minute or two on a laptop's CPU; a run longer than this is near enough its steady state
 MAX_SIMULATED_TOKENS = 100_000
-_TERMS = TERMS
 
 
 class Breakdown(BaseModel):
@@ -97,22 +96,22 @@ class _Pricer:
                           context_sum_slots=self.batch * slots * self.context,
                           bandwidth_bytes_per_s=self.bandwidth, key_sets=self.batch * slots,
                           after_other_part=after_other_part)
-            self._memo[key] = (*(getattr(c, term) for term in _TERMS), c.ideal_s)
+            self._memo[key] = (*(getattr(c, term) for term in TERMS), c.ideal_s)
         return self._memo[key]
 
     def per_token(self, groups: list[CallGroup], alpha: np.ndarray) -> dict[str, np.ndarray]:
         alpha = np.asarray(alpha, dtype=float)
         bases: dict[tuple, np.ndarray] = {}
-        totals = {k: 0.0 for k in (*_TERMS, "ideal_s")}
+        totals = {k: 0.0 for k in (*TERMS, "ideal_s")}
         for g in merge_groups(groups):
             if g.basis not in bases:
                 bases[g.basis] = basis_value(g.basis, alpha)
             w = g.count * bases[g.basis]
-            for key, value in zip((*_TERMS, "ideal_s"),
+            for key, value in zip((*TERMS, "ideal_s"),
                                   self.shape_cost(g.part, g.positions, g.slots,
                                                   g.after_other_part), strict=True):
                 totals[key] = totals[key] + w * value
-        totals["latency_s"] = sum(totals[k] for k in _TERMS)
+        totals["latency_s"] = sum(totals[k] for k in TERMS)
         return totals
 
     def basis_latency(self, groups: list[CallGroup]) -> dict[tuple, np.ndarray]:
@@ -121,7 +120,7 @@ class _Pricer:
         out: dict[tuple, np.ndarray] = {}
         for g in merge_groups(groups):
             cost = self.shape_cost(g.part, g.positions, g.slots, g.after_other_part)
-            out[g.basis] = out.get(g.basis, 0.0) + g.count * sum(cost[:len(_TERMS)])
+            out[g.basis] = out.get(g.basis, 0.0) + g.count * sum(cost[:len(TERMS)])
         return out
 
 
@@ -292,7 +291,7 @@ def _result(spec: LoopedModelSpec, hw: HardwareSpec, wl: Workload, depth: int,
     latency = float(totals["latency_s"])
     block_calls = float(block_calls_per_token(groups, alpha)) if groups \
         else float(totals["block_calls"])
-    terms = {k: float(totals[k]) for k in _TERMS}
+    terms = {k: float(totals[k]) for k in TERMS}
     return ScheduleResult(
         schedule=schedule.name, latency_per_token_s=latency,
         tokens_per_s=wl.batch_size / latency, speedup_vs_ar=1.0,
@@ -339,7 +338,7 @@ def _finite_run(spec: LoopedModelSpec, hw: HardwareSpec, wl: Workload, depth: in
     # per token of one sequence, as the steady state counts: the batch's time over its tokens,
     # times the batch
     per_token = wl.batch_size / run.decode_tokens
-    breakdown = {k: run.breakdown_s[k] * per_token for k in _TERMS}
+    breakdown = {k: run.breakdown_s[k] * per_token for k in TERMS}
     result.latency_per_token_s = run.latency_s * per_token
     result.tokens_per_s = run.tokens_per_s
     result.block_calls_per_token = run.block_calls * per_token

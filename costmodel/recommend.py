@@ -15,10 +15,11 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+from .cost import TERMS
 from .hardware import HardwareSpec
 from .memory import DoesNotFit, does_not_fit, memory_report
 from .model import LoopedModelSpec
-from .predict import _TERMS, _bound, _Pricer, decode_keys
+from .predict import _bound, _Pricer, decode_keys
 from .presets import resolve
 from .schedules import AR, SCHEDULES, Schedule, get, widest
 from .simulate import simulate
@@ -138,7 +139,7 @@ def recommend(model: str | LoopedModelSpec, hardware: str | HardwareSpec,
         fields = {"width_cap": None, **schedule.fields(depth)}
         return Choice(schedule=schedule.name, **fields, acceptance=alpha,
                       latency_per_token_s=latency, tokens_per_s=wl.batch_size / latency,
-                      bound=_bound({k: float(totals[k]) for k in _TERMS}))
+                      bound=_bound({k: float(totals[k]) for k in TERMS}))
 
     # the baseline once; each schedule that drafts at every draft depth given, at its acceptance
     candidates = [ar := priced(AR(), None)]

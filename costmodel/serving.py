@@ -161,12 +161,18 @@ def kv_budget_bytes(model: LoopedModelSpec, hw: HardwareSpec, dtype: str, depth:
     return memory.capacity_bytes - memory.weights_bytes - memory.activation_bytes
 
 
+def kv_per_token(model: LoopedModelSpec, schedule: Schedule, *, depth: int, dtype: str,
+                 kv_sharing: int) -> int:
+    """The KV a token of a sequence holds under ``schedule`` (a coda slot at d too where it
+    drafts)."""
+    return model.kv_bytes_per_token(dtype, depth, kv_sharing, 2 if schedule.drafts else 1)
+
+
 def kv_needs(model: LoopedModelSpec, schedule: Schedule, requests: Sequence[Request], *,
              depth: int, dtype: str, kv_sharing: int, kv_budget: int) -> list[int]:
     """The KV each request reserves when it starts (its prompt, output and the schedule's
     lookahead); refused in one line where one alone needs more than the budget."""
-    drafts = {depth} | ({schedule.draft_depth} if schedule.drafts else set())
-    per_token = model.kv_bytes_per_token(dtype, depth, kv_sharing, len(drafts))
+    per_token = kv_per_token(model, schedule, depth=depth, dtype=dtype, kv_sharing=kv_sharing)
     needs = [(r.prompt_tokens + r.output_tokens + schedule.lookahead(depth)) * per_token
              for r in requests]
     for i, (r, need) in enumerate(zip(requests, needs, strict=True)):
@@ -213,11 +219,11 @@ def serve(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
 
         kv_needs(model, schedule, requests, depth=depth, dtype=dtype, kv_sharing=kv_sharing,
                  kv_budget=kv_budget)  # a request that never fits: refused
-        readouts = 2 if schedule.drafts else 1
         served, mean_batch, preempted = serve_vllm_steps(
             model, hw, schedule, requests, max_batch=max_batch, acceptance=acceptance,
             depth=depth, kv_budget=kv_budget, token_budget=token_budget, kv_sharing=kv_sharing,
-            kv_per_token=model.kv_bytes_per_token(dtype, depth, kv_sharing, readouts),
+            kv_per_token=kv_per_token(model, schedule, depth=depth, dtype=dtype,
+                                      kv_sharing=kv_sharing),
             dtype=dtype, engine=engine)
         if stats is not None:
             stats["preemptions"] = preempted
@@ -265,9 +271,6 @@ class _Stream:
         self.needs = kv_needs(model, schedule, requests, depth=depth, dtype=dtype,
                               kv_sharing=kv_sharing, kv_budget=kv_budget)
 
-    def need(self, i: int) -> int:
-        return self.needs[i]
-
     def admit(self, i: int, lanes) -> bool:
         clock, arrives = self.clock, self.requests[i].arrival_s + self.engine.request_s
         if not lanes:
@@ -276,9 +279,9 @@ class _Stream:
             return False  # between rounds only: a newcomer's prefill waits for the round's end
         elif arrives > clock.now and arrives > clock.settle():
             return False
-        if sum(self.reserved.values()) + self.need(i) > self.kv_budget:
+        if sum(self.reserved.values()) + self.needs[i] > self.kv_budget:
             return False
-        self.reserved[i] = self.need(i)
+        self.reserved[i] = self.needs[i]
         return True
 
     def start(self, i: int, region: int):

@@ -82,6 +82,31 @@ def _priced(model, hw, schedule: Schedule, groups, alpha: float, dtype: str, key
     return total
 
 
+def elapsed_times(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
+                  requests: Sequence[Request], *, acceptance: float, depth: int,
+                  kv_sharing: int, dtype: str, max_batch: int,
+                  engine: EngineOverheads) -> np.ndarray:
+    """``step_times`` summed along the context from 0: ``[batch - 1, c]`` is what the steps
+    from context 0 to c take, so any run of steps costs one difference."""
+    longest = max(r.prompt_tokens + r.output_tokens for r in requests)
+    times = step_times(model, hw, schedule, alpha=acceptance, depth=depth,
+                       kv_sharing=kv_sharing, dtype=dtype, max_batch=max_batch,
+                       longest=longest, engine=engine)
+    return np.concatenate([np.zeros((max_batch, 1)), np.cumsum(times, axis=1)], axis=1)
+
+
+def decoding_run(line: np.ndarray, context: int, most: int, wait: float | None = None,
+                 per_round: int = 1) -> tuple[int, float]:
+    """(steps, their time) of a batch that only decodes from ``context`` (``line``: its row of
+    ``elapsed_times``): at most ``most``, and where a request arrives ``wait`` seconds from
+    now, up to the first round's end at or after it."""
+    if wait is not None:
+        until = np.searchsorted(line, line[context] + wait) - context
+        most = max(1, min(most, int(np.ceil(until / per_round) * per_round)))
+    steps = min(most, len(line) - 1 - context)
+    return steps, float(line[context + steps] - line[context])
+
+
 class _Prefills:
     """The time a group of newcomers' prompts take, prefilled together at their mean length."""
 
@@ -107,11 +132,9 @@ def serve_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
     """Each request's arrival, first token and finish as ``schedule`` serves the stream step by
     step, and the mean number of sequences per step (weighed by the steps' time)."""
     engine = engine or EngineOverheads()
-    longest = max(r.prompt_tokens + r.output_tokens for r in requests)
-    times = step_times(model, hw, schedule, alpha=acceptance, depth=depth,
-                       kv_sharing=kv_sharing, dtype=dtype, max_batch=max_batch,
-                       longest=longest, engine=engine)
-    elapsed = np.concatenate([np.zeros((max_batch, 1)), np.cumsum(times, axis=1)], axis=1)
+    elapsed = elapsed_times(model, hw, schedule, requests, acceptance=acceptance, depth=depth,
+                            kv_sharing=kv_sharing, dtype=dtype, max_batch=max_batch,
+                            engine=engine)
     per_round = max(1, round(schedule.tokens_per_round(acceptance)))  # a round's tokens
     readouts = 2 if schedule.drafts else 1
     prefill = _Prefills(model, hw, depth, dtype, kv_sharing, readouts)
@@ -143,14 +166,10 @@ def serve_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
         # decode until a sequence finishes, or past the next arrival that could start
         b = len(running)
         context = round(np.mean([c for _, c in running.values()]))
-        steps = min(left for left, _ in running.values())
-        line = elapsed[b - 1]
-        if waiting < len(requests) and b < max_batch and ready[waiting] > now:
-            # the first round's end at or after it arrives
-            until = np.searchsorted(line, line[context] + ready[waiting] - now) - context
-            steps = max(1, min(steps, int(np.ceil(until / per_round) * per_round)))
-        steps = min(steps, len(line) - 1 - context)
-        took = float(line[context + steps] - line[context])
+        arrives = waiting < len(requests) and b < max_batch and ready[waiting] > now
+        steps, took = decoding_run(elapsed[b - 1], context,
+                                   min(left for left, _ in running.values()),
+                                   ready[waiting] - now if arrives else None, per_round)
         busy, weighed, now = busy + took, weighed + took * b, now + took
         for state in running.values():
             state[0] -= steps

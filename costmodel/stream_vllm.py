@@ -30,7 +30,7 @@ from .hardware import HardwareSpec
 from .model import LoopedModelSpec
 from .requests import Request
 from .schedules.base import Schedule
-from .stream import _Prefills, step_times
+from .stream import _Prefills, decoding_run, elapsed_times
 
 
 @dataclass
@@ -116,10 +116,9 @@ def serve_vllm_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedul
     """Each request's arrival, first token and finish under vLLM's scheduling, the mean number
     of sequences a step serves, and how many preemptions there were."""
     engine = engine or EngineOverheads()
-    longest = max(r.prompt_tokens + r.output_tokens for r in requests)
-    elapsed = np.concatenate([np.zeros((max_batch, 1)), np.cumsum(step_times(
-        model, hw, schedule, alpha=acceptance, depth=depth, kv_sharing=kv_sharing,
-        dtype=dtype, max_batch=max_batch, longest=longest, engine=engine), axis=1)], axis=1)
+    elapsed = elapsed_times(model, hw, schedule, requests, acceptance=acceptance, depth=depth,
+                            kv_sharing=kv_sharing, dtype=dtype, max_batch=max_batch,
+                            engine=engine)
     prefill = _Prefills(model, hw, depth, dtype, kv_sharing, 2 if schedule.drafts else 1)
     served = [{"arrival_s": r.arrival_s, "output_tokens": r.output_tokens} for r in requests]
     ready = [r.arrival_s + engine.request_s for r in requests]
@@ -157,10 +156,6 @@ def _steps(decoding, chunks, line, ready, now, elapsed, held, kv_budget, kv_per_
         if not b:
             return 1, chunk
         return 1, float(times[context + 1] - times[context]) + max(0.0, chunk - prefill([1]))
-    steps = min(s.left for s in decoding)
-    steps = min(steps, max(1, (kv_budget - held) // (b * kv_per_token)))
-    if line and running < max_batch and ready[line[0].index] > now:
-        until = np.searchsorted(times, times[context] + ready[line[0].index] - now) - context
-        steps = max(1, min(steps, until))
-    steps = min(steps, len(times) - 1 - context)
-    return steps, float(times[context + steps] - times[context])
+    most = min(min(s.left for s in decoding), max(1, (kv_budget - held) // (b * kv_per_token)))
+    arrives = line and running < max_batch and ready[line[0].index] > now
+    return decoding_run(times, context, most, ready[line[0].index] - now if arrives else None)

@@ -151,16 +151,16 @@ def decode_batch(model: nn.Module, requests: Sequence[Request], options: RunOpti
     return _run(runner, setup, requests, probe, regions, on_result, on_call, arrivals)
 
 
-def arrived(requests: Sequence[Request], arrivals: Sequence[float] | None, start: list[float]):
+def arrived(requests: Sequence[Request], arrivals: Sequence[float] | None, start_s: float):
     """``run_batch``'s admission hook for requests arriving at ``arrivals`` (None: every one
-    at once) on the clock that starts at ``start[0]``: a request may start once its time has
+    at once) on the clock that starts at ``start_s``: a request may start once its time has
     passed; with nothing running, the batch sleeps until it has."""
     if arrivals is None:
         return None
     due = {id(req): at for req, at in zip(requests, arrivals, strict=True)}
 
     def admit(req: Request, lanes: list[Lane]) -> bool:
-        wait = start[0] + due[id(req)] - time.perf_counter()
+        wait = start_s + due[id(req)] - time.perf_counter()
         if wait > 0 and not lanes:
             time.sleep(wait)
             return True
@@ -204,14 +204,15 @@ def _run(runner: Runner, setup: RunSetup, requests: Sequence[Request], probe, re
         cache.release(lane.region)
         exit_depths.append(lane.executor.exit_depths)
         results.append(lane.executor.result(lane.job, lane.block_calls))
-        results[-1].admitted_s = lane.executor.admitted_at - start[0]
+        results[-1].admitted_s = lane.executor.admitted_at - start_s
         if on_result is not None:
             on_result(results[-1])
 
-    start = [time.perf_counter()]
+    start_s = time.perf_counter()
     with torch.inference_mode():
-        run_batch(requests, regions, begin, run_call, finish, arrived(requests, arrivals, start))
-    wall = time.perf_counter() - start[0] - runner.capture_s
+        run_batch(requests, regions, begin, run_call, finish,
+                  arrived(requests, arrivals, start_s))
+    wall = time.perf_counter() - start_s - runner.capture_s
     stats: dict[str, object] = {
         "schedule": setup.schedule.name, "batch_size": regions, "depth": setup.depth,
         "kv_bytes_allocated": cache.nbytes, "lookahead": probe.lookahead,

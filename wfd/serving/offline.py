@@ -126,6 +126,25 @@ def engine_counters(llm) -> dict[str, int]:
     return {names[m.name]: int(m.value) for m in llm.get_metrics() if m.name in names}
 
 
+def run_apart(job: dict, env: dict | None = None, cwd: str | Path | None = None,
+              timeout: float | None = None) -> dict:
+    """``job``'s output from ``python -m wfd.serving.offline`` in a process of its own (an
+    engine that leaves nothing behind in the caller's); a failed run exits the caller (a bench)
+    with the tail of its log."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        spec.write_text(json.dumps(job))
+        done = subprocess.run([sys.executable, "-m", "wfd.serving.offline", str(spec), str(out)],
+                              capture_output=True, text=True, env=env, cwd=cwd,
+                              timeout=timeout)
+        if done.returncode:
+            sys.exit(f"error: vLLM's run failed:\n{done.stderr[-2000:]}")
+        return json.loads(out.read_text())
+
+
 def run_file(job: str, out: str) -> None:
     Path(out).write_text(json.dumps(run_job(json.loads(Path(job).read_text()))))
 

@@ -39,7 +39,7 @@ from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from costmodel.plans import Bonus, Call, Check, Draft, Rollback, Verify
 
 from .ahead import bound, speculative_config
-from .wave_kv import CallKV, LayerAttention, PagedKV, runs_of
+from .wave_kv import CallKV, LayerAttention, PagedKV
 
 # The engine step's request ids in batch order and each one's bound on tokens committed ahead
 # (``ahead.bound``), published by the runner hook before each forward; the requests to forget
@@ -422,7 +422,7 @@ class WaveDecoder:
         ``where``): layer j's rows each in the cache ``layers[j][row]``."""
         some = self.model.caches[0]
         call = CallKV(self.paged_kv(), rows, where, some.num_heads, some.num_kv_heads,
-                      some.head_size, self.scale, some.isa, runs_of(rows, layers))
+                      some.head_size, self.scale, some.isa, layers)
         return [call.layer(own) for own in layers]
 
     def rollback(self, wave: Wave, length: int) -> None:
