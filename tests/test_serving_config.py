@@ -40,6 +40,65 @@ def test_wfd_and_dtv_read_out_at_two_depths_and_ar_at_one():
     assert coda > 0 and wfd.kv_layers == ar.kv_layers + coda  # the coda's caches at d
 
 
+@pytest.mark.parametrize("options, message", [
+    ({"exit_rule": "gate:0.5"}, r"the gate exit rule needs a model with an exit gate"),
+    ({"exit_rule": "kl:-1"}, "exit threshold must be a positive finite number"),
+    ({"exit_rule": "stop"}, "unknown exit rule 'stop'"),
+    ({"exit_rule": "kl", "exit_min_depth": 9}, r"exit_min_depth must be in 1\.\.8"),
+    ({"exit_rule": "none", "exit_min_depth": 0}, r"exit_min_depth must be in 1\.\.8"),
+])
+def test_an_exit_rule_it_cannot_run_is_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        _ = config(**options).kv_layers
+
+
+def test_exits_read_out_at_every_depth_they_may_stop_at():
+    """AR with an exit rule runs as a wave (the AR plan, with the rule's checks); the coda
+    keeps caches for R, then the draft depth and every depth from the minimum exit depth."""
+    ar = config()
+    exits = config(exit_rule="kl:0.01", exit_min_depth=3)
+    assert exits.wave.name == "ar" and exits.exits.label == "kl:0.01 from depth 3"
+    assert exits.readout_depths == [8, 3, 4, 5, 6, 7]
+    assert exits.kv_layers == ar.kv_layers + 5 * ar.looped.coda_layers
+    wfd = config(schedule="wfd", draft_depth=2, exit_rule="none", exit_min_depth=5)
+    assert wfd.exits is None and wfd.readout_depths == [8, 2, 5, 6, 7]
+
+
+def test_a_request_s_own_exit_rule_is_checked_against_the_engine_s():
+    """What vLLM's input processor asks of each request (wfd.serving.exits.ExitParams): a rule
+    the engine can run, at or above the engine's minimum exit depth; "none" for fixed depth."""
+    from types import SimpleNamespace
+
+    from wfd.serving.exits import EngineExits, ExitParams, request_rule
+
+    engine = EngineExits.of(config(exit_rule="kl:0.01", exit_min_depth=2))
+    assert request_rule(engine, None).label == "kl:0.01 from depth 2"
+    assert request_rule(engine, {"exit": "argmax-stable:2", "exit_min_depth": 4}).label == (
+        "argmax-stable:2 from depth 4")
+    assert request_rule(engine, {"exit": "none"}) is None
+    for asked, message in [({"exit": "gate"}, "needs a model with an exit gate"),
+                           ({"exit_min_depth": 1}, r"exit_min_depth must be in 2\.\.8"),
+                           ({"exit_min_depth": "two"}, "must be a whole number"),
+                           ({"exit": "kl:x"}, "is not a number")]:
+        with pytest.raises(ValueError, match=message):
+            request_rule(engine, asked)
+    fixed = EngineExits.of(config())
+    with pytest.raises(ValueError, match="start it with the exit_rule option"):
+        request_rule(fixed, {"exit": "kl"})
+    by_request = EngineExits.of(config(exit_rule="none"))
+    assert request_rule(by_request, {}) is None
+    with pytest.raises(ValueError, match="exit_min_depth goes with an exit rule"):
+        request_rule(by_request, {"exit_min_depth": 3})
+    ExitParams.engine = engine
+    try:
+        ExitParams.validate_params(SimpleNamespace(extra_args={"exit": "kl:0.1"}))
+        with pytest.raises(ValueError, match="exit gate"):
+            ExitParams.validate_params(SimpleNamespace(extra_args={"exit": "gate"}))
+    finally:
+        ExitParams.engine = None
+    ExitParams.validate_params(SimpleNamespace(extra_args={"exit": "gate"}))  # not our engine
+
+
 def test_the_config_hook_refuses_in_one_line_and_gives_the_wave_whole_prompts():
     """What vLLM runs where it makes the engine's config (wfd.serving.wave.ScheduleHook): a
     draft depth at R refused before any engine starts, and WFD off the CPU build (it reads the
@@ -62,6 +121,8 @@ def test_the_config_hook_refuses_in_one_line_and_gives_the_wave_whole_prompts():
         ScheduleHook.verify_and_update_config(engine(config(draft_depth=8), speculative=object()))
     with pytest.raises(ValueError, match="drafts for itself: leave out speculative_config"):
         ScheduleHook.verify_and_update_config(engine(config(schedule="wfd"), object()))
+    with pytest.raises(ValueError, match="an exit rule runs in the plugin's own schedules"):
+        ScheduleHook.verify_and_update_config(engine(config(exit_rule="kl"), object()))
     with pytest.raises(ValueError, match="runs on vLLM's CPU build for now, not on cuda"):
         ScheduleHook.verify_and_update_config(engine(config(schedule="wfd"), device="cuda"))
     # (with commit_ahead, the default, it also sets vLLM's speculative config: tested with an

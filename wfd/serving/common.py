@@ -105,9 +105,12 @@ class LoopedForCausalLM(nn.Module):
         self.arch = arch = cfg.looped
         self.prelude_layers, self.core_layers = arch.prelude_layers, arch.core_layers
         self.core_slots = arch.core_slots(self.depth, self.kv_sharing)
-        wave = cfg.wave if vllm_config.model_config.runner_type != "draft" else None
-        # DtV and WFD read out at d too: the coda's caches for those readouts (slot 1)
-        readout_slots = 1 if wave is None else 2
+        drafter = vllm_config.model_config.runner_type == "draft"
+        wave = None if drafter else cfg.wave
+        # the depths a token is read out at, R first (DtV and WFD read out at d too, an exit
+        # rule at every depth it may exit at): each with the coda's caches of its own
+        self.readout_depths = [self.depth] if drafter else cfg.readout_depths
+        readout_slots = len(self.readout_depths)
         heads, kv_heads = heads_per_rank(arch)
         self.caches = nn.ModuleList(
             Attention(heads, arch.head_dim, arch.head_dim ** -0.5, num_kv_heads=kv_heads,
@@ -130,8 +133,8 @@ class LoopedForCausalLM(nn.Module):
         return [self.caches[self.core_layer_index(depth, j)] for j in range(self.core_layers)]
 
     def coda_layer_index(self, slot: int, layer: int) -> int:
-        """The cache of coda layer ``layer`` for readouts of slot ``slot`` (0: at R; 1: WFD's
-        at d)."""
+        """The cache of coda layer ``layer`` for readouts of slot ``slot`` (0: at R; then the
+        other ``readout_depths``)."""
         return (self.prelude_layers + self.core_slots * self.core_layers
                 + slot * self.arch.coda_layers + layer)
 

@@ -33,6 +33,12 @@ class LoopedConfig(PretrainedConfig):
     # WFD and the plugin's DtV: tokens a greedy request's wave may commit itself past vLLM's
     # next sample, handed to vLLM as speculative tokens (wfd.serving.ahead); 0: a token a step
     commit_ahead: int = 8
+    # adaptive depth (wfd.serving.exits): each decoded token stops iterating where this rule
+    # (costmodel.exits.ExitRule's RULE[:THRESHOLD]) fires, from exit_min_depth on; a request
+    # may set its own (SamplingParams extra_args "exit", "exit_min_depth"); "none": fixed depth
+    # unless a request sets one; None: fixed depth, vLLM's own forward
+    exit_rule: str | None = None
+    exit_min_depth: int = 1
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -73,15 +79,39 @@ class LoopedConfig(PretrainedConfig):
         return d, min(self.kv_sharing, d)
 
     @property
+    def serves_exits(self) -> bool:
+        """Whether the engine serves exit rules: its own (``exit_rule``), or only those requests
+        ask for (``exit_rule`` "none")."""
+        return self.exit_rule is not None
+
+    @property
+    def exits(self):
+        """The engine's exit rule (a costmodel ExitRule), checked against this model; None at
+        fixed depth (or where only requests set one)."""
+        from costmodel.exits import ExitRule
+
+        if self.exit_min_depth < 1 or self.exit_min_depth > self.depth:
+            raise ValueError(f"exit_min_depth must be in 1..{self.depth}, "
+                             f"got {self.exit_min_depth}")
+        if self.exit_rule is None or str(self.exit_rule).strip().lower() == "none":
+            return None
+        return check_exit_rule(ExitRule.parse(str(self.exit_rule), int(self.exit_min_depth)),
+                               self.model_type, self.depth)
+
+    @property
     def wave(self):
-        """The plugin's own schedule (a costmodel Schedule: WFD's or DtV's) at its options; None
-        for AR."""
+        """The plugin's own schedule (a costmodel Schedule: WFD's or DtV's, or AR's with an exit
+        rule) at its options; None for AR at fixed depth (vLLM's own forward)."""
         from costmodel.schedules import get
 
         if self.schedule not in ("ar", "dtv", "wfd"):
             raise ValueError(f"schedule must be ar, dtv or wfd, got {self.schedule!r}")
-        if self.schedule == "ar":
+        if self.schedule == "ar" and not self.serves_exits:
             return None
+        if self.commit_ahead < 0:
+            raise ValueError(f"commit_ahead must be at least 0, got {self.commit_ahead}")
+        if self.schedule == "ar":  # with an exit rule: a skipped shared slot is filled as wfd's
+            return get("ar")()
         if self.kv_sharing:
             raise ValueError(f"schedule {self.schedule} keeps a KV slot per depth (kv_sharing "
                              "0): with shared slots its drafts would overwrite what "
@@ -90,20 +120,39 @@ class LoopedConfig(PretrainedConfig):
             raise ValueError(f"width_cap must be at least 1, got {self.width_cap}")
         if self.block_length < 1:
             raise ValueError(f"block_length must be at least 1, got {self.block_length}")
-        if self.commit_ahead < 0:
-            raise ValueError(f"commit_ahead must be at least 0, got {self.commit_ahead}")
         return get(self.schedule).of(self.drafter[0], self.block_length, self.width_cap)
+
+    @property
+    def readout_depths(self) -> list[int]:
+        """The depths a token is read out at, each with its own coda caches (slot i for the
+        i-th): R first, then the draft depth (DtV, WFD) and every depth an exit may happen at."""
+        depth, wave = self.depth, self.wave
+        others = set() if wave is None or self.schedule == "ar" else {self.drafter[0]}
+        if self.serves_exits:
+            _ = self.exits  # a rule or a minimum depth the model cannot run: refused here
+            others |= set(range(self.exit_min_depth, depth))
+        return [depth, *sorted(others - {depth})]
 
     @property
     def kv_layers(self) -> int:
         """The attention caches a token passes through, each holding its own KV: what vLLM's
         cache is sized by."""
         return self.looped.kv_layer_slots(self.depth, self.kv_sharing,
-                                          1 if self.wave is None else 2)
+                                          len(self.readout_depths))
 
     @property
     def looped(self) -> ModelConfig:
         return ModelConfig.from_hf({**self.to_dict(), "model_type": self.model_type})
+
+
+def check_exit_rule(rule, model_type: str, depth: int):
+    """``rule`` if a model of this type at depth R can run it (the gate needs Ouro's exit gate;
+    a minimum depth within 1..R), else a ValueError in one line."""
+    if rule.name == "gate" and model_type != "ouro":
+        raise ValueError("the gate exit rule needs a model with an exit gate (Ouro); "
+                         f"{model_type or 'this model'} has none")
+    rule.for_plan(False, depth)  # a minimum depth past R: its own line
+    return rule
 
 
 class RavenConfig(LoopedConfig):

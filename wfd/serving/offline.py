@@ -26,8 +26,10 @@ engine core in this process, VLLM_ENABLE_V1_MULTIPROCESSING=0), "tensor_parallel
 "batch": B, "temperature": 0 (greedy), "top_p": 1, "seed": S (sampling: prompt i seeded S + i;
 null: unseeded), "allowed_token_ids": [ids] (all), "commit_ahead": k (the plugin's WFD and DtV:
 each request's own bound on tokens its wave commits ahead; null: the engine's, for plain greedy
-requests)}, ...]}. Each run sends its prompts B at a time (B = 1: one request at a time) and
-reports each prompt's new tokens and the run's seconds. With the engine core in-process the
+requests), "exit": "RULE[:THRESHOLD]" or "none" and "exit_min_depth": M (each request's own
+exit rule, on an engine started with the exit_rule override; null: the engine's)}, ...]}.
+Each run sends its prompts B at a time (B = 1: one request at a time) and reports each
+prompt's new tokens and the run's seconds. With the engine core in-process the
 output also gives the KV cache vLLM made: its bytes, its tokens and its block's tokens.
 """
 
@@ -44,7 +46,8 @@ def run_job(job: dict) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: the tiny models need little
     if job.get("in_process"):  # no engine-core process: starts in seconds, not tens
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    wave = (job.get("overrides") or {}).get("schedule") in ("dtv", "wfd")
+    overrides = job.get("overrides") or {}
+    wave = overrides.get("schedule") in ("dtv", "wfd") or overrides.get("exit_rule") is not None
     if wave:  # the wave's counters are read by a function sent to the engine
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     ranks = job.get("tensor_parallel", 1)
@@ -74,12 +77,13 @@ def run_job(job: dict) -> dict:
     results = []
     for run in job["runs"]:
         temperature, seed = run.get("temperature", 0.0), run.get("seed")
-        ahead = run.get("commit_ahead")
+        extra = {key: run[key] for key in ("commit_ahead", "exit", "exit_min_depth")
+                 if run.get(key) is not None}
         params = [SamplingParams(temperature=temperature, top_p=run.get("top_p", 1.0),
                                  seed=seed + i if temperature and seed is not None else None,
                                  max_tokens=run["max_tokens"], detokenize=False, ignore_eos=True,
                                  allowed_token_ids=run.get("allowed_token_ids"),
-                                 extra_args=None if ahead is None else {"commit_ahead": ahead})
+                                 extra_args=extra or None)
                   for i in range(len(run["prompts"]))]
         prompts, batch, tokens = run["prompts"], run.get("batch", 1), []
         started = time.perf_counter()

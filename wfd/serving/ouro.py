@@ -4,7 +4,7 @@
     h_t = norm(layers(h_{t-1}))                           every layer, then the final norm
     y   = lm_head(h_R)                                    the head
 
-At a fixed depth the exit gate is loaded and not read.
+At a fixed depth the exit gate is loaded and not read; the gate exit rule reads it.
 """
 
 from __future__ import annotations
@@ -127,3 +127,8 @@ class OuroForCausalLM(LoopedForCausalLM):
 
     def readout(self, state: torch.Tensor, positions: torch.Tensor, caches=None) -> torch.Tensor:
         return state
+
+    def exit_lambda(self, state: torch.Tensor) -> torch.Tensor:
+        """The gate's per-step exit hazard sigmoid(gate(h_t)) (wfd.ouro's), for the gate rule."""
+        gate, _ = self.model.early_exit_gate(state)
+        return torch.sigmoid(gate).squeeze(-1).float()

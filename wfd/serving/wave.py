@@ -37,8 +37,11 @@ import torch
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
 from costmodel.plans import Bonus, Call, Check, Draft, Rollback, Verify
+from costmodel.slots import core_slot
+from wfd.exits import ExitTracker
 
 from .ahead import bound, speculative_config
+from .exits import EngineExits, ExitParams, request_rule
 from .wave_kv import CallKV, LayerAttention, PagedKV
 
 # The engine step's request ids in batch order and each one's bound on tokens committed ahead
@@ -46,6 +49,7 @@ from .wave_kv import CallKV, LayerAttention, PagedKV
 # (finished, aborted, preempted) before the next.
 _BATCH: list[str] = []
 _BOUNDS: dict[str, tuple[int, int]] = {}
+_ASKED: dict[str, dict] = {}  # each request's extra_args (its own exit rule, if any)
 _FORGOTTEN: set[str] = set()
 # the engine core's queue of requests arriving from the server (None in-process, where every
 # request is added between steps, and on a worker of its own process: tensor parallel)
@@ -79,6 +83,9 @@ def install_hooks() -> None:
         _BATCH[:] = list(self.input_batch.req_ids)
         _BOUNDS.clear()
         _BOUNDS.update((req, bound(self, req)) for req in _BATCH)
+        _ASKED.clear()
+        _ASKED.update((req, self.requests[req].sampling_params.extra_args or {})
+                      for req in _BATCH)
         return forward(self, *args, **kwargs)
 
     def _update_states(self, scheduler_output):
@@ -125,6 +132,8 @@ class Wave:
     drafts: dict[int, int] = field(default_factory=dict)
     ahead: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict)  # (layer, position) -> k, v of a position vLLM has not scheduled
+    exits: ExitTracker | None = None  # its exit rule's memory (None: fixed depth)
+    prompt_length: int = 0
 
 
 def _forget(wave: Wave, gone) -> None:
@@ -146,11 +155,15 @@ class ScheduleHook(VerifyAndUpdateConfig):
         cfg = vllm_config.model_config.hf_config
         if vllm_config.speculative_config is not None:
             _ = cfg.drafter  # a draft depth the checkpoint cannot run: refused here
+        # what each request's own exit rule is checked against where vLLM admits it
+        ExitParams.engine = EngineExits.of(cfg)
         if getattr(cfg, "wave", None) is None:
             return
         if vllm_config.speculative_config is not None:
             raise ValueError(f"schedule {cfg.schedule} drafts for itself: leave out "
-                             "speculative_config (commit_ahead sets its own)")
+                             "speculative_config (commit_ahead sets its own)"
+                             if cfg.schedule != "ar" else "an exit rule runs in the plugin's "
+                             "own schedules (ar, dtv, wfd): leave out speculative_config")
         device = getattr(vllm_config.device_config, "device_type", "cpu")
         if device != "cpu":  # it reads the paged cache in the CPU backend's layout
             raise ValueError(f"schedule {cfg.schedule} runs on vLLM's CPU build for now, not "
@@ -176,13 +189,17 @@ class WaveDecoder:
         self.waves: dict[str, Wave] = {}
         self.paged: PagedKV | None = None
         self.scale = model.arch.head_dim ** -0.5
+        # each readout depth's coda slot; the engine's exit rule, what a request's is checked by
+        self.coda_slot = {r: i for i, r in enumerate(model.readout_depths)}
+        self.engine_exits = EngineExits.of(model.config)
         self.totals = {"verified": 0, "accepted": 0, "flushed_positions": 0, "block_calls": 0,
-                       "restarts": 0}
+                       "restarts": 0, "decoded_tokens": 0, "decoded_depths": 0}
         install_hooks()
         _INBOX[0] = engine_inbox()
 
     def counters(self) -> dict[str, int]:
-        """Drafts verified and accepted, positions flushed and block calls (ticks) so far."""
+        """Drafts verified and accepted, positions flushed, block calls (ticks), and the tokens
+        committed after a prompt with the sum of their depths (exit depths, or R), so far."""
         return dict(self.totals)
 
     # -- the engine step -----------------------------------------------------------------------
@@ -259,10 +276,17 @@ class WaveDecoder:
 
     def start(self, req: str, tokens: list[int]) -> Wave:
         """A wave whose prompt is ``tokens``, all scheduled."""
-        plan = self.schedule.plan(len(tokens), self.model.depth,
-                                  coda_attends=self.model.arch.coda_layers > 0)
+        model, attends = self.model, self.model.arch.coda_layers > 0
+        try:
+            rule = request_rule(self.engine_exits, _ASKED.get(req))
+        except ValueError:  # refused where vLLM admitted it: not reached
+            rule = self.engine_exits.rule
+        plan = self.schedule.plan(len(tokens), model.depth, coda_attends=attends,
+                                  exits=None if rule is None else rule.for_plan(attends,
+                                                                                model.depth))
         wave = Wave(plan.steps(), dict(enumerate(tokens)), len(tokens) - 1,
-                    committed=len(tokens) - 1)
+                    committed=len(tokens) - 1, prompt_length=len(tokens),
+                    exits=None if rule is None else ExitTracker(rule, model))
         self.waves[req] = wave
         return wave
 
@@ -359,8 +383,8 @@ class WaveDecoder:
             elif isinstance(event, Rollback):
                 self.totals["flushed_positions"] += event.flushed
                 self.rollback(wave, event.length)
-            elif isinstance(event, Check):  # pragma: no cover - no exit rule in this mode
-                raise RuntimeError("WFD on vLLM runs without exit rules")
+            elif isinstance(event, Check):
+                wave.reply = self.check(wave, event)
 
     def commit(self, wave: Wave) -> bool:
         """Commit the token the wave is paused at itself (the argmax of its readout at R), if
@@ -380,6 +404,13 @@ class WaveDecoder:
             self.totals["accepted"] += wave.reply
         wave.token_at[event.position + 1] = token
         wave.committed = event.position + 1
+        if event.position >= wave.prompt_length:  # a decoded token, at its exit depth or R
+            depth = self.model.depth if wave.exits is None else wave.exits.exit_depths.pop(
+                event.position, self.model.depth)
+            self.totals["decoded_tokens"] += 1
+            self.totals["decoded_depths"] += depth
+        if wave.exits is not None:
+            wave.exits.forget(event.position)
 
     def argmax(self, wave: Wave, position: int) -> int:
         return int(self.model.compute_logits(wave.readouts[position][None]).argmax(-1))
@@ -398,6 +429,10 @@ class WaveDecoder:
             states = model.initial_state(where, e)
             for i, (wave, p) in enumerate(rows):
                 wave.injections[p], wave.states[p] = e[i], states[i]
+            for wave, call in calls:  # a decoded position enters its exit rule afresh
+                entering = [p for p in call.positions if p >= wave.prompt_length]
+                if wave.exits is not None and entering:
+                    wave.exits.enter(entering, [wave.states[p] for p in entering])
             return
         states = torch.stack([wave.states[p] for wave, p in rows])
         if kind == "block":
@@ -409,12 +444,56 @@ class WaveDecoder:
             for i, (wave, p) in enumerate(rows):
                 wave.states[p] = new[i]
             return
-        slots = [0 if r == model.depth else 1 for r in depths]
+        slots = [self.coda_slot[r] for r in depths]
         layers = [[model.coda_layer_index(s, j) for s in slots]
                   for j in range(model.arch.coda_layers)]
         out = model.readout(states, where, caches=self.stand_ins(rows, where, layers))
         for i, (wave, p) in enumerate(rows):
             wave.readouts[p] = out[i]
+
+    def check(self, wave: Wave, event: Check) -> set[int]:
+        """The positions of ``event`` the wave's exit rule stops (their readouts' logits, or
+        their states, measured); each one's KV at its exit depth stands in for the depths it
+        skips."""
+        positions, depths = event.positions, event.depths
+        states = torch.stack([wave.states[p] for p in positions])
+        readouts = [None] * len(positions)
+        if wave.exits.rule.reads_readouts:
+            logits = self.model.compute_logits(torch.stack([wave.readouts[p]
+                                                            for p in positions]))
+            readouts = list(logits)
+        exited = wave.exits.check(positions, depths, states, readouts)
+        for p, r in zip(positions, depths, strict=True):
+            if p in exited:
+                self.exit_kv(wave, p, r)
+        return exited
+
+    def exit_kv(self, wave: Wave, position: int, depth: int) -> None:
+        """``position`` exited at ``depth``: its KV there copied into the core caches of the
+        deeper steps it never wrote and the coda caches of deeper readout depths (wfd's rule,
+        ``wfd.cache.KVCache.exit``): in the paged cache where its block is allocated, in the
+        wave's side buffer where not."""
+        model = self.model
+        written = {core_slot(r, model.kv_sharing) for r in range(1, depth + 1)}
+        deeper = {core_slot(r, model.kv_sharing): r for r in range(depth + 1, model.depth + 1)}
+        pairs = [(model.core_layer_index(depth, j), model.core_layer_index(r, j))
+                 for slot, r in deeper.items() if slot not in written
+                 for j in range(model.core_layers)]
+        if depth in self.coda_slot:
+            pairs += [(model.coda_layer_index(self.coda_slot[depth], j),
+                       model.coda_layer_index(self.coda_slot[r], j))
+                      for r in self.coda_slot if r > depth
+                      for j in range(model.arch.coda_layers)]
+        if not pairs:
+            return
+        block = self.paged_kv().block
+        if position // block < len(wave.blocks) and wave.blocks[position // block]:
+            sources, targets = zip(*pairs, strict=True)
+            self.paged_kv().copy(list(sources), list(targets),
+                                 wave.blocks[position // block], position % block)
+            return
+        for source, target in pairs:
+            wave.ahead[(target, position)] = wave.ahead[(source, position)]
 
     def stand_ins(self, rows: list[tuple[Wave, int]], where: torch.Tensor,
                   layers: list[list[int]]) -> list[LayerAttention]:
