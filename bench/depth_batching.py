@@ -14,7 +14,7 @@ fixed depth (vLLM's AR, what a user runs today), and one started with ``exit_rul
 ``wave_fixed_tokens_per_s``, ``mean_exit_depth`` (from the engine's counters), the relative
 ``bits_per_byte_change`` of the rule (held-out text, teacher forced through wfd's decoder), and
 wfd's batch path at the same batch (``wfd_fixed_tokens_per_s``, ``wfd_exit_tokens_per_s``);
-medians over the repeats. With ``--profile`` (one calibrated on this machine) a row adds
+medians over the repeats. With ``--profile`` (calibrated on this machine) a row adds
 ``predicted_speedup``: ``costmodel predict --engine vllm --batch B`` of AR with the run's exit
 depths (wfd's AR with the rule, on the batch's prompts) over AR at fixed depth. Exits non-zero
 when a vLLM run's greedy tokens are not wfd's AR's with the same rule. Run it on a quiet
@@ -118,7 +118,7 @@ def predicted_speedup(profile: Path, name: str, rule: str, depths: list[int], ba
         return json.loads(done.stdout)["schedules"]["ar"]["tokens_per_s"]
 
     counts = Counter(depths)
-    spread = ",".join(f"{r}:{n / len(depths):.4f}" for r, n in sorted(counts.items()))
+    spread = ",".join(f"{r}:{n / len(depths):.8f}" for r, n in sorted(counts.items()))
     return tokens_per_s("--exit-depths", spread, "--exit", rule.split(":")[0]) / tokens_per_s()
 
 
@@ -140,6 +140,8 @@ def model_rows(name: str, args) -> list[dict]:
     def median(passes, key, at=0):
         return statistics.median(p[key][at] if at is not None else p[key] for p in passes)
 
+    family = name.split("-")[0]
+    profile = next((p for p in args.profile if family in p.name), None)
     rows = []
     for rule in rules:
         bits = held_out_bits(model, data, ExitRule.parse(rule), windows=args.windows)
@@ -155,9 +157,9 @@ def model_rows(name: str, args) -> list[dict]:
                 "wfd_exit_tokens_per_s": median(ours, (rule, b), None),
                 "fixed_passes": [round(p["fixed", b][0], 1) for p in vllm],
                 "exit_passes": [round(p[rule, b][0], 1) for p in vllm],
-                **({"predicted_speedup": predicted_speedup(args.profile, name, rule,
-                                                           depths[rule], b, args.new_tokens)}
-                   if args.profile else {})})
+                **({"predicted_speedup": predicted_speedup(profile, name, rule, depths[rule],
+                                                           b, args.new_tokens)}
+                   if profile else {})})
     return rows
 
 
@@ -187,8 +189,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--windows", type=int, default=8,
                         help="held-out windows of 256 bytes for bits per byte")
-    parser.add_argument("--profile", type=Path,
-                        help="a profile calibrated on this machine: adds predicted speedups")
+    parser.add_argument("--profile", type=Path, nargs="+", default=[],
+                        help="profiles calibrated on this machine, one per family (its name in "
+                             "the file's): adds predicted speedups")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rows = [row for name in args.models for row in model_rows(name, args)]

@@ -100,14 +100,14 @@ def test_a_request_s_own_exit_rule_is_checked_against_the_engine_s():
 
 
 def test_the_config_hook_refuses_in_one_line_and_gives_the_wave_whole_prompts():
-    """What vLLM runs where it makes the engine's config (wfd.serving.wave.ScheduleHook): a
+    """What vLLM runs where it makes the engine's config (wfd.serving.hook.ScheduleHook): a
     draft depth at R refused before any engine starts, and WFD off the CPU build (it reads the
     CPU backend's cache layout); WFD given no prefix caching and no chunked prefill, its token
     budget at least a whole sequence."""
     from types import SimpleNamespace
 
     pytest.importorskip("vllm.model_executor.models.config")
-    from wfd.serving.wave import ScheduleHook
+    from wfd.serving.hook import ScheduleHook
 
     def engine(cfg, speculative=None, device="cpu"):
         return SimpleNamespace(

@@ -77,16 +77,19 @@ class ExitTracker:
         self.memory.pop(position, None)
 
     def check(self, positions: tuple[int, ...], depths: tuple[int, ...],
-              states: torch.Tensor, readouts: list[torch.Tensor]) -> set[int]:
+              states: torch.Tensor, readouts: list[torch.Tensor],
+              hazards: list[float] | None = None) -> set[int]:
         """The positions the rule exits at these depths, given their states (rows of
         ``states``) and latest readouts (``readouts``, one per position when the rule reads
-        them)."""
+        them); the gate's hazards at ``states`` when the caller has them (several trackers'
+        computed at once)."""
         rule, first = self.rule, self.rule.min_depth
         if rule.name == "forced":  # timing: the drawn depths, whatever the model computes
             return self._decide(positions, depths, [r == rule.depth_at(p) for p, r in zip(
                 positions, depths, strict=True)], forced=True)
         if rule.name == "gate":  # every step's hazard counts, checked or not
-            hazards = self.model.exit_lambda(states).tolist()
+            if hazards is None:
+                hazards = self.model.exit_lambda(states).tolist()
             values = []
             for p, h in zip(positions, hazards, strict=True):
                 self.memory[p] *= 1.0 - h

@@ -30,7 +30,7 @@ def register() -> None:
     from vllm.transformers_utils import config as vllm_config
 
     from .configs import CONFIGS
-    from .wave import ScheduleHook
+    from .hook import ScheduleHook
 
     for model_type, config_class in CONFIGS.items():
         vllm_config._CONFIG_REGISTRY[model_type] = config_class

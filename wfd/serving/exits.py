@@ -1,6 +1,9 @@
-"""Exit rules on vLLM: the engine's (``hf_overrides={"exit_rule": "kl:0.001"}``) and a request's
-own (``SamplingParams(extra_args={"exit": "kl:0.01", "exit_min_depth": 3})``, or ``"exit":
-"none"`` for fixed depth), resolved into the rule the request's wave runs (``wfd.serving.wave``).
+"""Exit rules on vLLM: the engine's (``hf_overrides={"exit_rule": "kl:0.001"}``; "none": only
+those requests ask for) and a request's own (``SamplingParams(extra_args={"exit": "kl:0.01",
+"exit_min_depth": 3})``, or ``"exit": "none"`` for fixed depth), resolved into the rule the
+request's wave runs (``wfd.serving.wave``), and what the waves do with them (``WaveExits``): the
+checks of every wave at a point of the same kind made at once, and the KV of the depths an
+exited position skips.
 
 A request's rule is checked where vLLM admits it, before it reaches the engine: ``ExitParams``
 is a logits processor installed as a vLLM plugin (entry point group ``vllm.logits_processors``),
@@ -18,6 +21,7 @@ import torch
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
 from costmodel.exits import ExitRule
+from costmodel.slots import core_slot
 
 from .configs import check_exit_rule
 
@@ -91,3 +95,80 @@ class ExitParams(LogitsProcessor):
 
     def update_state(self, batch_update) -> None:
         pass
+
+
+class WaveExits:
+    """The exit checks and KV copies of a ``WaveDecoder``'s waves (each wave's rule and its
+    memory: ``wave.exits``, a ``wfd.exits.ExitTracker``)."""
+
+    def __init__(self, decoder):
+        self.decoder, self.model = decoder, decoder.model
+        self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # depth -> its layers
+
+    def check(self, pending: list) -> None:
+        """The checks waves are paused at (``(wave, Check)`` pairs): the logits of every
+        checked readout (rules that read them) and the gate's hazards at every checked state
+        computed in one call each, then each wave's rule decides; its verdict is what the
+        wave's plan is sent next."""
+        model = self.model
+        rows = [(wave, p) for wave, event in pending for p in event.positions]
+        reads = [wave.exits.rule.reads_readouts for wave, _ in rows]
+        gates = [wave.exits.rule.name == "gate" for wave, _ in rows]
+        logits = model.compute_logits(torch.stack([
+            w.readouts[p] for (w, p), read in zip(rows, reads, strict=True) if read])) \
+            if any(reads) else None
+        hazards = model.exit_lambda(torch.stack([
+            w.states[p] for (w, p), gate in zip(rows, gates, strict=True) if gate])).tolist() \
+            if any(gates) else None
+        read_at = gate_at = 0
+        for wave, event in pending:
+            n, rule = len(event.positions), wave.exits.rule
+            readouts = [None] * n
+            own = None
+            if rule.reads_readouts:
+                readouts, read_at = list(logits[read_at:read_at + n]), read_at + n
+            if rule.name == "gate":
+                own, gate_at = hazards[gate_at:gate_at + n], gate_at + n
+            states = torch.stack([wave.states[p] for p in event.positions])
+            exited = wave.exits.check(event.positions, event.depths, states, readouts, own)
+            for p, r in zip(event.positions, event.depths, strict=True):
+                if p in exited:
+                    self.exit_kv(wave, p, r)
+            wave.reply = exited
+
+    def layers(self, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(source, target) caches of a position that exits at ``depth``: its core caches at
+        that step into those of the deeper steps it never wrote, its coda caches at that
+        readout depth into those of deeper readout depths (wfd's rule,
+        ``wfd.cache.KVCache.exit``); worked out once per depth."""
+        if depth not in self.copies:
+            model, coda_slot = self.model, self.decoder.coda_slot
+            written = {core_slot(r, model.kv_sharing) for r in range(1, depth + 1)}
+            deeper = {core_slot(r, model.kv_sharing): r
+                      for r in range(depth + 1, model.depth + 1)}
+            pairs = [(model.core_layer_index(depth, j), model.core_layer_index(r, j))
+                     for slot, r in deeper.items() if slot not in written
+                     for j in range(model.core_layers)]
+            if depth in coda_slot:
+                pairs += [(model.coda_layer_index(coda_slot[depth], j),
+                           model.coda_layer_index(coda_slot[r], j))
+                          for r in coda_slot if r > depth for j in range(model.arch.coda_layers)]
+            sources, targets = zip(*pairs, strict=True) if pairs else ((), ())
+            self.copies[depth] = torch.tensor(sources, dtype=torch.long), torch.tensor(
+                targets, dtype=torch.long)
+        return self.copies[depth]
+
+    def exit_kv(self, wave, position: int, depth: int) -> None:
+        """``position`` exited at ``depth``: its KV there copied into the caches of the depths
+        it skips (``layers``), in the paged cache where its block is allocated, in the wave's
+        side buffer where not."""
+        sources, targets = self.layers(depth)
+        if not len(sources):
+            return
+        paged = self.decoder.paged_kv()
+        block = position // paged.block
+        if block < len(wave.blocks) and wave.blocks[block]:
+            paged.copy(sources, targets, wave.blocks[block], position % paged.block)
+            return
+        for source, target in zip(sources.tolist(), targets.tolist(), strict=True):
+            wave.ahead[(target, position)] = wave.ahead[(source, position)]

@@ -34,14 +34,12 @@ import sys
 from dataclasses import dataclass, field
 
 import torch
-from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
 from costmodel.plans import Bonus, Call, Check, Draft, Rollback, Verify
-from costmodel.slots import core_slot
 from wfd.exits import ExitTracker
 
-from .ahead import bound, speculative_config
-from .exits import EngineExits, ExitParams, request_rule
+from .ahead import bound
+from .exits import EngineExits, WaveExits, request_rule
 from .wave_kv import CallKV, LayerAttention, PagedKV
 
 # The engine step's request ids in batch order and each one's bound on tokens committed ahead
@@ -136,45 +134,15 @@ class Wave:
     prompt_length: int = 0
 
 
+def _kind(event: Call | Check) -> str:
+    return "check" if isinstance(event, Check) else event.kind
+
+
 def _forget(wave: Wave, gone) -> None:
     """Drop the states, injections and readouts of the positions ``gone(position)`` names."""
     for kept in (wave.states, wave.injections, wave.readouts):
         for p in [p for p in kept if gone(p)]:
             del kept[p]
-
-
-class ScheduleHook(VerifyAndUpdateConfig):
-    """vLLM's per-architecture config hook (``MODELS_CONFIG_MAP``), run where the engine's
-    config is made: a schedule the checkpoint cannot run is refused there, in one line, and WFD
-    gets whole prompts (no chunked prefill: a wave starts from the whole prompt) and no prefix
-    caching (a new request's prefill must start from position 0, where its wave starts), and
-    the speculative config that carries the tokens its waves commit ahead (``ahead``)."""
-
-    @staticmethod
-    def verify_and_update_config(vllm_config) -> None:
-        cfg = vllm_config.model_config.hf_config
-        if vllm_config.speculative_config is not None:
-            _ = cfg.drafter  # a draft depth the checkpoint cannot run: refused here
-        # what each request's own exit rule is checked against where vLLM admits it
-        ExitParams.engine = EngineExits.of(cfg)
-        if getattr(cfg, "wave", None) is None:
-            return
-        if vllm_config.speculative_config is not None:
-            raise ValueError(f"schedule {cfg.schedule} drafts for itself: leave out "
-                             "speculative_config (commit_ahead sets its own)"
-                             if cfg.schedule != "ar" else "an exit rule runs in the plugin's "
-                             "own schedules (ar, dtv, wfd): leave out speculative_config")
-        device = getattr(vllm_config.device_config, "device_type", "cpu")
-        if device != "cpu":  # it reads the paged cache in the CPU backend's layout
-            raise ValueError(f"schedule {cfg.schedule} runs on vLLM's CPU build for now, not "
-                             f"on {device}")
-        vllm_config.cache_config.enable_prefix_caching = False
-        scheduler = vllm_config.scheduler_config
-        scheduler.enable_chunked_prefill = False
-        scheduler.max_num_batched_tokens = max(scheduler.max_num_batched_tokens,
-                                               vllm_config.model_config.max_model_len)
-        if cfg.commit_ahead:  # tokens a wave commits ahead reach vLLM as speculative ones
-            vllm_config.speculative_config = speculative_config(vllm_config, cfg.commit_ahead)
 
 
 class WaveDecoder:
@@ -192,6 +160,7 @@ class WaveDecoder:
         # each readout depth's coda slot; the engine's exit rule, what a request's is checked by
         self.coda_slot = {r: i for i, r in enumerate(model.readout_depths)}
         self.engine_exits = EngineExits.of(model.config)
+        self.exit_work = WaveExits(self)
         self.totals = {"verified": 0, "accepted": 0, "flushed_positions": 0, "block_calls": 0,
                        "restarts": 0, "decoded_tokens": 0, "decoded_depths": 0}
         install_hooks()
@@ -335,17 +304,20 @@ class WaveDecoder:
     def run(self, waves: list[Wave]) -> None:
         """Every wave's events up to a commit it may not make itself (the readout at R that
         vLLM samples from, or past its bound ahead; with several requests, past the step's R
-        block calls), the calls of the same part over several waves run as one: a coda call
-        before a prelude call before a block call, so that waves in step share every call of a
-        tick."""
+        block calls), the calls of the same part over several waves run as one: exit checks
+        before a coda call before a prelude call before a block call, so that waves in step
+        share every call of a tick."""
         calls = {id(wave): self.next_call(wave) for wave in waves}
         ticks = 0
         while any(calls.values()):
-            kind = next(k for k in ("coda", "prelude", "block")
-                        if any(c is not None and c.kind == k for c in calls.values()))
+            kind = next(k for k in ("check", "coda", "prelude", "block")
+                        if any(c is not None and _kind(c) == k for c in calls.values()))
             together = [w for w in waves if calls[id(w)] is not None
-                        and calls[id(w)].kind == kind]
-            self.call(kind, [(w, calls[id(w)]) for w in together])
+                        and _kind(calls[id(w)]) == kind]
+            if kind == "check":
+                self.exit_work.check([(w, calls[id(w)]) for w in together])
+            else:
+                self.call(kind, [(w, calls[id(w)]) for w in together])
             ticks += kind == "block"
             if ticks == self.model.depth and len(waves) > 1 or arrived():
                 # requests together (a server under load): past as many block calls as an AR
@@ -363,9 +335,9 @@ class WaveDecoder:
         for wave in waves:
             wave.limit = min(wave.limit, max(wave.scheduled, wave.committed))
 
-    def next_call(self, wave: Wave) -> Call | None:
-        """The wave's events up to its next call (returned, not run), or None where it is
-        paused at a commit it may not make itself (``wave.pending``)."""
+    def next_call(self, wave: Wave) -> Call | Check | None:
+        """The wave's events up to its next call or exit check (returned, not run), or None
+        where it is paused at a commit it may not make itself (``wave.pending``)."""
         while True:
             if wave.pending is not None and not self.commit(wave):
                 return None
@@ -373,7 +345,7 @@ class WaveDecoder:
                 return None
             event = wave.steps.send(wave.reply)
             wave.reply = None
-            if isinstance(event, Call):
+            if isinstance(event, Call | Check):
                 return event
             if isinstance(event, Draft):
                 wave.drafts[event.position] = self.argmax(wave, event.position)
@@ -383,8 +355,6 @@ class WaveDecoder:
             elif isinstance(event, Rollback):
                 self.totals["flushed_positions"] += event.flushed
                 self.rollback(wave, event.length)
-            elif isinstance(event, Check):
-                wave.reply = self.check(wave, event)
 
     def commit(self, wave: Wave) -> bool:
         """Commit the token the wave is paused at itself (the argmax of its readout at R), if
@@ -450,50 +420,6 @@ class WaveDecoder:
         out = model.readout(states, where, caches=self.stand_ins(rows, where, layers))
         for i, (wave, p) in enumerate(rows):
             wave.readouts[p] = out[i]
-
-    def check(self, wave: Wave, event: Check) -> set[int]:
-        """The positions of ``event`` the wave's exit rule stops (their readouts' logits, or
-        their states, measured); each one's KV at its exit depth stands in for the depths it
-        skips."""
-        positions, depths = event.positions, event.depths
-        states = torch.stack([wave.states[p] for p in positions])
-        readouts = [None] * len(positions)
-        if wave.exits.rule.reads_readouts:
-            logits = self.model.compute_logits(torch.stack([wave.readouts[p]
-                                                            for p in positions]))
-            readouts = list(logits)
-        exited = wave.exits.check(positions, depths, states, readouts)
-        for p, r in zip(positions, depths, strict=True):
-            if p in exited:
-                self.exit_kv(wave, p, r)
-        return exited
-
-    def exit_kv(self, wave: Wave, position: int, depth: int) -> None:
-        """``position`` exited at ``depth``: its KV there copied into the core caches of the
-        deeper steps it never wrote and the coda caches of deeper readout depths (wfd's rule,
-        ``wfd.cache.KVCache.exit``): in the paged cache where its block is allocated, in the
-        wave's side buffer where not."""
-        model = self.model
-        written = {core_slot(r, model.kv_sharing) for r in range(1, depth + 1)}
-        deeper = {core_slot(r, model.kv_sharing): r for r in range(depth + 1, model.depth + 1)}
-        pairs = [(model.core_layer_index(depth, j), model.core_layer_index(r, j))
-                 for slot, r in deeper.items() if slot not in written
-                 for j in range(model.core_layers)]
-        if depth in self.coda_slot:
-            pairs += [(model.coda_layer_index(self.coda_slot[depth], j),
-                       model.coda_layer_index(self.coda_slot[r], j))
-                      for r in self.coda_slot if r > depth
-                      for j in range(model.arch.coda_layers)]
-        if not pairs:
-            return
-        block = self.paged_kv().block
-        if position // block < len(wave.blocks) and wave.blocks[position // block]:
-            sources, targets = zip(*pairs, strict=True)
-            self.paged_kv().copy(list(sources), list(targets),
-                                 wave.blocks[position // block], position % block)
-            return
-        for source, target in pairs:
-            wave.ahead[(target, position)] = wave.ahead[(source, position)]
 
     def stand_ins(self, rows: list[tuple[Wave, int]], where: torch.Tensor,
                   layers: list[list[int]]) -> list[LayerAttention]:

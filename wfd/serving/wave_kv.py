@@ -57,12 +57,12 @@ class PagedKV:
         self.keys[layers, n, :, :, b] = k
         self.values[layers, n, :, b, :] = v
 
-    def copy(self, sources: list[int], targets: list[int], block: int, offset: int) -> None:
+    def copy(self, sources: torch.Tensor, targets: torch.Tensor, block: int, offset: int
+             ) -> None:
         """The keys and values at ``offset`` of paged block ``block``, layer ``sources[i]``'s
         into layer ``targets[i]``'s."""
-        src, dst = torch.tensor(sources), torch.tensor(targets)
-        self.keys[dst, block, :, :, offset] = self.keys[src, block, :, :, offset]
-        self.values[dst, block, :, offset, :] = self.values[src, block, :, offset, :]
+        self.keys[targets, block, :, :, offset] = self.keys[sources, block, :, :, offset]
+        self.values[targets, block, :, offset, :] = self.values[sources, block, :, offset, :]
 
     def read(self, layers: torch.Tensor, tables: torch.Tensor, written: torch.Tensor,
              length: int) -> tuple[torch.Tensor, torch.Tensor]:
