@@ -23,6 +23,11 @@ DEFAULT_THRESHOLDS = {"kl": 1e-3, "entropy-diff": 1e-3, "latent-diff": 0.03,
                       "argmax-stable": 5.0, "gate": 0.5}
 READS_READOUTS = frozenset({"kl", "entropy-diff", "argmax-stable"})
 ENTROPY_START = 100.0  # nats: the public code's first "previous entropy"
+# what later tokens read of an exited token's skipped depths: "latest", its KV at its exit
+# depth in every deeper step's slot and a coda slot per readout depth; "reference", the public
+# Huginn code's (its default cache): absent from deeper steps' keys, and one coda slot holding
+# each token's latest readout (its final one, once it has exited)
+EXIT_KV = ("latest", "reference")
 
 
 @dataclass(frozen=True)
@@ -30,10 +35,13 @@ class ExitRule:
     name: str
     threshold: float
     min_depth: int = 1
+    kv: str = "latest"  # EXIT_KV
 
     @classmethod
-    def parse(cls, text: str, min_depth: int = 1) -> ExitRule:
+    def parse(cls, text: str, min_depth: int = 1, kv: str = "latest") -> ExitRule:
         """``RULE`` or ``RULE:THRESHOLD``; a bad one raises ValueError in one line."""
+        if kv not in EXIT_KV:
+            raise ValueError(f"the exit KV rule must be {' or '.join(EXIT_KV)}, got {kv!r}")
         name, _, value = text.strip().partition(":")
         if name not in DEFAULT_THRESHOLDS:
             raise ValueError(f"unknown exit rule {name!r}; use one of "
@@ -52,24 +60,28 @@ class ExitRule:
             raise ValueError(f"argmax-stable counts checks: a whole number, got {value}")
         if min_depth < 1:
             raise ValueError(f"the minimum exit depth must be at least 1, got {min_depth}")
-        return cls(name, threshold, min_depth)
+        return cls(name, threshold, min_depth, kv)
 
     @property
     def label(self) -> str:
         return f"{self.name}:{self.threshold:g}" + (
-            f" from depth {self.min_depth}" if self.min_depth > 1 else "")
+            f" from depth {self.min_depth}" if self.min_depth > 1 else "") + (
+            ", reference KV" if self.kv == "reference" else "")
 
     @property
     def reads_readouts(self) -> bool:
         return self.name in READS_READOUTS
 
     def for_plan(self, coda_attends: bool, depth: int) -> EarlyExit:
-        """What a plan needs: every checked depth is read out when the rule reads readouts or
-        the coda attends (a later position's readout at that depth attends over its KV)."""
+        """What a plan needs: every checked depth is read out when the rule reads readouts or,
+        with the latest KV rule, the coda attends (a later position's readout at that depth
+        attends over its KV; with the reference's one coda slot, it attends over the final
+        readouts)."""
         if self.min_depth > depth:
             raise ValueError(f"the minimum exit depth must be in 1..{depth}, "
                              f"got {self.min_depth}")
-        return EarlyExit(self.min_depth, self.reads_readouts or coda_attends)
+        return EarlyExit(self.min_depth,
+                         self.reads_readouts or (coda_attends and self.kv == "latest"), self.kv)
 
     def fires(self, value: float) -> bool:
         """Whether the quantity a check measured exits the position."""

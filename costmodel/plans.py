@@ -82,6 +82,9 @@ class EarlyExit:
 
     min_depth: int = 1
     every_depth: bool = True
+    # "reference": the coda keeps one slot per position, so a prompt is read out at R only
+    # (costmodel.exits.EXIT_KV)
+    kv: str = "latest"
 
 
 class Plan:
@@ -130,7 +133,8 @@ class Plan:
         positions = tuple(range(self.prompt_length))
         attends = self.coda_attends or every_position
         readout = positions if attends else (last,)
-        depths = self.readout_depths if attends else self.always_read
+        single = self.exits is not None and self.exits.kv == "reference"
+        depths = self.readout_depths if attends and not single else self.always_read
         yield Call("prelude", positions, (0,) * len(positions))
         for r in range(1, self.depth + 1):
             yield Call("block", positions, (r,) * len(positions))

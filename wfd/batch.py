@@ -145,7 +145,7 @@ def decode_batch(model: nn.Module, requests: Sequence[Request], options: RunOpti
                         prompt_len=len(longest.prompt), max_new_tokens=longest.max_new_tokens,
                         depth=setup.depth, kv_sharing=options.kv_sharing,
                         readout_depths=probe.readout_depths, lookahead=probe.lookahead,
-                        sequences=regions)
+                        sequences=regions, exit_kv=setup.exit_kv)
     if options.draft_rule is not None:
         runner.cache.allow_rewrites("coda")
     return _run(runner, setup, requests, probe, regions, on_result, on_call, arrivals)

@@ -7,7 +7,10 @@ depths are written in place and read as views. Slots: one for the prelude; for t
 step that brings a position to depth r uses slot r - 1, or (r - 1) mod s with KV sharing over s
 slots; for the coda (Huginn), one per readout depth, so draft readouts never touch the verify
 path. A position that exits at depth e copies its depth-e KV into the slots it skipped
-(``exit``); a slot keeps writes beyond its valid prefix, which join it once the gap is filled.
+(``exit``; the "latest" rule), or, with the public Huginn code's rule ("reference"), is absent
+from those slots' keys (``presence``, which attention masks by) while the coda keeps one slot
+per position, rewritten by each readout; a slot keeps writes beyond its valid prefix, which join
+it once the gap is filled.
 Sequence b of a batch owns rows b * slots ... b * slots + slots - 1 (``flat``), handed to the
 next prompt when it finishes (``release``).
 
@@ -60,6 +63,15 @@ class PartKV:
         self.layers = [LayerKV(torch.zeros(shape, dtype=dtype, device=device),
                                torch.zeros(shape, dtype=dtype, device=device), self.lengths)
                        for _ in range(layers)]
+        # [slots, positions]: False where a position is absent from a slot's keys (the reference
+        # exit rule's core; ``track_presence``); None where every written position is present
+        self.presence: torch.Tensor | None = None
+
+    def track_presence(self) -> None:
+        if self.presence is None and self.layers:
+            keys = self.layers[0].keys
+            self.presence = torch.ones(keys.shape[0], keys.shape[2], dtype=torch.bool,
+                                       device=keys.device)
 
     def claim(self, slots: list[int], positions: list[int], max_len: int) -> None:
         """Check and record one call's writes (position p into slot s) for every layer."""
@@ -92,15 +104,31 @@ class PartKV:
         layer (an exited position's KV standing in for the depths it skipped)."""
         if not self.layers or not targets:
             return
+        src, dst = self._index(sources, targets)
+        for layer in self.layers:
+            layer.keys[dst, :, position] = layer.keys[src, :, position]
+            layer.values[dst, :, position] = layer.values[src, :, position]
+        self._settle(targets, position)
+
+    def mark_absent(self, targets: list[int], position: int) -> None:
+        """``position`` is absent from the target slots' keys (an exited position under the
+        reference rule): masked where attention reads them, yet counted as held."""
+        if not self.layers or not targets:
+            return
+        self.presence[self._index(targets, targets)[1], position] = False
+        self._settle(targets, position)
+
+    def _index(self, sources: list[int], targets: list[int]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         key = (tuple(sources), tuple(targets))
         if key not in self._copy_index:  # made once per pattern, on the cache's device
             device = self.layers[0].keys.device
             self._copy_index[key] = (torch.tensor(sources, device=device),
                                      torch.tensor(targets, device=device))
-        src, dst = self._copy_index[key]
-        for layer in self.layers:
-            layer.keys[dst, :, position] = layer.keys[src, :, position]
-            layer.values[dst, :, position] = layer.values[src, :, position]
+        return self._copy_index[key]
+
+    def _settle(self, targets: list[int], position: int) -> None:
+        """The targets hold ``position`` now (the valid prefix or the entries ahead of it)."""
         for slot in targets:
             if position < self.lengths[slot]:
                 continue  # already valid there (a shared slot rewritten)
@@ -114,6 +142,8 @@ class PartKV:
         first, last = (0, len(self.lengths)) if sequence is None else (
             sequence * self.slots, (sequence + 1) * self.slots)
         self.lengths[first:last] = [min(n, length) for n in self.lengths[first:last]]
+        if self.presence is not None:
+            self.presence[first:last, length:] = True
         for slot in range(first, last):
             if self.ahead.get(slot):
                 self.ahead[slot] = {p for p in self.ahead[slot] if p < length}
@@ -123,19 +153,24 @@ class PartKV:
         again and again)."""
         self.lengths[:] = [length] * len(self.lengths)
         self.overwrite = True
+        if self.presence is not None:
+            self.presence.fill_(True)
 
     def reset(self) -> None:
         """Empty every slot for a new run (the tensors stay: a masked key is never read)."""
         self.lengths[:] = [0] * len(self.lengths)
         self.ahead.clear()
         self.overwrite = self.rewrites
+        if self.presence is not None:
+            self.presence.fill_(True)
 
 
-def part_slots(depth: int, kv_sharing: int, readout_depths: list[int]) -> dict[str, int]:
+def part_slots(depth: int, kv_sharing: int, readout_depths: list[int],
+               exit_kv: str = "latest") -> dict[str, int]:
     """Slots per layer of each part, for one sequence: one in the prelude, R (or the s shared)
-    in the core, one per readout depth in the coda."""
+    in the core, one per readout depth in the coda (one under the reference exit KV rule)."""
     return {"prelude": 1, "block": depth if kv_sharing == 0 else min(kv_sharing, depth),
-            "coda": max(len(set(readout_depths)), 1)}
+            "coda": 1 if exit_kv == "reference" else max(len(set(readout_depths)), 1)}
 
 
 class KVCache:
@@ -145,7 +180,7 @@ class KVCache:
     def __init__(self, *, prelude_layers: int, core_layers: int, coda_layers: int, depth: int,
                  kv_sharing: int, readout_depths: list[int], kv_heads: int, head_dim: int,
                  max_len: int, dtype: torch.dtype, device: torch.device | str,
-                 sequences: int = 1):
+                 sequences: int = 1, exit_kv: str = "latest"):
         if kv_sharing < 0:
             raise ValueError("kv_sharing must be 0 (one slot per depth) or a slot count >= 1")
         if sequences < 1:
@@ -154,12 +189,21 @@ class KVCache:
         self.kv_sharing = kv_sharing
         self.max_len = max_len
         self.sequences = sequences
-        slots = part_slots(depth, kv_sharing, readout_depths)
-        self.coda_slot_of = {r: i for i, r in enumerate(sorted(set(readout_depths)))}
-        self.parts = {kind: PartKV(layers, slots[kind], kind == "block" and kv_sharing > 0,
+        self.exit_kv = exit_kv
+        reference = exit_kv == "reference"
+        if reference and kv_sharing:
+            raise ValueError("the reference exit KV rule keeps a slot per depth (kv_sharing 0)")
+        slots = part_slots(depth, kv_sharing, readout_depths, exit_kv)
+        # the reference rule: every readout of a position rewrites its one coda entry
+        self.coda_slot_of = {r: 0 if reference else i
+                             for i, r in enumerate(sorted(set(readout_depths)))}
+        self.parts = {kind: PartKV(layers, slots[kind], kind == "block" and kv_sharing > 0
+                                   or kind == "coda" and reference,
                                    (kv_heads, max_len, head_dim), dtype, device, sequences)
                       for kind, layers in (("prelude", prelude_layers), ("block", core_layers),
                                            ("coda", coda_layers))}
+        if reference:
+            self.parts["block"].track_presence()
         self.prelude = self.parts["prelude"].layers
         self.core = self.parts["block"].layers
         self.coda = self.parts["coda"].layers
@@ -201,11 +245,15 @@ class KVCache:
 
     def exit(self, position: int, depth: int, sequence: int | None = None) -> None:
         """``position`` exited at ``depth``: its KV there stands in for every deeper depth's,
-        in the core slots it never wrote and the coda slots of deeper readout depths."""
+        in the core slots it never wrote and the coda slots of deeper readout depths (the
+        reference rule: it is absent from those core slots' keys)."""
         base = {kind: 0 if sequence is None else sequence * part.slots
                 for kind, part in self.parts.items()}
         written = {self.core_slot(r) for r in range(1, depth + 1)}
         skipped = sorted({self.core_slot(r) for r in range(depth + 1, self.depth + 1)} - written)
+        if self.exit_kv == "reference":  # absent from deeper keys; its coda entry is final
+            self.parts["block"].mark_absent([base["block"] + s for s in skipped], position)
+            return
         source = base["block"] + self.core_slot(depth)
         self.parts["block"].copy_ahead([source] * len(skipped),
                                        [base["block"] + s for s in skipped], position)
@@ -217,6 +265,11 @@ class KVCache:
 
     def layers(self) -> list[LayerKV]:
         return [*self.prelude, *self.core, *self.coda]
+
+    @property
+    def presence(self) -> torch.Tensor | None:
+        """The core's [slots, positions] presence of keys (None: every written key present)."""
+        return self.parts["block"].presence
 
     def truncate(self, length: int, sequence: int | None = None) -> None:
         """Roll back every slot (of one sequence's region) to the first ``length`` positions."""

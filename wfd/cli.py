@@ -78,6 +78,10 @@ def generate(
         "an exit gate)")] = None,
     min_depth: Annotated[int, typer.Option(
         help="--exit: the shallowest depth a token may stop at")] = 1,
+    exit_kv: Annotated[str, typer.Option(
+        help="--exit: what later tokens read of the depths a token skipped: latest (its KV at "
+             "its exit depth) or reference (the public Huginn code's: absent; one coda slot "
+             "holding its final readout; AR only)")] = "latest",
     force_exits: Annotated[str | None, typer.Option(
         help="timing mode: each token exits at a depth drawn from this distribution, e.g. "
              "\"8:0.5,16:0.5\", instead of where a rule fires (NOT a real decode)")] = None,
@@ -115,7 +119,7 @@ def generate(
     options = RunOptions.of(settings=dict(
         schedule=schedule, max_new_tokens=max_new_tokens, depth=depth, draft_depth=draft_depth,
         width=width, width_cap=width_cap, block_length=block_length, kv_sharing=kv_sharing,
-        exit_rule=exit_rule, min_depth=min_depth, force_exits=force_exits,
+        exit_rule=exit_rule, min_depth=min_depth, exit_kv=exit_kv, force_exits=force_exits,
         draft_rule=draft_when, temperature=temperature, top_p=top_p, seed=seed,
         stop_tokens=_parse_ids(stop_ids, "--stop-ids") if stop_ids else frozenset(),
         force_acceptance=force_acceptance, mode=mode, dtype=dtype))

@@ -305,7 +305,8 @@ def generate(model: nn.Module, prompt: list[int], options: RunOptions | None = N
     runner = runner_for(model, mode=options.mode, record=record, prompt_len=len(prompt),
                         max_new_tokens=options.max_new_tokens, depth=depth,
                         kv_sharing=options.kv_sharing, readout_depths=plan.readout_depths,
-                        lookahead=widest_lookahead(depth) if options.auto else plan.lookahead)
+                        lookahead=widest_lookahead(depth) if options.auto else plan.lookahead,
+                        exit_kv=setup.exit_kv)
     if options.draft_rule is not None:
         runner.cache.allow_rewrites("coda")
     verifier = setup.verifier(len(prompt), options.max_new_tokens, options.seed)

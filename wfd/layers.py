@@ -196,7 +196,9 @@ class CallPlan:
     @classmethod
     def make(cls, positions: torch.Tensor, slots: tuple[int, ...] | None,
              slot_index: torch.Tensor | None, frequencies: torch.Tensor,
-             span: int | None = None) -> CallPlan:
+             span: int | None = None, presence: torch.Tensor | None = None) -> CallPlan:
+        """``presence``: [slots, positions], False where a key is absent from a slot (the
+        reference exit KV rule's exited positions), masked like a later position's."""
         angles = rope_angles(positions, frequencies)
         if slots is None:
             keys = positions
@@ -211,8 +213,11 @@ class CallPlan:
             spans = tuple(min(len(keys), 1 + max(latest[start * per_group:
                                                          (start + length) * per_group]))
                           for start, length, *_ in slot_range)
+        mask = keys[None, :] <= positions[:, None]
+        if presence is not None:
+            mask = mask & presence[slot_index, :mask.shape[-1]]
         return cls(positions=positions, slots=slots, slot_index=slot_index, cos=angles.cos(),
-                   sin=angles.sin(), mask=keys[None, :] <= positions[:, None], layout=layout,
+                   sin=angles.sin(), mask=mask, layout=layout,
                    slot_range=slot_range, descending=descending, per_group=per_group,
                    progression_spans=spans)
 

@@ -8,6 +8,7 @@ it loads any."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -40,6 +41,9 @@ class RunOptions(BaseModel):
     kv_sharing: int = Field(0, ge=0)
     exit_rule: ExitRule | ForcedExits | None = None
     min_depth: int = Field(1, ge=1)
+    # what later tokens read of an exited token's skipped depths (costmodel.exits.EXIT_KV):
+    # "latest" (its KV at its exit depth) or "reference" (the public Huginn code's; AR only)
+    exit_kv: Literal["latest", "reference"] = "latest"
     force_exits: str | None = None  # timing: exit depths drawn from "DEPTH:P,..."
     draft_rule: ExitRule | None = None
     temperature: float = Field(0.0, ge=0, allow_inf_nan=False)
@@ -69,7 +73,10 @@ class RunOptions(BaseModel):
             return data
         data = dict(data)
         if isinstance(data.get("exit_rule"), str):
-            data["exit_rule"] = ExitRule.parse(data["exit_rule"], data.get("min_depth", 1))
+            data["exit_rule"] = ExitRule.parse(data["exit_rule"], data.get("min_depth", 1),
+                                               data.get("exit_kv", "latest"))
+        elif isinstance(data.get("exit_rule"), ExitRule) and "exit_kv" in data:
+            data["exit_rule"] = replace(data["exit_rule"], kv=data["exit_kv"])
         if isinstance(data.get("draft_rule"), str):
             try:
                 data["draft_rule"] = ExitRule.parse(data["draft_rule"])
@@ -90,6 +97,12 @@ class RunOptions(BaseModel):
         if rule is not None and self.depth is not None and rule.min_depth > self.depth:
             raise ValueError(f"the minimum exit depth must be in 1..{self.depth}, got "
                              f"{rule.min_depth}")
+        if self.exit_kv == "reference" and not isinstance(rule, ExitRule):
+            raise ValueError("the reference exit KV rule (--exit-kv) goes with an exit rule "
+                             "(--exit)")
+        if self.exit_kv == "reference" and (self.auto or self.drafts or self.kv_sharing):
+            raise ValueError("the reference exit KV rule runs with --schedule ar and a KV slot "
+                             "per depth: a wave reads a position out before older ones exit")
         if self.force_exits is not None and rule is not None:
             raise ValueError("give an exit rule or forced exits, not both")
         if self.draft_rule is not None and not self.drafts:

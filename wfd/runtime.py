@@ -41,7 +41,7 @@ class Timer:
 
 def make_cache(model: nn.Module, *, prompt_len: int, max_new_tokens: int, depth: int,
                kv_sharing: int, readout_depths: Sequence[int], lookahead: int = 0,
-               sequences: int = 1, static: bool = False) -> KVCache:
+               sequences: int = 1, static: bool = False, exit_kv: str = "latest") -> KVCache:
     """A static cache for a prompt, its new tokens and the positions a schedule writes ahead of
     the committed ones (a region of that length per sequence of a batch): exactly the sequences
     the cost model's memory model counts, rounded up to whole static spans when ``static`` (the
@@ -52,7 +52,7 @@ def make_cache(model: nn.Module, *, prompt_len: int, max_new_tokens: int, depth:
     total = prompt_len + max_new_tokens
     length = static_span(total + lookahead) if static else total + lookahead
     param = next(model.parameters())
-    slots = part_slots(depth, kv_sharing, list(readout_depths))
+    slots = part_slots(depth, kv_sharing, list(readout_depths), exit_kv)
     layer_slots = (cfg.prelude_layers * slots["prelude"] + cfg.core_layers * slots["block"]
                    + cfg.coda_layers * slots["coda"])
     per_position = 2 * layer_slots * cfg.num_kv_heads * cfg.head_dim * param.element_size()
@@ -63,7 +63,7 @@ def make_cache(model: nn.Module, *, prompt_len: int, max_new_tokens: int, depth:
                    coda_layers=cfg.coda_layers, depth=depth, kv_sharing=kv_sharing,
                    readout_depths=list(readout_depths), kv_heads=cfg.num_kv_heads,
                    head_dim=cfg.head_dim, max_len=length, dtype=param.dtype,
-                   device=param.device, sequences=sequences)
+                   device=param.device, sequences=sequences, exit_kv=exit_kv)
 
 
 def check_prompt(prompt: object, vocab_size: int, what: str = "the prompt") -> None:
@@ -108,7 +108,8 @@ def runner_for(model: nn.Module, *, mode: str | None = None, record: bool = True
     if mode == "eager":
         return Runner(model, make_cache(model, **cache), record=record, mode=mode)
     layout = (mode, cache["depth"], cache["kv_sharing"],
-              tuple(sorted(set(cache["readout_depths"]))), cache.get("sequences", 1))
+              tuple(sorted(set(cache["readout_depths"]))), cache.get("sequences", 1),
+              cache.get("exit_kv", "latest"))
     spaces = workspaces(model)
     space = spaces.get(layout)
     needed = static_span(cache["prompt_len"] + cache["max_new_tokens"]
@@ -249,12 +250,14 @@ class Runner:
         span = static_span(max(positions) + 1) if static else max(positions) + 1
         if self.first_shapes.get(kind, (None, None, True))[2]:
             self.first_shapes[kind] = (slots, span, prefill)
+        # the reference exit rule's absent keys, masked in the core's attention
+        presence = self.cache.presence if kind == "block" else None
         if not static:
             def call() -> torch.Tensor:
                 with attention_policy(self.device):
                     pos = torch.tensor(positions, device=self.device)
                     plan = CallPlan.make(pos, tuple(slots), torch.tensor(slots, device=self.device),
-                                         self._frequencies, span=span)
+                                         self._frequencies, span=span, presence=presence)
                     ids = [] if tokens is None else [torch.tensor(tokens, device=self.device)]
                     return part(plan, *ids, *inputs)
 
@@ -268,7 +271,7 @@ class Runner:
             def captured(ints, slot_index, frequencies, *xs):
                 with attention_policy(device):
                     plan = CallPlan.make(ints[:n], static_slots, slot_index, frequencies,
-                                         span=span)
+                                         span=span, presence=presence)
                     return part(plan, *([ints[n:]] if embeds else []), *xs)
 
             out, wall = self.graphs.run(

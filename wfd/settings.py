@@ -74,6 +74,11 @@ class RunSetup:
         return cls(options, schedule, depth, model.config.coda_layers > 0, rule)
 
     @property
+    def exit_kv(self) -> str:
+        """The exit KV rule the cache keeps (costmodel.exits.EXIT_KV)."""
+        return self.exit_rule.kv if isinstance(self.exit_rule, ExitRule) else "latest"
+
+    @property
     def draft_rule(self) -> ExitRule | None:
         return self.options.draft_rule
 
