@@ -121,6 +121,7 @@ class WaveExits:
             w.states[p] for (w, p), gate in zip(rows, gates, strict=True) if gate])).tolist() \
             if any(gates) else None
         read_at = gate_at = 0
+        exits = []
         for wave, event in pending:
             n, rule = len(event.positions), wave.exits.rule
             readouts = [None] * n
@@ -131,10 +132,10 @@ class WaveExits:
                 own, gate_at = hazards[gate_at:gate_at + n], gate_at + n
             states = torch.stack([wave.states[p] for p in event.positions])
             exited = wave.exits.check(event.positions, event.depths, states, readouts, own)
-            for p, r in zip(event.positions, event.depths, strict=True):
-                if p in exited:
-                    self.exit_kv(wave, p, r)
+            exits += [(wave, p, r) for p, r in zip(event.positions, event.depths, strict=True)
+                      if p in exited]
             wave.reply = exited
+        self.exit_kv(exits)
 
     def layers(self, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(source, target) caches of a position that exits at ``depth``: its core caches at
@@ -158,17 +159,23 @@ class WaveExits:
                 targets, dtype=torch.long)
         return self.copies[depth]
 
-    def exit_kv(self, wave, position: int, depth: int) -> None:
-        """``position`` exited at ``depth``: its KV there copied into the caches of the depths
-        it skips (``layers``), in the paged cache where its block is allocated, in the wave's
-        side buffer where not."""
-        sources, targets = self.layers(depth)
-        if not len(sources):
-            return
-        paged = self.decoder.paged_kv()
-        block = position // paged.block
-        if block < len(wave.blocks) and wave.blocks[block]:
-            paged.copy(sources, targets, wave.blocks[block], position % paged.block)
-            return
-        for source, target in zip(sources.tolist(), targets.tolist(), strict=True):
-            wave.ahead[(target, position)] = wave.ahead[(source, position)]
+    def exit_kv(self, exits: list) -> None:
+        """Each exited position's KV (``(wave, position, depth)``) at its exit depth copied
+        into the caches of the depths it skips (``layers``): in the paged cache where its block
+        is allocated, all in one copy; in its wave's side buffer where not."""
+        paged = self.decoder.paged_kv() if exits else None
+        copies = []
+        for wave, position, depth in exits:
+            sources, targets = self.layers(depth)
+            if not len(sources):
+                continue
+            block = position // paged.block
+            if block < len(wave.blocks) and wave.blocks[block]:
+                copies.append((sources, targets, wave.blocks[block], position % paged.block))
+                continue
+            for source, target in zip(sources.tolist(), targets.tolist(), strict=True):
+                wave.ahead[(target, position)] = wave.ahead[(source, position)]
+        if copies:
+            paged.copy(torch.cat([c[0] for c in copies]), torch.cat([c[1] for c in copies]),
+                       torch.tensor([c[2] for c in copies for _ in range(len(c[0]))]),
+                       torch.tensor([c[3] for c in copies for _ in range(len(c[0]))]))

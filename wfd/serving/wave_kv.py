@@ -57,12 +57,12 @@ class PagedKV:
         self.keys[layers, n, :, :, b] = k
         self.values[layers, n, :, b, :] = v
 
-    def copy(self, sources: torch.Tensor, targets: torch.Tensor, block: int, offset: int
-             ) -> None:
-        """The keys and values at ``offset`` of paged block ``block``, layer ``sources[i]``'s
-        into layer ``targets[i]``'s."""
-        self.keys[targets, block, :, :, offset] = self.keys[sources, block, :, :, offset]
-        self.values[targets, block, :, offset, :] = self.values[sources, block, :, offset, :]
+    def copy(self, sources: torch.Tensor, targets: torch.Tensor, blocks: torch.Tensor,
+             offsets: torch.Tensor) -> None:
+        """Entry i: the keys and values at ``offsets[i]`` of paged block ``blocks[i]``, layer
+        ``sources[i]``'s into layer ``targets[i]``'s (one indexed copy for all)."""
+        self.keys[targets, blocks, :, :, offsets] = self.keys[sources, blocks, :, :, offsets]
+        self.values[targets, blocks, :, offsets, :] = self.values[sources, blocks, :, offsets, :]
 
     def read(self, layers: torch.Tensor, tables: torch.Tensor, written: torch.Tensor,
              length: int) -> tuple[torch.Tensor, torch.Tensor]:
