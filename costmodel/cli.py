@@ -252,7 +252,8 @@ def predict_cmd(
                          block_length=block_length,
                          engine=engine_overheads(step_overhead, sequence_overhead,
                                                  tick=tick_overhead, wave=wave_overhead,
-                                                 commit_ahead=commit_ahead))
+                                                 commit_ahead=commit_ahead),
+                         continuous_depth=engine == "vllm")
     flush_notes()  # the input priced: the notes on how it was priced
     loose = undetermined(prof) if prof is not None else []
     host = _host_source(result.hardware, launch_overhead, host_speed)

@@ -196,6 +196,7 @@ def predict(
     engine: EngineOverheads | None = None,
     tensor_parallel: int = 1,
     link: str | Link | None = None,
+    continuous_depth: bool = False,
 ) -> Prediction:
     """Predict each registered schedule's per-token latency (AR, DtV, WFD) for one model,
     hardware and workload, each at its best variant (``Schedule.variants``).
@@ -204,7 +205,9 @@ def predict(
     ``engine``: a serving engine's own time (per step, per tick of a wave), added to each token
     as overhead. ``tensor_parallel``: devices each call is split over, joined by ``link`` (a
     name of costmodel/data/links.json, a ``Link``, or None: the hardware's usual one); the
-    memory is then one device's.
+    memory is then one device's. ``continuous_depth``: a batch's tokens with exits batched
+    continuously, each sequence at its own depth (the plugin's exit mode on vLLM), not in step
+    (``wfd``'s batch).
     """
     spec, hw = split(*resolve(model, hardware), tensor_parallel, link)
     wl = Workload.model_validate(workload or {})  # a Workload, or its fields as a dict
@@ -239,7 +242,7 @@ def predict(
     def priced(schedule: Schedule) -> tuple[list[CallGroup], dict]:
         """Its call groups (none where it is simulated) and their totals per token."""
         groups = schedule.call_groups(depth, wl.kv_sharing) if exits is None \
-            else schedule.exit_groups(exits)
+            else schedule.exit_groups(exits, wl.batch_size, continuous_depth)
         if groups is not None:
             return groups, pricer.per_token(groups, alpha)
         latency, breakdown, ideal, blocks, decoded = simulate_exits(spec, hw, schedule, wl, depth,

@@ -556,3 +556,28 @@ def test_the_reference_parity_runs_where_the_reference_is_set_up(tmp_path):
                            folder], capture_output=True, text=True, timeout=600, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(root)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_a_batch_in_step_takes_a_block_call_while_any_token_goes_on():
+    """AR with exits in a batch (wfd's: its sequences in step): the call at depth r runs while
+    any sequence's token is still there, 1 - (1 - P(e >= r))^B a round, as the closed form
+    prices it (``AR.exit_groups``); continuous depth batching (the plugin on vLLM) takes the
+    mean exit depth in block calls a round, each over every sequence."""
+    from wfd.batch import Request, decode_batch
+
+    model, batch, new = tiny_model("huginn"), 8, 48
+    spread = "2:0.5,3:0.3,8:0.2"
+    # prompts of different lengths: the forced exit depths are drawn per position
+    run = decode_batch(model, [Request(i, list(range(1, 3 + i)), new) for i in range(batch)],
+                       schedule="ar", batch_size=batch, force_exits=spread, record=True)
+    rounds = new - 1  # the first token is the prefill's
+    decode_blocks = sum(1 for c in run.records if c.kind == "block"
+                        and len(c.positions) == len(set(c.sequences)))  # a row a sequence
+    profile = ExitProfile.from_distribution(parse_exit_depths(spread, model.config.depth),
+                                            model.config.depth, 0.9, True)
+    stepped = sum(g.count for g in AR().exit_groups(profile, batch) if g.part == "block")
+    assert decode_blocks / rounds == pytest.approx(stepped, rel=0.15)
+    assert stepped > sum(g.count for g in AR().exit_groups(profile) if g.part == "block")
+    continuous = AR().exit_groups(profile, batch, continuous=True)
+    assert sum(g.count for g in continuous if g.part == "block") == pytest.approx(
+        profile.mean_depth)

@@ -95,9 +95,11 @@ class Schedule(Spec):
     def call_groups(self, depth: int, kv_sharing: int = 0) -> list[CallGroup]:
         raise NotImplementedError
 
-    def exit_groups(self, profile: ExitProfile) -> list[CallGroup] | None:
+    def exit_groups(self, profile: ExitProfile, batch: int = 1, continuous: bool = False
+                    ) -> list[CallGroup] | None:
         """With exits (adaptive depth): the call groups, or None where the schedule is simulated
-        call by call instead (costmodel.adaptive)."""
+        call by call instead (costmodel.adaptive); ``batch`` sequences in step, or in
+        continuous depth batching (AR's: the others price a sequence's own calls)."""
         return None
 
     @classmethod

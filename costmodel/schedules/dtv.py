@@ -125,7 +125,8 @@ class DtV(Drafting):
             CallGroup("coda", drafted, 1, 1, per_round),
         ]
 
-    def exit_groups(self, profile: ExitProfile) -> list[CallGroup]:
+    def exit_groups(self, profile: ExitProfile, batch: int = 1, continuous: bool = False
+                    ) -> list[CallGroup]:
         """DtV(k, d) with exits, per round (basis ("dtv", k)): k + 1 drafts of up to d steps each,
         then continuation calls over the positions still going."""
         k, d, depth = self.block_length, self.draft_depth, profile.depth
