@@ -97,6 +97,16 @@ def test_a_request_s_own_exit_rule_is_checked_against_the_engine_s():
     finally:
         ExitParams.engine = None
     ExitParams.validate_params(SimpleNamespace(extra_args={"exit": "gate"}))  # not our engine
+    from vllm import SamplingParams
+
+    ExitParams.engine = EngineExits.of(config(schedule="wfd", exit_rule="kl:0.01"))
+    try:
+        ExitParams.validate_params(SamplingParams(temperature=0))
+        ExitParams.validate_params(SamplingParams(temperature=1, extra_args={"exit": "none"}))
+        with pytest.raises(ValueError, match="serve plain greedy requests"):
+            ExitParams.validate_params(SamplingParams(temperature=1))
+    finally:
+        ExitParams.engine = None
 
 
 def test_the_config_hook_refuses_in_one_line_and_gives_the_wave_whole_prompts():

@@ -23,6 +23,7 @@ from vllm.v1.sample.logits_processor import LogitsProcessor
 from costmodel.exits import ExitRule
 from costmodel.slots import core_slot
 
+from .ahead import plain_greedy
 from .configs import check_exit_rule
 
 
@@ -37,12 +38,13 @@ class EngineExits:
     min_depth: int
     model_type: str
     depth: int
+    drafts: bool = False  # the plugin's WFD or DtV: greedy requests only, with a rule
 
     @classmethod
     def of(cls, cfg) -> EngineExits:
         """A looped config's (``configs.LoopedConfig``)."""
         return cls(cfg.serves_exits, cfg.exits, int(cfg.exit_min_depth), cfg.model_type,
-                   cfg.depth)
+                   cfg.depth, cfg.schedule in ("dtv", "wfd"))
 
 
 def request_rule(engine: EngineExits, asked: dict | None) -> ExitRule | None:
@@ -81,8 +83,17 @@ class ExitParams(LogitsProcessor):
 
     @classmethod
     def validate_params(cls, sampling_params) -> None:
-        if cls.engine is not None:  # another model's engine: its extra_args are not ours
-            request_rule(cls.engine, sampling_params.extra_args)
+        """A request's rule, if any, one the engine can run; with the plugin's WFD or DtV, on a
+        plain greedy request only: a token that exits by the draft depth is committed from its
+        own argmax there, which is vLLM's token only for such a request."""
+        engine = cls.engine
+        if engine is None:  # another model's engine: its extra_args are not ours
+            return
+        rule = request_rule(engine, sampling_params.extra_args)
+        if rule is not None and engine.drafts and not plain_greedy(sampling_params):
+            raise ValueError("exit rules with schedule wfd or dtv serve plain greedy requests "
+                             "(temperature 0, no penalty, bias or token restriction); sample "
+                             "with exits on schedule ar, or send extra_args exit \"none\"")
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
         pass

@@ -424,7 +424,10 @@ class WaveDecoder:
     def stand_ins(self, rows: list[tuple[Wave, int]], where: torch.Tensor,
                   layers: list[list[int]]) -> list[LayerAttention]:
         """The caches a part's layers attend with in this call (its rows at positions
-        ``where``): layer j's rows each in the cache ``layers[j][row]``."""
+        ``where``): layer j's rows each in the cache ``layers[j][row]``; none for a part
+        without attention (Ouro's prelude, its embedding)."""
+        if not layers:
+            return []
         some = self.model.caches[0]
         call = CallKV(self.paged_kv(), rows, where, some.num_heads, some.num_kv_heads,
                       some.head_size, self.scale, some.isa, layers)
