@@ -3,7 +3,7 @@ on vLLM through the plugin (its exit mode: the tokens still iterating share each
 whatever depth each request is at) and in wfd's batch path, on the shipped tiny models.
 
     python bench/depth_batching.py [--models huginn-tiny ouro-tiny] [--batches 1 8 16 32]
-        [--new-tokens 128] [--repeats 3] [--out F.json]
+        [--new-tokens 128] [--repeats 3] [--schedule ar|wfd|dtv --draft-depth D] [--out F.json]
 
 Each batch B sends B held-out prompts of 64 bytes together (batch 1: four, one at a time), each
 for --new-tokens greedy tokens. vLLM runs two engines a repeat, alternating: its own forward at
@@ -14,9 +14,11 @@ fixed depth (vLLM's AR, what a user runs today), and one started with ``exit_rul
 ``wave_fixed_tokens_per_s``, ``mean_exit_depth`` (from the engine's counters), the relative
 ``bits_per_byte_change`` of the rule (held-out text, teacher forced through wfd's decoder), and
 wfd's batch path at the same batch (``wfd_fixed_tokens_per_s``, ``wfd_exit_tokens_per_s``);
-medians over the repeats. With ``--profile`` (calibrated on this machine) a row adds
-``predicted_speedup``: ``costmodel predict --engine vllm --batch B`` of AR with the run's exit
-depths (wfd's AR with the rule, on the batch's prompts) over AR at fixed depth. Exits non-zero
+medians over the repeats. With ``--schedule wfd`` (or dtv) both sides run it: vLLM the
+plugin's WFD without and with the rule, wfd its own. With ``--profile`` (calibrated on this
+machine) a row adds ``predicted_speedup``: ``costmodel predict --engine vllm --batch B`` of the
+schedule with the run's exit depths (wfd's AR with the rule, on the batch's prompts) over the
+same at fixed depth. Exits non-zero
 when a vLLM run's greedy tokens are not wfd's AR's with the same rule. Run it on a quiet
 machine: the engines use both cores.
 """
@@ -54,16 +56,17 @@ def requests_of(prompts: list[list[int]], batch: int) -> list[list[int]]:
     return prompts[:max(batch, 4)]
 
 
-def vllm_pass(folder: Path, prompts, batches, new_tokens, rules) -> dict:
+def vllm_pass(folder: Path, prompts, batches, new_tokens, rules, plan: dict) -> dict:
     """One repeat on vLLM: {(rule or "fixed" or "none", batch): (tokens/s, tokens, mean exit
-    depth)} from two engines, fixed depth first."""
+    depth)} from two engines, fixed depth first (``plan``: the plugin's schedule options; none:
+    AR, at fixed depth vLLM's own forward)."""
     out = {}
     for exits in (False, True):
         modes = ["none", *rules] if exits else ["fixed"]
         runs = [{"prompts": requests_of(prompts, b), "max_tokens": new_tokens, "batch": b,
                  **({"exit": mode} if exits else {})} for mode in modes for b in batches]
         done = run_apart({"model": str(folder), "runs": runs, "in_process": True,
-                          "overrides": {"exit_rule": "none"} if exits else None},
+                          "overrides": {**plan, "exit_rule": "none"} if exits else plan or None},
                          env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})["runs"]
         before = (0, 0)
         for run, result in zip(runs, done, strict=True):
@@ -77,7 +80,7 @@ def vllm_pass(folder: Path, prompts, batches, new_tokens, rules) -> dict:
     return out
 
 
-def wfd_pass(model, prompts, batches, new_tokens, rules) -> dict:
+def wfd_pass(model, prompts, batches, new_tokens, rules, plan: dict) -> dict:
     """One repeat of wfd's batch path: {(rule or "fixed", batch): tokens/s}."""
     out = {}
     for rule in ["fixed", *rules]:
@@ -85,7 +88,8 @@ def wfd_pass(model, prompts, batches, new_tokens, rules) -> dict:
             asked = requests_of(prompts, b)
             started = time.perf_counter()
             decode_batch(model, [Request(i, p, new_tokens) for i, p in enumerate(asked)],
-                         schedule="ar", batch_size=b,
+                         schedule=plan.get("schedule", "ar"),
+                         draft_depth=plan.get("draft_depth"), batch_size=b,
                          exit_rule=None if rule == "fixed" else ExitRule.parse(rule))
             out[rule, b] = len(asked) * new_tokens / (time.perf_counter() - started)
     return out
@@ -107,15 +111,17 @@ def check_tokens(model, name: str, prompts, new_tokens: int, rules, vllm: dict, 
 
 
 def predicted_speedup(profile: Path, name: str, rule: str, depths: list[int], batch: int,
-                      new_tokens: int) -> float:
-    """``costmodel predict --engine vllm``'s AR tokens/s with these exit depths over its AR at
-    fixed depth, at this batch."""
+                      new_tokens: int, plan: dict) -> float:
+    """``costmodel predict --engine vllm``'s tokens/s of the schedule with these exit depths
+    over the same at fixed depth, at this batch."""
+    schedule = plan.get("schedule", "ar")
+    drafts = ["--draft-depth", str(plan["draft_depth"])] if "draft_depth" in plan else []
     def tokens_per_s(*extra: str) -> float:
         done = subprocess.run(
             ["costmodel", "predict", "--profile", str(profile), "--model", name, "--context",
              "64", "--new-tokens", str(new_tokens), "--batch", str(batch), "--engine", "vllm",
-             "--json", *extra], capture_output=True, text=True, check=True)
-        return json.loads(done.stdout)["schedules"]["ar"]["tokens_per_s"]
+             "--json", *drafts, *extra], capture_output=True, text=True, check=True)
+        return json.loads(done.stdout)["schedules"][schedule]["tokens_per_s"]
 
     counts = Counter(depths)
     spread = ",".join(f"{r}:{n / len(depths):.8f}" for r, n in sorted(counts.items()))
@@ -128,11 +134,13 @@ def model_rows(name: str, args) -> list[dict]:
     prompts = heldout_prompts(data, max(max(args.batches), 4), length=64)
     rules = args.rules or RULES[name]
     folder = ROOT / "wfd" / "models" / name
+    plan = {} if args.schedule == "ar" else {"schedule": args.schedule,
+                                              "draft_depth": args.draft_depth}
     vllm, ours = [], []
     for i in range(args.repeats):
         print(f"{name}: pass {i + 1} of {args.repeats}", file=sys.stderr)
-        vllm.append(vllm_pass(folder, prompts, args.batches, args.new_tokens, rules))
-        ours.append(wfd_pass(model, prompts, args.batches, args.new_tokens, rules))
+        vllm.append(vllm_pass(folder, prompts, args.batches, args.new_tokens, rules, plan))
+        ours.append(wfd_pass(model, prompts, args.batches, args.new_tokens, rules, plan))
     depths = check_tokens(model, name, prompts, args.new_tokens, rules, vllm[0],
                           min(args.batches))
     fixed_bits = held_out_bits(model, data, None, windows=args.windows)["bits_per_byte"]
@@ -157,8 +165,9 @@ def model_rows(name: str, args) -> list[dict]:
                 "wfd_exit_tokens_per_s": median(ours, (rule, b), None),
                 "fixed_passes": [round(p["fixed", b][0], 1) for p in vllm],
                 "exit_passes": [round(p[rule, b][0], 1) for p in vllm],
+                "schedule": args.schedule,
                 **({"predicted_speedup": predicted_speedup(profile, name, rule, depths[rule],
-                                                           b, args.new_tokens)}
+                                                           b, args.new_tokens, plan)}
                    if profile else {})})
     return rows
 
@@ -186,6 +195,10 @@ def main() -> None:
     parser.add_argument("--rules", nargs="+", help="exit rules (default: each model's three)")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 16, 32])
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--schedule", choices=["ar", "wfd", "dtv"], default="ar",
+                        help="the schedule on both sides (wfd, dtv: the plugin's own on vLLM, "
+                             "without and with the rule)")
+    parser.add_argument("--draft-depth", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--windows", type=int, default=8,
                         help="held-out windows of 256 bytes for bits per byte")

@@ -248,7 +248,7 @@ def test_the_plugin_s_wfd_and_dtv_emit_ar_tokens_and_verify_what_wfd_verifies(
 
 
 @pytest.mark.parametrize("name, overrides, rules", [
-    ("huginn-tiny", {"exit_rule": "kl:0.01"}, [None, "argmax-stable:2", "latent-diff:0.03"]),
+    ("huginn-tiny", {"exit_rule": "kl:0.01"}, [None, "argmax-stable:2"]),
     ("ouro-tiny", {"exit_rule": "gate:0.8"}, [None, "kl:0.01"]),
     ("huginn-tiny", {"exit_rule": "kl:0.01", "schedule": "wfd", "draft_depth": 2}, [None]),
     ("ouro-tiny", {"exit_rule": "none", "schedule": "dtv", "draft_depth": 1,
@@ -257,7 +257,8 @@ def test_exit_rules_on_vllm_emit_wfd_s_ar_with_exit_tokens(engines, tmp_path, na
                                                            rules):
     """Adaptive depth in the engine (wfd.serving.exits): the engine's rule, and a request's own
     (extra_args), give wfd's AR-with-exit tokens, greedy, one request at a time and eight
-    together (their tokens at different depths in the same block calls), with AR, WFD and DtV;
+    together (their tokens at different depths in the same block calls) with AR, eight
+    together with WFD and DtV (and over two ranks: the random sharded checkpoints' test);
     the tokens stop at the depths wfd's do (the sum of the decoded tokens' depths). WFD's in
     blocks of 32 tokens over 40 new ones: positions its waves commit ahead exit before vLLM has
     allocated their block (their KV copied in the wave's side buffer)."""
@@ -266,7 +267,7 @@ def test_exit_rules_on_vllm_emit_wfd_s_ar_with_exit_tokens(engines, tmp_path, na
     ahead = overrides.get("schedule") == "wfd"
     new = 40 if ahead else NEW_TOKENS
     runs = [{"prompts": prompts, "max_tokens": new, "batch": b, "exit": rule}
-            for rule in rules for b in ((1, 8) if rule is None else (8,))]
+            for rule in rules for b in ((1, 8) if rule is None and not ahead else (8,))]
     job = vllm_job(engines, tmp_path, ROOT / "wfd" / "models" / name, runs,
                    overrides=overrides, block_tokens=32 if ahead else None)
     model = load_model(name)

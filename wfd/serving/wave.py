@@ -131,6 +131,7 @@ class Wave:
     ahead: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict)  # (layer, position) -> k, v of a position vLLM has not scheduled
     exits: ExitTracker | None = None  # its exit rule's memory (None: fixed depth)
+    held: Call | Check | None = None  # its next call, not run when the last step ended
     prompt_length: int = 0
 
 
@@ -308,7 +309,7 @@ class WaveDecoder:
         before a coda call before a prelude call before a block call, so that waves in step
         share every call of a tick."""
         calls = {id(wave): self.next_call(wave) for wave in waves}
-        ticks = 0
+        ticks, stopping = 0, False
         while any(calls.values()):
             kind = next(k for k in ("check", "coda", "prelude", "block")
                         if any(c is not None and _kind(c) == k for c in calls.values()))
@@ -325,19 +326,27 @@ class WaveDecoder:
                 # start waits about as long as behind AR's step; a request that arrived
                 # mid-step ends it at every wave's due readout, to start in the next
                 self.stop_ahead(waves)
+                stopping = True
             for wave in together:
                 calls[id(wave)] = self.next_call(wave)
+            if stopping:  # a wave past its due readout waits for the next step where it is
+                for wave in waves:
+                    if calls[id(wave)] is not None and wave.committed > wave.scheduled:
+                        wave.held, calls[id(wave)] = calls[id(wave)], None
 
     @staticmethod
     def stop_ahead(waves: list[Wave]) -> None:
         """No wave commits further ahead this step: each pauses at its next commit past its due
-        readout."""
+        readout (``run``: one that has made it stops at its next call, resumed next step)."""
         for wave in waves:
             wave.limit = min(wave.limit, max(wave.scheduled, wave.committed))
 
     def next_call(self, wave: Wave) -> Call | Check | None:
         """The wave's events up to its next call or exit check (returned, not run), or None
         where it is paused at a commit it may not make itself (``wave.pending``)."""
+        if wave.held is not None:  # the call it stopped at when the last step ended
+            event, wave.held = wave.held, None
+            return event
         while True:
             if wave.pending is not None and not self.commit(wave):
                 return None
