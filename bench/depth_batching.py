@@ -65,10 +65,12 @@ def vllm_pass(folder: Path, prompts, batches, new_tokens, rules, plan: dict) -> 
         modes = ["none", *rules] if exits else ["fixed"]
         runs = [{"prompts": requests_of(prompts, b), "max_tokens": new_tokens, "batch": b,
                  **({"exit": mode} if exits else {})} for mode in modes for b in batches]
-        done = run_apart({"model": str(folder), "runs": runs, "in_process": True,
+        warm_up = {**runs[0], "max_tokens": 8}  # the engine's first steps, not timed
+        done = run_apart({"model": str(folder), "runs": [warm_up, *runs], "in_process": True,
                           "overrides": {**plan, "exit_rule": "none"} if exits else plan or None},
                          env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})["runs"]
-        before = (0, 0)
+        warm = done.pop(0).get("wave", {})  # the wave's counters run over the engine's life
+        before = (warm.get("decoded_tokens", 0), warm.get("decoded_depths", 0))
         for run, result in zip(runs, done, strict=True):
             wave = result.get("wave", {})
             now = (wave.get("decoded_tokens", 0), wave.get("decoded_depths", 0))
@@ -173,8 +175,10 @@ def model_rows(name: str, args) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | rule | batch | mean exit depth | bits/byte | vLLM AR tok/s | vLLM exit "
-             "tok/s | x | predicted | exit mode at R tok/s | wfd AR tok/s | wfd exit tok/s | x |",
+    name = rows[0]["schedule"].upper() if rows else "AR"
+    lines = [f"| model | rule | batch | mean exit depth | bits/byte | vLLM {name} tok/s | vLLM "
+             f"exit tok/s | x | predicted | exit mode at R tok/s | wfd {name} tok/s | wfd exit "
+             "tok/s | x |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         predicted = f"{r['predicted_speedup']:.2f}x" if "predicted_speedup" in r else "-"

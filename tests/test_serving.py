@@ -8,8 +8,6 @@ two ranks' and the servers' in processes of their own (20-30 s)."""
 
 import importlib.util
 import json
-import os
-import select
 import shutil
 import socket
 import subprocess
@@ -22,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_CONFIGS, damped
+from serving_jobs import UNBOUND, Engines, vllm_job, vllm_tokens
 
 from costmodel.exits import ExitRule
 from wfd.checkpoint import build, init_random, load_model, save
@@ -38,83 +37,11 @@ CODE = ["import os\nimport sys\n\n\ndef main(argv):\n    ", "class Node:\n    de
         "for i in range(", "    return ", "def parse(text):\n    ", "# sort the list\n",
         "if __name__ == '__main__':\n    ", "x = [i * i for i in "]
 NEW_TOKENS = 20
-# an engine with the suite's one thread per rank (conftest), not pinned: vLLM binds a thread to
-# every core of the node (two ranks: one core each), which spins against the other test worker
-UNBOUND = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-
-
-class Engines:
-    """This test worker's ``wfd.serving.offline --jobs`` process: the one-rank jobs run in it
-    one after another, vLLM imported once (a job then costs its engine's start, not a process's
-    8-10 s); started at the first job, and again after one that failed (which ends it)."""
-
-    def __init__(self, log: Path):
-        self.log, self.process = log, None
-
-    def run(self, job: Path, out: Path, timeout: float = 600) -> None:
-        if self.process is None or self.process.poll() is not None:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "wfd.serving.offline", "--jobs"], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=open(self.log, "w"), env=UNBOUND)
-        self.process.stdin.write(f"{job} {out}\n".encode())
-        self.process.stdin.flush()
-        done, seen = f"wfd.serving.offline: done {out}".encode(), b""
-        deadline = time.monotonic() + timeout
-        while done not in seen:  # vLLM logs to the same standard output: read to the answer
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.process.stdout], [], [], left)[0]:
-                self.close()
-                pytest.fail(f"no answer to {job} in {timeout} s")
-            chunk = os.read(self.process.stdout.fileno(), 1 << 16)
-            if not chunk:
-                self.process.wait()
-                pytest.fail(f"{job} failed:\n{self.log.read_text()[-3000:]}")
-            seen = seen[-len(done):] + chunk
-
-    def close(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.stdin.close()
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-
-
 @pytest.fixture(scope="session")
 def engines(tmp_path_factory):
     running = Engines(tmp_path_factory.mktemp("engines") / "engines.log")
     yield running
     running.close()
-
-
-def vllm_job(engines: Engines, tmp_path: Path, model: Path, runs: list[dict],
-             overrides: dict | None = None, tensor_parallel: int = 1,
-             speculative_tokens: int | None = None, kv_blocks: int | None = None,
-             block_tokens: int | None = None, max_model_len: int | None = None) -> dict:
-    """wfd.serving.offline's output for this job, from an engine of its own (``kv_blocks``: its
-    KV cache held to that many blocks of ``block_tokens``, its sequences to 256 tokens, or to
-    ``max_model_len``): one
-    rank in this worker's engine process, two in a process of their own (vLLM's default)."""
-    job, out = tmp_path / "job.json", tmp_path / "out.json"
-    job.write_text(json.dumps({"model": str(model), "runs": runs, "overrides": overrides,
-                               "tensor_parallel": tensor_parallel,
-                               "speculative_tokens": speculative_tokens,
-                               "kv_blocks": kv_blocks, "block_tokens": block_tokens,
-                               "max_model_len": max_model_len or (256 if kv_blocks else None)}))
-    if tensor_parallel == 1:
-        engines.run(job, out)
-    else:
-        done = subprocess.run([sys.executable, "-m", "wfd.serving.offline", str(job),
-                               str(out)], capture_output=True, text=True, timeout=600,
-                              cwd=tmp_path, env=UNBOUND)
-        assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(out.read_text())
-
-
-def vllm_tokens(engines: Engines, tmp_path: Path, model: Path, runs: list[dict], **options
-                ) -> list[list[list[int]]]:
-    """Each run's new tokens per prompt."""
-    return [run["tokens"] for run in vllm_job(engines, tmp_path, model, runs, **options)["runs"]]
 
 
 def sharded(folder: Path) -> Path:
@@ -395,6 +322,32 @@ def post(url: str, payload: dict) -> tuple[int, dict]:
         return error.code, json.loads(error.read() or b"{}")
 
 
+def serve(model: Path, tmp_path: Path, options: list[str]) -> tuple[subprocess.Popen, str]:
+    """vLLM's OpenAI-compatible server on ``model`` with ``options`` (what `vllm serve PATH`
+    runs; the CPU build's `vllm` command itself stops at reading the version of a package named
+    vllm, installed as vllm-cpu), and its address once it answers /health."""
+    port = free_port()
+    env = {**UNBOUND, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+         "--max-model-len", "256", "--max-num-seqs", "4", *options],
+        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "w"), env=env,
+        cwd=tmp_path)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.terminate()
+            pytest.fail("the server did not come up in 300 s:\n"
+                        + (tmp_path / "server.log").read_text()[-3000:])
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=5):
+                return server, base
+        except (urllib.error.URLError, ConnectionError):
+            time.sleep(1)
+
+
 @pytest.mark.parametrize("mode", ["dtv", "wfd"])
 def test_vllm_serve_answers_completions_and_refuses_a_prompt_too_long(tmp_path, mode):
     """A shipped model with a tokenizer file of its byte vocabulary, served with vLLM's DtV (the
@@ -410,33 +363,13 @@ def test_vllm_serve_answers_completions_and_refuses_a_prompt_too_long(tmp_path, 
     for file in ("config.json", "model.safetensors"):
         shutil.copy(ROOT / "wfd" / "models" / name / file, model)
     write_byte_tokenizer(model, max_length=256)
-    port = free_port()
-    env = {**UNBOUND, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     modes = {"dtv": ["--hf-overrides", json.dumps({"draft_depth": 2}), "--speculative-config",
                      json.dumps({"method": "draft_model", "model": str(model),
                                  "num_speculative_tokens": 3})],
              "wfd": ["--hf-overrides", json.dumps({"schedule": "wfd", "draft_depth": 2,
                                                    "exit_rule": "none"})]}
-    # what `vllm serve PATH` runs; the CPU build's `vllm` command itself stops at reading the
-    # version of a package named vllm (it is installed as vllm-cpu)
-    server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-         "--host",
-         "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-         "--max-model-len", "256", "--max-num-seqs", "4", *modes[mode]],
-        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "server.log", "w"), env=env,
-        cwd=tmp_path)
-    base = f"http://127.0.0.1:{port}"
+    server, base = serve(model, tmp_path, modes[mode])
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=5):
-                    break
-            except (urllib.error.URLError, ConnectionError):
-                assert time.monotonic() < deadline, "the server did not come up in 300 s"
-                time.sleep(1)
         prompt = list(CODE[0].encode())
         expected = ar_tokens(load_model(name), [prompt])[0]
         request = {"model": str(model), "prompt": prompt, "max_tokens": NEW_TOKENS,

@@ -150,7 +150,7 @@ def test_the_config_hook_refuses_in_one_line_and_gives_the_wave_whole_prompts():
 
 def test_a_wave_hears_of_requests_arriving_at_the_engine_it_is_built_in():
     """The plugin's waves stop running ahead when the server has a request waiting
-    (wfd.serving.wave.arrived): they find the engine core's input queue from the model's
+    (wfd.serving.hook.arrived): they find the engine core's input queue from the model's
     constructor, which runs inside ``EngineCoreProc.__init__``; an engine in this process (no
     server) has none."""
     import queue
@@ -158,7 +158,7 @@ def test_a_wave_hears_of_requests_arriving_at_the_engine_it_is_built_in():
     pytest.importorskip("vllm.v1.engine.core")
     from vllm.v1.engine.core import EngineCoreProc
 
-    from wfd.serving import wave
+    from wfd.serving import hook
 
     class Core(EngineCoreProc):
         def __init__(self):  # what vLLM's does first, then the model is built
@@ -166,18 +166,18 @@ def test_a_wave_hears_of_requests_arriving_at_the_engine_it_is_built_in():
             self.found = build_model()
 
     def build_model():
-        return wave.engine_inbox()
+        return hook.engine_inbox()
 
     core = Core()
     assert core.found is core.input_queue
     assert build_model() is None
-    wave._INBOX[0] = core.input_queue
+    hook.INBOX[0] = core.input_queue
     try:
-        assert not wave.arrived()
+        assert not hook.arrived()
         core.input_queue.put_nowait(("ADD", None))
-        assert wave.arrived()
+        assert hook.arrived()
     finally:
-        wave._INBOX[0] = None
+        hook.INBOX[0] = None
 
 
 def test_a_prompt_s_rows_attend_as_one_request_and_a_wave_s_rows_one_each():

@@ -1,12 +1,76 @@
-"""The config hook vLLM runs for each looped architecture where it makes an engine's config:
-what the plugin's options need of vLLM's settings, checked and set before any engine starts."""
+"""Where the plugin hooks into vLLM: the config hook it runs for each looped architecture
+where it makes an engine's config (what the plugin's options need of vLLM's settings, checked
+and set before any engine starts), and the model runner's methods the waves wrap to learn each
+step's requests (``wfd.serving.wave``), with the engine core's queue of arriving ones."""
 
 from __future__ import annotations
 
+import queue
+import sys
+
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
-from .ahead import speculative_config
+from .ahead import bound, speculative_config
 from .exits import EngineExits, ExitParams
+
+# The engine step's request ids in batch order and each one's bound on tokens committed ahead
+# (``ahead.bound``), published by the runner hook before each forward; the requests to forget
+# (finished, aborted, preempted) before the next.
+BATCH: list[str] = []
+BOUNDS: dict[str, tuple[int, int]] = {}
+ASKED: dict[str, dict] = {}  # each request's extra_args (its own exit rule, if any)
+FORGOTTEN: set[str] = set()
+# the engine core's queue of requests arriving from the server (None in-process, where every
+# request is added between steps, and on a worker of its own process: tensor parallel)
+INBOX: list[queue.Queue | None] = [None]
+
+
+def engine_inbox() -> queue.Queue | None:
+    """The input queue of the engine core being built around the caller (the model is made in
+    ``EngineCoreProc.__init__``, on its thread), where the server's requests land mid-step."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, EngineCoreProc):
+            return owner.input_queue
+        frame = frame.f_back
+    return None
+
+
+def install_hooks() -> None:
+    """Wrap the model runner's forward (to publish the batch's request ids) and its state
+    update (to hear which requests ended or were preempted); once per process."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if getattr(GPUModelRunner, "_wfd_hooks", False):
+        return
+    forward, update = GPUModelRunner._model_forward, GPUModelRunner._update_states
+
+    def _model_forward(self, *args, **kwargs):
+        BATCH[:] = list(self.input_batch.req_ids)
+        BOUNDS.clear()
+        BOUNDS.update((req, bound(self, req)) for req in BATCH)
+        ASKED.clear()
+        ASKED.update((req, self.requests[req].sampling_params.extra_args or {})
+                      for req in BATCH)
+        return forward(self, *args, **kwargs)
+
+    def _update_states(self, scheduler_output):
+        FORGOTTEN.update(scheduler_output.finished_req_ids)
+        FORGOTTEN.update(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        return update(self, scheduler_output)
+
+    GPUModelRunner._model_forward = _model_forward
+    GPUModelRunner._update_states = _update_states
+    GPUModelRunner._wfd_hooks = True
+
+
+def arrived() -> bool:
+    """Whether a request (or another message from the server) waits for the step to end."""
+    inbox = INBOX[0]
+    return inbox is not None and not inbox.empty()
 
 
 class ScheduleHook(VerifyAndUpdateConfig):

@@ -23,13 +23,12 @@ attention runs through vLLM's CPU kernels over every layer's cache as one (``wav
 vLLM internals relied on (docs/serving.md): the forward context's attention metadata (block
 table, sequence and query lengths by request), each ``Attention`` layer's ``kv_cache`` tensor in
 the CPU backend's layout, and the model runner's ``_model_forward`` (the batch's request ids)
-and ``_update_states`` (finished, aborted and preempted requests), which ``install_hooks``
+and ``_update_states`` (finished, aborted and preempted requests), which ``hook.install_hooks``
 wraps.
 """
 
 from __future__ import annotations
 
-import queue
 import sys
 from dataclasses import dataclass, field
 
@@ -38,68 +37,9 @@ import torch
 from costmodel.plans import Bonus, Call, Check, Draft, Rollback, Verify
 from wfd.exits import ExitTracker
 
-from .ahead import bound
 from .exits import EngineExits, WaveExits, request_rule
+from .hook import ASKED, BATCH, BOUNDS, FORGOTTEN, INBOX, arrived, engine_inbox, install_hooks
 from .wave_kv import CallKV, LayerAttention, PagedKV
-
-# The engine step's request ids in batch order and each one's bound on tokens committed ahead
-# (``ahead.bound``), published by the runner hook before each forward; the requests to forget
-# (finished, aborted, preempted) before the next.
-_BATCH: list[str] = []
-_BOUNDS: dict[str, tuple[int, int]] = {}
-_ASKED: dict[str, dict] = {}  # each request's extra_args (its own exit rule, if any)
-_FORGOTTEN: set[str] = set()
-# the engine core's queue of requests arriving from the server (None in-process, where every
-# request is added between steps, and on a worker of its own process: tensor parallel)
-_INBOX: list[queue.Queue | None] = [None]
-
-
-def engine_inbox() -> queue.Queue | None:
-    """The input queue of the engine core being built around the caller (the model is made in
-    ``EngineCoreProc.__init__``, on its thread), where the server's requests land mid-step."""
-    from vllm.v1.engine.core import EngineCoreProc
-
-    frame = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, EngineCoreProc):
-            return owner.input_queue
-        frame = frame.f_back
-    return None
-
-
-def install_hooks() -> None:
-    """Wrap the model runner's forward (to publish the batch's request ids) and its state
-    update (to hear which requests ended or were preempted); once per process."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    if getattr(GPUModelRunner, "_wfd_hooks", False):
-        return
-    forward, update = GPUModelRunner._model_forward, GPUModelRunner._update_states
-
-    def _model_forward(self, *args, **kwargs):
-        _BATCH[:] = list(self.input_batch.req_ids)
-        _BOUNDS.clear()
-        _BOUNDS.update((req, bound(self, req)) for req in _BATCH)
-        _ASKED.clear()
-        _ASKED.update((req, self.requests[req].sampling_params.extra_args or {})
-                      for req in _BATCH)
-        return forward(self, *args, **kwargs)
-
-    def _update_states(self, scheduler_output):
-        _FORGOTTEN.update(scheduler_output.finished_req_ids)
-        _FORGOTTEN.update(getattr(scheduler_output, "preempted_req_ids", None) or ())
-        return update(self, scheduler_output)
-
-    GPUModelRunner._model_forward = _model_forward
-    GPUModelRunner._update_states = _update_states
-    GPUModelRunner._wfd_hooks = True
-
-
-def arrived() -> bool:
-    """Whether a request (or another message from the server) waits for the step to end."""
-    inbox = _INBOX[0]
-    return inbox is not None and not inbox.empty()
 
 
 def counters(model) -> dict[str, int]:
@@ -165,7 +105,7 @@ class WaveDecoder:
         self.totals = {"verified": 0, "accepted": 0, "flushed_positions": 0, "block_calls": 0,
                        "restarts": 0, "decoded_tokens": 0, "decoded_depths": 0}
         install_hooks()
-        _INBOX[0] = engine_inbox()
+        INBOX[0] = engine_inbox()
 
     def counters(self) -> dict[str, int]:
         """Drafts verified and accepted, positions flushed, block calls (ticks), and the tokens
@@ -178,16 +118,16 @@ class WaveDecoder:
         """Every request's rows of this step: a prompt starts a wave, decoded tokens go on with
         one; each row's hidden state is its readout at R (the last row's is what vLLM samples
         the next token from; the others' verify the tokens committed ahead)."""
-        for req in _FORGOTTEN:
+        for req in FORGOTTEN:
             self.waves.pop(req, None)
-        _FORGOTTEN.clear()
-        if len(_BATCH) != len(metadata.seq_lens):
+        FORGOTTEN.clear()
+        if len(BATCH) != len(metadata.seq_lens):
             raise RuntimeError("WFD on vLLM: the batch's request ids were not published")
         out = torch.zeros(len(input_ids), self.model.arch.hidden_size,
                           dtype=self.model.lm_head.weight.dtype)
         starts = metadata.query_start_loc.tolist()
         waves, rows, prompted = [], [], False
-        for i, req in enumerate(_BATCH):
+        for i, req in enumerate(BATCH):
             rows.append(range(starts[i], starts[i + 1]))
             tokens, where = input_ids[rows[-1]].tolist(), positions[rows[-1]].tolist()
             prompted |= where[0] == 0
@@ -240,7 +180,7 @@ class WaveDecoder:
         wave.blocks = block_row.tolist()
         for p in where:
             self.settle(wave, p)
-        ahead, wave.last = _BOUNDS.get(req, (0, sys.maxsize))
+        ahead, wave.last = BOUNDS.get(req, (0, sys.maxsize))
         wave.limit = min(wave.scheduled + 1 + ahead, wave.last) if ahead else wave.scheduled
         return wave
 
@@ -248,7 +188,7 @@ class WaveDecoder:
         """A wave whose prompt is ``tokens``, all scheduled."""
         model, attends = self.model, self.model.arch.coda_layers > 0
         try:
-            rule = request_rule(self.engine_exits, _ASKED.get(req))
+            rule = request_rule(self.engine_exits, ASKED.get(req))
         except ValueError:  # refused where vLLM admitted it: not reached
             rule = self.engine_exits.rule
         plan = self.schedule.plan(len(tokens), model.depth, coda_attends=attends,
@@ -275,12 +215,12 @@ class WaveDecoder:
         return True
 
     def ahead(self, lengths: list[int], newest: list[int], most: int) -> list[list[int]]:
-        """The tokens each request of the step's batch (``_BATCH``'s order) has committed past
+        """The tokens each request of the step's batch (``BATCH``'s order) has committed past
         its ``length`` tokens, if its newest one (vLLM's) is the wave's; at most ``most``."""
-        if len(lengths) != len(_BATCH):
+        if len(lengths) != len(BATCH):
             return [[] for _ in lengths]
         proposals = []
-        for req, length, token in zip(_BATCH, lengths, newest, strict=True):
+        for req, length, token in zip(BATCH, lengths, newest, strict=True):
             wave = self.waves.get(req)
             if wave is None or not 0 < length <= wave.committed + 1 or (
                     wave.token_at[length - 1] != token):

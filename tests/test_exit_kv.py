@@ -1,0 +1,159 @@
+"""The KV of the depths an exited token skips, under both rules: ``latest`` (its KV at its exit
+depth copied into the deeper slots) and ``reference`` (the public Huginn code's: absent from the
+deeper steps' keys, one coda slot holding its final readout), and what a batch's exits cost in
+calls (in step, as wfd's batch runs them, or continuously, as the vLLM plugin does)."""
+
+import pytest
+from conftest import model_for, tiny_model
+
+from costmodel import AR
+from costmodel.adaptive import ExitProfile
+from costmodel.exits import ExitRule, parse_exit_depths
+from wfd.generate import GenerationError, generate
+
+
+def run(model, prompt, schedule="ar", **options):
+    return generate(model, prompt, schedule=schedule, record=False, **options)
+
+
+@pytest.mark.parametrize("family", ["huginn", "ouro"])
+def test_a_later_position_reads_an_exited_positions_deepest_kv(family):
+    """The KV rule: after a run with exits, each decoded position's core slots past its exit
+    depth hold its KV at the exit depth, in every layer (and the coda's, where it attends)."""
+    model = model_for(family, True)
+    prompt = [5, 9, 33, 2, 17]
+    res = generate(model, prompt, max_new_tokens=16, exit_rule=ExitRule.parse(
+        "latent-diff:0.3" if family == "huginn" else "gate:0.3"))
+    cache, depth = res.cache, model.config.depth
+    exits = res.stats["exit_depths"]
+    assert min(exits) < depth
+    for i, e in enumerate(exits):
+        p = len(prompt) + i
+        for layer in cache.core:
+            for r in range(e + 1, depth + 1):
+                assert layer.keys[r - 1, :, p].equal(layer.keys[e - 1, :, p])
+                assert layer.values[r - 1, :, p].equal(layer.values[e - 1, :, p])
+        for layer in cache.coda:
+            for r, slot in cache.coda_slot_of.items():
+                if r > e:
+                    assert layer.keys[slot, :, p].equal(layer.keys[cache.coda_slot(e), :, p])
+
+
+
+def test_the_reference_kv_rule_masks_exited_keys_and_keeps_one_coda_slot():
+    """The public Huginn code's rule (``--exit-kv reference``): an exited position is absent
+    from the keys of the core slots it skipped (attention masks it), while it counts as held
+    there so that the next position leaves no hole; a rollback makes it present again; the
+    coda keeps one slot, every readout depth's."""
+    import torch
+
+    from wfd.cache import KVCache
+    from wfd.layers import CallPlan
+
+    cache = KVCache(prelude_layers=1, core_layers=2, coda_layers=1, depth=4, kv_sharing=0,
+                    readout_depths=[2, 3, 4], kv_heads=1, head_dim=4, max_len=8,
+                    dtype=torch.float32, device="cpu", exit_kv="reference")
+    assert {cache.coda_slot(r) for r in (2, 3, 4)} == {0} and len(cache.coda[0].keys) == 1
+    for r in range(1, 5):  # positions 0 and 1 (a prompt) at every depth
+        cache.claim("block", cache.slots("block", [r, r]), [0, 1])
+    for r in (1, 2):  # position 2 exits at depth 2
+        cache.claim("block", cache.slots("block", [r]), [2])
+    cache.exit(2, 2)
+    assert cache.presence[:, 2].tolist() == [True, True, False, False]
+    cache.claim("block", cache.slots("block", [4]), [3])  # no hole: 2 is held, absent
+    plan = CallPlan.make(torch.tensor([3]), (3,), torch.tensor([3]),
+                         torch.ones(2), span=4, presence=cache.presence)
+    assert plan.mask.tolist() == [[True, True, False, True]]
+    cache.truncate(2)
+    assert cache.presence[:, 2].all()
+    with pytest.raises(ValueError, match="a slot per depth"):
+        KVCache(prelude_layers=1, core_layers=1, coda_layers=0, depth=4, kv_sharing=2,
+                readout_depths=[4], kv_heads=1, head_dim=4, max_len=8, dtype=torch.float32,
+                device="cpu", exit_kv="reference")
+
+
+@pytest.mark.parametrize("family", ["huginn", "ouro"])
+def test_the_reference_kv_rule_runs_alike_eager_static_and_batched(family):
+    """AR with exits under the reference rule: the same tokens and exit depths in eager and
+    static mode and in a batch; a rule that never exits early gives fixed-depth AR's tokens;
+    where tokens exit, a state rule reads a token out once (at its exit), not at every
+    depth."""
+    from wfd.batch import Request, decode_batch
+
+    model = model_for(family, True)
+    # rules on the states (no readout before the exit) that exit at a spread of depths
+    rule = {"huginn": "latent-diff:0.3", "ouro": "gate:0.3"}[family]
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7]]
+    eager = [run(model, p, max_new_tokens=12, exit_rule=rule, exit_kv="reference")
+             for p in prompts]
+    static = [run(model, p, max_new_tokens=12, exit_rule=rule, exit_kv="reference",
+                  mode="static") for p in prompts]
+    batch = decode_batch(model, [Request(i, p, 12) for i, p in enumerate(prompts)],
+                         schedule="ar", batch_size=2, exit_rule=rule, exit_kv="reference")
+    assert [r.tokens for r in static] == [r.tokens for r in eager]
+    assert [r.tokens for r in sorted(batch.results, key=lambda r: r.index)] == [
+        r.tokens for r in eager]
+    depths = [d for r in eager for d in r.stats["exit_depths"]]
+    assert 1 < len(set(depths)) and max(depths) <= model.config.depth
+    if family == "huginn":  # a coda call per token (its exit), the prompt's one at R
+        codas = [c for c in generate(model, prompts[0], max_new_tokens=12, exit_rule=rule,
+                                     exit_kv="reference").records if c.kind == "coda"]
+        assert len(codas) == 12
+    late = run(model, prompts[0], max_new_tokens=12, exit_rule="kl:1e-30", exit_kv="reference")
+    assert late.tokens == run(model, prompts[0], max_new_tokens=12).tokens
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"exit_kv": "reference"}, "goes with an exit rule"),
+    ({"exit_rule": "kl", "exit_kv": "reference", "schedule": "wfd"}, "runs with --schedule ar"),
+    ({"exit_rule": "kl", "exit_kv": "reference", "kv_sharing": 2}, "runs with --schedule ar"),
+    ({"exit_rule": "kl", "exit_kv": "nearest"}, "the exit KV rule must be latest or reference"),
+])
+def test_the_reference_kv_rule_is_refused_where_it_cannot_run(settings, message):
+    with pytest.raises(GenerationError, match=message):
+        run(tiny_model("huginn"), [1, 2, 3], max_new_tokens=2, **settings)
+
+
+def test_the_reference_parity_runs_where_the_reference_is_set_up(tmp_path):
+    """bench/reference_exits.py in the scratch environment named by WFD_REFERENCE_PYTHON (its
+    python, with transformers 4.53.x) and WFD_HUGINN_REFERENCE (the folder of the reference's
+    raven_modeling_minimal.py): tokens equal the public code's adaptive compute in every
+    case. Skipped where they are not set (CI: the reference is not shipped)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    python, folder = os.environ.get("WFD_REFERENCE_PYTHON"), os.environ.get(
+        "WFD_HUGINN_REFERENCE")
+    if not (python and folder):
+        pytest.skip("the reference is not set up (WFD_REFERENCE_PYTHON, WFD_HUGINN_REFERENCE)")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([python, str(root / "bench" / "reference_exits.py"), "--huginn-ref",
+                           folder], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_a_batch_in_step_takes_a_block_call_while_any_token_goes_on():
+    """AR with exits in a batch (wfd's: its sequences in step): the call at depth r runs while
+    any sequence's token is still there, 1 - (1 - P(e >= r))^B a round, as the closed form
+    prices it (``AR.exit_groups``); continuous depth batching (the plugin on vLLM) takes the
+    mean exit depth in block calls a round, each over every sequence."""
+    from wfd.batch import Request, decode_batch
+
+    model, batch, new = tiny_model("huginn"), 8, 48
+    spread = "2:0.5,3:0.3,8:0.2"
+    # prompts of different lengths: the forced exit depths are drawn per position
+    run = decode_batch(model, [Request(i, list(range(1, 3 + i)), new) for i in range(batch)],
+                       schedule="ar", batch_size=batch, force_exits=spread, record=True)
+    rounds = new - 1  # the first token is the prefill's
+    decode_blocks = sum(1 for c in run.records if c.kind == "block"
+                        and len(c.positions) == len(set(c.sequences)))  # a row a sequence
+    profile = ExitProfile.from_distribution(parse_exit_depths(spread, model.config.depth),
+                                            model.config.depth, 0.9, True)
+    stepped = sum(g.count for g in AR().exit_groups(profile, batch) if g.part == "block")
+    assert decode_blocks / rounds == pytest.approx(stepped, rel=0.15)
+    assert stepped > sum(g.count for g in AR().exit_groups(profile) if g.part == "block")
+    continuous = AR().exit_groups(profile, batch, continuous=True)
+    assert sum(g.count for g in continuous if g.part == "block") == pytest.approx(
+        profile.mean_depth)
