@@ -119,6 +119,10 @@ class Plan:
         self.rounds = 0  # AR tokens, DtV rounds or WFD ticks begun
         self.flushed = 0
         self.lookahead = 0  # positions past the committed ones a plan may write
+        # with exits: the first prompt position that is a decoded token (a preempted request's
+        # prompt again, in an engine), whose prefill step stops where its rule fires, as when
+        # it was decoded; None: every prompt position at full depth
+        self.exits_from: int | None = None
 
     def steps(self) -> Steps:
         """The whole schedule: the prefill (unless skipped), then decoding without end."""
@@ -128,18 +132,26 @@ class Plan:
 
     def prefill_steps(self, every_position: bool = False) -> Steps:
         """P over the prompt, R block calls, a readout at each readout depth: of every prompt
-        position when the coda attends (its KV is needed later) or ``every_position`` asks."""
+        position when the coda attends (its KV is needed later) or ``every_position`` asks.
+        Positions from ``exits_from`` on (decoded tokens) go on as decoding takes them: each
+        read out and checked after each step (``after_block``), leaving the calls at its exit,
+        so their KV is what it was."""
         last = self.prompt_length - 1
-        positions = tuple(range(self.prompt_length))
+        first = self.prompt_length if self.exits is None or self.exits_from is None else \
+            min(self.exits_from, self.prompt_length)
+        positions, going = tuple(range(first)), tuple(range(first, self.prompt_length))
         attends = self.coda_attends or every_position
-        readout = positions if attends else (last,)
+        readout = positions if attends else tuple(p for p in (last,) if p < first)
         single = self.exits is not None and self.exits.kv == "reference"
         depths = self.readout_depths if attends and not single else self.always_read
-        yield Call("prelude", positions, (0,) * len(positions))
+        yield Call("prelude", positions + going, (0,) * self.prompt_length)
         for r in range(1, self.depth + 1):
-            yield Call("block", positions, (r,) * len(positions))
-            if r in depths:
+            yield Call("block", positions + going, (r,) * (len(positions) + len(going)))
+            if r in depths and readout:
                 yield Call("coda", readout, (r,) * len(readout))
+            if going:
+                done = yield from self.after_block(going, (r,) * len(going))
+                going = tuple(p for p in going if p not in done)
         yield Bonus(last)
 
     def read_at(self, depth: int) -> bool:

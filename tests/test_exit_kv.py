@@ -157,3 +157,28 @@ def test_a_batch_in_step_takes_a_block_call_while_any_token_goes_on():
     continuous = AR().exit_groups(profile, batch, continuous=True)
     assert sum(g.count for g in continuous if g.part == "block") == pytest.approx(
         profile.mean_depth)
+
+
+def test_a_prompt_s_decoded_tokens_stop_again_where_they_exited():
+    """``Plan.exits_from`` (a preempted request's prompt again in the vLLM plugin, its decoded
+    tokens behind its own prompt): the prompt's own positions run every step, the decoded ones
+    are checked after each step and leave the calls at their exit, as when they were decoded
+    (their KV copied where they skipped; the plugin's tests hold the tokens to AR's)."""
+    from costmodel.plans import Call, Check, EarlyExit
+
+    plan = AR().plan(5, 4, coda_attends=True, exits=EarlyExit(1, True))
+    plan.exits_from = 3  # positions 3 and 4 were decoded: 3 exits at depth 2, 4 runs to R
+    steps, reply, blocks, checks = plan.prefill_steps(), None, [], []
+    for _ in range(40):
+        try:
+            event = steps.send(reply)
+        except StopIteration:
+            break
+        reply = None
+        if isinstance(event, Call) and event.kind == "block":
+            blocks.append(event.positions)
+        if isinstance(event, Check):
+            checks.append((event.positions, event.depths))
+            reply = {3} if event.depths[0] == 2 and 3 in event.positions else set()
+    assert blocks == [(0, 1, 2, 3, 4), (0, 1, 2, 3, 4), (0, 1, 2, 4), (0, 1, 2, 4)]
+    assert checks == [((3, 4), (1, 1)), ((3, 4), (2, 2)), ((4,), (3,))]

@@ -19,6 +19,8 @@ from .exits import EngineExits, ExitParams
 BATCH: list[str] = []
 BOUNDS: dict[str, tuple[int, int]] = {}
 ASKED: dict[str, dict] = {}  # each request's extra_args (its own exit rule, if any)
+PROMPTS: dict[str, int] = {}  # each request's prompt length (a preempted one's own, not its
+# prompt again with the tokens decoded so far)
 FORGOTTEN: set[str] = set()
 # the engine core's queue of requests arriving from the server (None in-process, where every
 # request is added between steps, and on a worker of its own process: tensor parallel)
@@ -54,7 +56,9 @@ def install_hooks() -> None:
         BOUNDS.update((req, bound(self, req)) for req in BATCH)
         ASKED.clear()
         ASKED.update((req, self.requests[req].sampling_params.extra_args or {})
-                      for req in BATCH)
+                     for req in BATCH)
+        PROMPTS.clear()
+        PROMPTS.update((req, len(self.requests[req].prompt_token_ids or ())) for req in BATCH)
         return forward(self, *args, **kwargs)
 
     def _update_states(self, scheduler_output):

@@ -38,7 +38,17 @@ from costmodel.plans import Bonus, Call, Check, Draft, Rollback, Verify
 from wfd.exits import ExitTracker
 
 from .exits import EngineExits, WaveExits, request_rule
-from .hook import ASKED, BATCH, BOUNDS, FORGOTTEN, INBOX, arrived, engine_inbox, install_hooks
+from .hook import (
+    ASKED,
+    BATCH,
+    BOUNDS,
+    FORGOTTEN,
+    INBOX,
+    PROMPTS,
+    arrived,
+    engine_inbox,
+    install_hooks,
+)
 from .wave_kv import CallKV, LayerAttention, PagedKV
 
 
@@ -194,8 +204,12 @@ class WaveDecoder:
         plan = self.schedule.plan(len(tokens), model.depth, coda_attends=attends,
                                   exits=None if rule is None else rule.for_plan(attends,
                                                                                 model.depth))
+        # a request's prompt again with its decoded tokens (preempted, or restarted): those
+        # stop where they stopped, so the KV is as it was (``Plan.exits_from``)
+        prompt_length = min(PROMPTS.get(req) or len(tokens), len(tokens))
+        plan.exits_from = prompt_length
         wave = Wave(plan.steps(), dict(enumerate(tokens)), len(tokens) - 1,
-                    committed=len(tokens) - 1, prompt_length=len(tokens),
+                    committed=len(tokens) - 1, prompt_length=prompt_length,
                     exits=None if rule is None else ExitTracker(rule, model))
         self.waves[req] = wave
         return wave
