@@ -18,9 +18,9 @@ from .exits import EngineExits, ExitParams
 # (finished, aborted, preempted) before the next.
 BATCH: list[str] = []
 BOUNDS: dict[str, tuple[int, int]] = {}
-ASKED: dict[str, dict] = {}  # each request's extra_args (its own exit rule, if any)
-PROMPTS: dict[str, int] = {}  # each request's prompt length (a preempted one's own, not its
-# prompt again with the tokens decoded so far)
+# the model runner's requests by id (each one's sampling parameters and own prompt), read where
+# a wave starts
+REQUESTS: list[dict | None] = [None]
 FORGOTTEN: set[str] = set()
 # the engine core's queue of requests arriving from the server (None in-process, where every
 # request is added between steps, and on a worker of its own process: tensor parallel)
@@ -54,11 +54,7 @@ def install_hooks() -> None:
         BATCH[:] = list(self.input_batch.req_ids)
         BOUNDS.clear()
         BOUNDS.update((req, bound(self, req)) for req in BATCH)
-        ASKED.clear()
-        ASKED.update((req, self.requests[req].sampling_params.extra_args or {})
-                     for req in BATCH)
-        PROMPTS.clear()
-        PROMPTS.update((req, len(self.requests[req].prompt_token_ids or ())) for req in BATCH)
+        REQUESTS[0] = self.requests
         return forward(self, *args, **kwargs)
 
     def _update_states(self, scheduler_output):

@@ -38,17 +38,7 @@ from costmodel.plans import Bonus, Call, Check, Draft, Rollback, Verify
 from wfd.exits import ExitTracker
 
 from .exits import EngineExits, WaveExits, request_rule
-from .hook import (
-    ASKED,
-    BATCH,
-    BOUNDS,
-    FORGOTTEN,
-    INBOX,
-    PROMPTS,
-    arrived,
-    engine_inbox,
-    install_hooks,
-)
+from .hook import BATCH, BOUNDS, FORGOTTEN, INBOX, REQUESTS, arrived, engine_inbox, install_hooks
 from .wave_kv import CallKV, LayerAttention, PagedKV
 
 
@@ -197,8 +187,10 @@ class WaveDecoder:
     def start(self, req: str, tokens: list[int]) -> Wave:
         """A wave whose prompt is ``tokens``, all scheduled."""
         model, attends = self.model, self.model.arch.coda_layers > 0
+        state = (REQUESTS[0] or {}).get(req)  # vLLM's: its sampling parameters, its own prompt
         try:
-            rule = request_rule(self.engine_exits, ASKED.get(req))
+            rule = request_rule(self.engine_exits,
+                                state.sampling_params.extra_args if state else None)
         except ValueError:  # refused where vLLM admitted it: not reached
             rule = self.engine_exits.rule
         plan = self.schedule.plan(len(tokens), model.depth, coda_attends=attends,
@@ -206,7 +198,8 @@ class WaveDecoder:
                                                                                 model.depth))
         # a request's prompt again with its decoded tokens (preempted, or restarted): those
         # stop where they stopped, so the KV is as it was (``Plan.exits_from``)
-        prompt_length = min(PROMPTS.get(req) or len(tokens), len(tokens))
+        own = len(state.prompt_token_ids or ()) if state is not None else 0
+        prompt_length = min(own or len(tokens), len(tokens))
         plan.exits_from = prompt_length
         wave = Wave(plan.steps(), dict(enumerate(tokens)), len(tokens) - 1,
                     committed=len(tokens) - 1, prompt_length=prompt_length,
