@@ -18,19 +18,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving_load import load, send, start_server, summarize_served  # noqa: E402
+from serving_load import (  # noqa: E402
+    load,
+    send,
+    served_folder,
+    start_server,
+    stream_lengths,
+    stream_options,
+    summarize_served,
+)
 
 from costmodel.clitools import script_main  # noqa: E402
-from costmodel.requests import Lengths, request_stream  # noqa: E402
+from costmodel.requests import request_stream  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 FIGURES = (("ttft_s", "p50"), ("ttft_s", "p99"), ("tpot_s", "p50"), ("tpot_s", "p99"))
 
 
@@ -50,31 +56,17 @@ def serve_streams(folder: Path, mode: str, args, streams: dict[float, list]) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="huginn-tiny")
+    stream_options(parser, [4.0, 8.0, 16.0])
     parser.add_argument("--rules", nargs="+", default=["kl:0.01"])
-    parser.add_argument("--rates", type=float, nargs="+", default=[4.0, 8.0, 16.0])
-    parser.add_argument("--requests", type=int, default=40)
-    parser.add_argument("--prompt-tokens", default="16-64")
-    parser.add_argument("--output-tokens", default="32")
-    parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    prompt = Lengths.parse(args.prompt_tokens, "--prompt-tokens")
-    output = Lengths.parse(args.output_tokens, "--output-tokens")
+    prompt, output = stream_lengths(args)
     streams = {rate: request_stream(rate, args.requests, prompt, output, seed=args.seed)
                for rate in args.rates}
     modes = ["fixed", *args.rules]
     passes: dict[str, list[dict]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory() as tmp:
-        from wfd.tokenizer import write_byte_tokenizer
-
-        folder = Path(tmp) / args.model
-        folder.mkdir()
-        for file in ("config.json", "model.safetensors"):
-            shutil.copy(ROOT / "wfd" / "models" / args.model / file, folder)
-        write_byte_tokenizer(folder, max_length=512)
+        folder = served_folder(args.model, Path(tmp))
         for i in range(args.repeats):
             for mode in modes:
                 print(f"pass {i + 1} of {args.repeats}: {mode}", file=sys.stderr, flush=True)

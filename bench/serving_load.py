@@ -131,8 +131,13 @@ def load(base: str, model: str, requests, seed: int) -> list[Served]:
 def stream_arguments(parser: argparse.ArgumentParser, rates: list[float]) -> None:
     """A load bench's options: the profile, the model and schedule, and the streams'."""
     parser.add_argument("--profile", type=Path, required=True)
-    parser.add_argument("--model", default="huginn-tiny")
     parser.add_argument("--schedule", default="ar", choices=["ar", "wfd", "dtv"])
+    stream_options(parser, rates)
+
+
+def stream_options(parser: argparse.ArgumentParser, rates: list[float]) -> None:
+    """The model, the streams sent to it and where the results go."""
+    parser.add_argument("--model", default="huginn-tiny")
     parser.add_argument("--rates", type=float, nargs="+", default=rates)
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--prompt-tokens", default="16-64")
@@ -140,6 +145,19 @@ def stream_arguments(parser: argparse.ArgumentParser, rates: list[float]) -> Non
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path)
+
+
+def served_folder(model: str, parent: Path) -> Path:
+    """A copy of a shipped model in ``parent`` with a tokenizer file of its byte vocabulary,
+    for the server to take text."""
+    from wfd.tokenizer import write_byte_tokenizer
+
+    folder = parent / model
+    folder.mkdir()
+    for file in ("config.json", "model.safetensors"):
+        shutil.copy(ROOT / "wfd" / "models" / model / file, folder)
+    write_byte_tokenizer(folder, max_length=512)
+    return folder
 
 
 def stream_lengths(args) -> tuple[Lengths, Lengths]:
@@ -163,13 +181,7 @@ def main() -> None:
                                                     "commit_ahead": args.commit_ahead}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        from wfd.tokenizer import write_byte_tokenizer
-
-        folder = Path(tmp) / args.model
-        folder.mkdir()
-        for file in ("config.json", "model.safetensors"):
-            shutil.copy(ROOT / "wfd" / "models" / args.model / file, folder)
-        write_byte_tokenizer(folder, max_length=512)
+        folder = served_folder(args.model, Path(tmp))
         server, base = start_server(folder, args.max_batch, overrides, Path(tmp) / "server.log")
         try:
             send(base, str(folder), [65] * 8, 4)  # warm the engine up
