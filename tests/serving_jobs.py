@@ -60,14 +60,16 @@ def vllm_job(engines: Engines, tmp_path: Path, model: Path, runs: list[dict],
              block_tokens: int | None = None, max_model_len: int | None = None) -> dict:
     """wfd.serving.offline's output for this job, from an engine of its own (``kv_blocks``: its
     KV cache held to that many blocks of ``block_tokens``, its sequences to 256 tokens, or to
-    ``max_model_len``): one
-    rank in this worker's engine process, two in a process of their own (vLLM's default)."""
+    ``max_model_len``): one rank in this worker's engine process, two in a process of their
+    own (the engine core in it, each rank in a worker process)."""
     job, out = tmp_path / "job.json", tmp_path / "out.json"
     job.write_text(json.dumps({"model": str(model), "runs": runs, "overrides": overrides,
                                "tensor_parallel": tensor_parallel,
                                "speculative_tokens": speculative_tokens,
                                "kv_blocks": kv_blocks, "block_tokens": block_tokens,
-                               "max_model_len": max_model_len or (256 if kv_blocks else None)}))
+                               "max_model_len": max_model_len or (256 if kv_blocks else None),
+                               # one process fewer to start (seconds)
+                               "in_process": tensor_parallel > 1}))
     if tensor_parallel == 1:
         engines.run(job, out)
     else:

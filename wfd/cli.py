@@ -132,7 +132,7 @@ def generate(
     import torch  # heavy: only once the arguments are known to be sane
 
     from .checkpoint import SHIPPED_DIR, load_model
-    from .runtime import check_prompt
+    from .runtime import check_prompt, check_run
     from .tokenizer import tokenizer_for
 
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -153,6 +153,9 @@ def generate(
         raise UserError(f"{model} has no tokenizer.json; give --prompt-ids")
     ids = tok.encode(prompt) if prompt is not None else _parse_ids(prompt_ids, "--prompt-ids")
     check_prompt(ids, net.config.vocab_size)
+    # refused before auto's profile is found (or made here, seconds), not after
+    check_run(net, len(ids), options.max_new_tokens, options.depth or net.config.depth,
+              options.kv_sharing)
     hardware = _auto_hardware(net, model, profile, device, dtype) if options.auto else None
     from .generate import generate as decode
 
