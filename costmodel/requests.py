@@ -1,6 +1,7 @@
 """A stream of requests: when each arrives, its prompt's length and the tokens it asks for;
-drawn at a rate (Poisson or evenly spaced arrivals, fixed or uniform lengths) or read from a JSON
-Lines file. What ``costmodel.serving`` serves and ``bench/serving_load.py`` sends."""
+drawn at a rate (Poisson or evenly spaced arrivals; fixed or uniform lengths, or pairs drawn from
+a shipped distribution of real requests' lengths, ``LengthSample``) or read from a JSON Lines
+file. What ``costmodel.serving`` serves and ``bench/serving_load.py`` sends."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pydantic import Field, ValidationError
 from .specs import Spec
 
 ARRIVALS = ("poisson", "uniform")
+LENGTHS_DIR = Path(__file__).resolve().parent / "data" / "lengths"
 
 
 class Request(Spec):
@@ -51,10 +53,88 @@ class Lengths(Spec):
         return (self.low + self.high) / 2
 
 
+class LengthSample(Spec):
+    """Prompt and output lengths of a trace of real requests, as a joint histogram (cells of
+    ``prompt_edges`` x ``output_edges``, each with its count of requests): a pair is drawn by
+    picking a cell by its count, then each length uniformly within the cell's bounds, so that
+    long prompts keep the outputs they came with. ``bench/length_samples.py`` makes one."""
+
+    name: str
+    about: str
+    source: str  # the trace it was made from, its licence
+    requests: Annotated[int, Field(ge=1)]
+    prompt_edges: list[Annotated[int, Field(ge=1)]]  # bin i: edges[i] <= tokens < edges[i + 1]
+    output_edges: list[Annotated[int, Field(ge=1)]]
+    cells: list[tuple[int, int, Annotated[int, Field(ge=1)]]]  # prompt bin, output bin, count
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return sorted(p.stem for p in LENGTHS_DIR.glob("*.json"))
+
+    @classmethod
+    def load(cls, name: str) -> LengthSample:
+        """A shipped sample by name, or one from a JSON file; one line otherwise."""
+        path = Path(name) if name.endswith(".json") else LENGTHS_DIR / f"{name}.json"
+        if not path.is_file():
+            raise ValueError(f"unknown length sample {name!r}; shipped: "
+                             f"{', '.join(cls.names())} (or a .json file of the same form)")
+        try:
+            return cls.model_validate_json(path.read_text())
+        except ValidationError as exc:
+            from .errors import validation_message
+
+            raise ValueError(f"{path}: {validation_message(exc)}") from None
+
+    def _bounds(self, context: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """Each cell's [low, high) bounds (prompt, then output; outputs of at least 2 tokens,
+        as a request asks for) and its weight: its count times the share of its pairs that fit
+        ``context`` tokens (prompt plus output; None: all)."""
+        cells = np.array(self.cells, dtype=np.int64).reshape(-1, 3)
+        p_edges, o_edges = np.array(self.prompt_edges), np.array(self.output_edges)
+        bounds = np.stack([p_edges[cells[:, 0]], p_edges[cells[:, 0] + 1],
+                           np.maximum(o_edges[cells[:, 1]], 2),
+                           np.maximum(o_edges[cells[:, 1] + 1], 3)], axis=1)
+        share = np.ones(len(cells))
+        if context is not None:
+            for i, (p0, p1, o0, o1) in enumerate(bounds):
+                prompts = np.arange(p0, p1)
+                fitting = np.clip(context - prompts + 1, o0, o1) - o0
+                share[i] = fitting.sum() / ((p1 - p0) * (o1 - o0))
+        return bounds, cells[:, 2] * share
+
+    def fitting_share(self, context: int) -> float:
+        """The share of the trace's requests whose prompt and output fit ``context`` tokens."""
+        return float(self._bounds(context)[1].sum() / self._bounds(None)[1].sum())
+
+    def draw(self, rng: np.random.Generator, count: int, context: int | None = None
+             ) -> tuple[list[int], list[int]]:
+        """``count`` (prompt, output) pairs, as lists; with ``context``, of the requests that
+        fit it (the trace's others left out, as an engine refuses them)."""
+        bounds, weights = self._bounds(context)
+        if not weights.sum() > 0:
+            raise ValueError(f"no request of {self.name} fits a context of {context} tokens")
+        chosen = bounds[rng.choice(len(bounds), count, p=weights / weights.sum())]
+        prompts = rng.integers(chosen[:, 0], chosen[:, 1])
+        outputs = rng.integers(chosen[:, 2], chosen[:, 3])
+        while context is not None and (over := prompts + outputs > context).any():
+            prompts[over] = rng.integers(chosen[over, 0], chosen[over, 1])
+            outputs[over] = rng.integers(chosen[over, 2], chosen[over, 3])
+        return prompts.tolist(), outputs.tolist()
+
+    def mean_tokens(self) -> tuple[float, float]:
+        """The mean prompt and output lengths it draws."""
+        bounds, weights = self._bounds(None)
+        means = (bounds[:, [0, 2]] + bounds[:, [1, 3]] - 1) / 2
+        return tuple(float(m) for m in weights @ means / weights.sum())
+
+
 def request_stream(rate_per_s: float, count: int, prompt: Lengths, output: Lengths, *,
-                   arrivals: str = "poisson", seed: int = 0) -> list[Request]:
+                   arrivals: str = "poisson", seed: int = 0,
+                   lengths: LengthSample | None = None, context: int | None = None
+                   ) -> list[Request]:
     """``count`` requests arriving at ``rate_per_s`` (Poisson: exponential gaps; uniform: evenly
-    spaced), the first at 0, their lengths drawn from ``prompt`` and ``output`` (seeded)."""
+    spaced), the first at 0, their lengths drawn from ``prompt`` and ``output``, or in pairs
+    from ``lengths`` (of its requests that fit ``context`` tokens); seeded."""
     if not rate_per_s > 0 or not np.isfinite(rate_per_s):
         raise ValueError(f"the request rate must be positive, got {rate_per_s}")
     if arrivals not in ARRIVALS:
@@ -65,9 +145,10 @@ def request_stream(rate_per_s: float, count: int, prompt: Lengths, output: Lengt
     gaps = (rng.exponential(1 / rate_per_s, count) if arrivals == "poisson"
             else np.full(count, 1 / rate_per_s))
     times = np.concatenate([[0.0], np.cumsum(gaps[1:])])
+    prompts, outputs = lengths.draw(rng, count, context) if lengths is not None else (
+        prompt.draw(rng, count), output.draw(rng, count))
     return [Request(arrival_s=float(t), prompt_tokens=p, output_tokens=o)
-            for t, p, o in zip(times, prompt.draw(rng, count), output.draw(rng, count),
-                               strict=True)]
+            for t, p, o in zip(times, prompts, outputs, strict=True)]
 
 
 def read_requests(path: str | Path) -> list[Request]:
@@ -89,3 +170,14 @@ def read_requests(path: str | Path) -> list[Request]:
     if any(b.arrival_s < a.arrival_s for a, b in zip(requests, requests[1:], strict=False)):
         raise ValueError(f"{path}: the requests must be in order of arrival")
     return requests
+
+
+def check_fits(requests: list[Request], context: int) -> None:
+    """Every request's prompt and output within ``context`` tokens (the model's): one line
+    naming the first that is not (an engine refuses it; a simulation would price a sequence
+    the model cannot hold)."""
+    for number, r in enumerate(requests, 1):
+        if r.prompt_tokens + r.output_tokens > context:
+            raise ValueError(f"request {number} of the stream (arriving at {r.arrival_s:g} s): "
+                             f"a prompt of {r.prompt_tokens} tokens plus {r.output_tokens} new "
+                             f"ones exceeds the model's context of {context}")

@@ -32,7 +32,7 @@ from .links import Link
 from .memory import memory_report
 from .model import LoopedModelSpec
 from .parallel import split
-from .requests import Request
+from .requests import Request, check_fits
 from .schedules.base import Schedule
 from .trace import CallRecord
 from .workload import Workload
@@ -405,6 +405,7 @@ def predict_serving(model: LoopedModelSpec, hw: HardwareSpec, requests: Sequence
                     ) -> dict[str, ServingResult]:
     """Each schedule (``names``: those of the registry to run; default all) serving the
     stream; on ``tensor_parallel`` devices joined by ``link`` (``costmodel.parallel.split``)."""
+    check_fits(requests, model.max_position_embeddings)
     model, hw = split(model, hw, tensor_parallel, link)
     depth = depth or model.default_depth
     schedules, alpha = chosen_schedules(

@@ -38,21 +38,35 @@ from .presets import get_model
 from .units import parse_duration, parse_rate
 
 
-def _requests(requests_file: Path | None, rate: str | None, count: int, prompt_tokens: str,
-              output_tokens: str, arrivals: str, seed: int):
-    """The stream: read from a file, or drawn (a function of the rate, for the rate search)."""
-    from .requests import Lengths, read_requests, request_stream
+def _requests(requests_file: Path | None, rate: str | None, count: int,
+              prompt_tokens: str | None, output_tokens: str | None, lengths: str | None,
+              arrivals: str, seed: int, context: int):
+    """The stream: read from a file, or drawn (a function of the rate, for the rate search)
+    with fixed or uniform lengths, or pairs of a shipped sample that fit ``context``."""
+    from .requests import Lengths, LengthSample, read_requests, request_stream
 
     if requests_file is not None:
-        if rate is not None:
-            raise UserError("give --rate or --requests-file, not both (the file's arrival "
-                            "times are the rate)")
+        if rate is not None or lengths is not None:
+            raise UserError("give --rate and --lengths or --requests-file, not both (the file's "
+                            "arrival times are the rate, its lengths the lengths)")
         fixed = read_requests(requests_file)
         return lambda _rate=None: fixed
-    prompt = Lengths.parse(prompt_tokens, "--prompt-tokens")
-    output = Lengths.parse(output_tokens, "--output-tokens")
+    sample = None
+    if lengths is not None:
+        if prompt_tokens is not None or output_tokens is not None:
+            raise UserError("--lengths draws prompt and output lengths together: leave out "
+                            "--prompt-tokens and --output-tokens")
+        sample = LengthSample.load(lengths)
+        share = sample.fitting_share(context)
+        if share < 0.999:
+            from .clitools import note
+
+            note(f"lengths: {sample.name}'s requests that fit the model's context of {context} "
+                 f"tokens ({share:.1%} of them)")
+    prompt = Lengths.parse(prompt_tokens or "512", "--prompt-tokens")
+    output = Lengths.parse(output_tokens or "256", "--output-tokens")
     return lambda per_s: request_stream(per_s, count, prompt, output, arrivals=arrivals,
-                                        seed=seed)
+                                        seed=seed, lengths=sample, context=context)
 
 
 def _ms(seconds: float) -> str:
@@ -92,10 +106,15 @@ def serving_cmd(
     rate: Annotated[str | None, typer.Option(
         help="request rate, e.g. 4/s, 240/min (default 1/s)")] = None,
     requests: Annotated[int, typer.Option("--requests", help="requests in the stream")] = 200,
-    prompt_tokens: Annotated[str, typer.Option(
-        help="prompt length: N, or LOW-HIGH drawn uniformly")] = "512",
-    output_tokens: Annotated[str, typer.Option(
-        help="tokens each request asks for: N, or LOW-HIGH drawn uniformly")] = "256",
+    prompt_tokens: Annotated[str | None, typer.Option(
+        help="prompt length: N, or LOW-HIGH drawn uniformly (default 512)")] = None,
+    output_tokens: Annotated[str | None, typer.Option(
+        help="tokens each request asks for: N, or LOW-HIGH drawn uniformly (default 256)")
+    ] = None,
+    lengths: Annotated[str | None, typer.Option(
+        help="prompt and output lengths drawn together from a trace of real requests: "
+             "azure-conv-2023 or azure-code-2023 (shipped), or a JSON file of the same form "
+             "(bench/length_samples.py makes one)")] = None,
     arrivals: Annotated[str, typer.Option(help="poisson or uniform")] = "poisson",
     requests_file: Annotated[Path | None, typer.Option(
         help="JSON Lines of requests (arrival_s, prompt_tokens, output_tokens) instead of a "
@@ -161,10 +180,10 @@ def serving_cmd(
     if plot is not None and len(sweep) < 2:
         raise UserError("--plot needs two rates or more (--rates 1/s,2/s,4/s)")
     per_s = sweep[0]
-    stream = _requests(requests_file, rate, requests, prompt_tokens, output_tokens, arrivals,
-                       seed)
     _, base, dtype = hardware_of(profile, hardware, dtype)
     spec = get_model(model)
+    stream = _requests(requests_file, rate, requests, prompt_tokens, output_tokens, lengths,
+                       arrivals, seed, spec.max_position_embeddings)
     hw = override_hardware(for_engine(engine, base, spec), None, None, None, None, dtype)
     spec, hw = parallel_devices(spec, hw, tensor_parallel, link, link_bandwidth, link_latency)
     options = {"max_batch": max_batch, "depth": depth, "dtype": dtype, "kv_sharing": kv_sharing,
@@ -183,7 +202,8 @@ def serving_cmd(
     if plot is not None and not save_figure(plot, _latency_figure(runs, ttft, tpot), (10, 4)):
         typer.echo(NO_PLOTS, err=True)
     head = {"model": spec.name, "hardware": hw.name, "engine": engine,
-            "requests": len(stream(per_s)), "max_batch": max_batch}
+            "requests": len(stream(per_s)), "max_batch": max_batch,
+            **({"lengths": lengths} if lengths else {})}
     if as_json:
         dumped = [{"rate_per_s": None if requests_file else r,
                    "schedules": {n: x.model_dump(mode="json") for n, x in results.items()}}
@@ -192,7 +212,8 @@ def serving_cmd(
                     **({"highest_rate_per_s": found} if find_rate else {})})
         return
     for r, results in runs:
-        source = f"{requests_file}" if requests_file else f"{r:g}/s {arrivals}"
+        source = f"{requests_file}" if requests_file else f"{r:g}/s {arrivals}" + (
+            f", lengths of {lengths}" if lengths else "")
         _print(results, found, f"{spec.name} on {devices_text(hw)}, {head['requests']} requests "
                f"({source}), at most {max_batch} together")
     if engine == "vllm" and options["engine"] is None:

@@ -3,6 +3,7 @@ call by call and priced by the cost model."""
 
 import json
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 from costmodel.cli import main
 from costmodel.engines import EngineOverheads
 from costmodel.presets import resolve
-from costmodel.requests import Lengths, Request, read_requests, request_stream
+from costmodel.requests import Lengths, LengthSample, Request, read_requests, request_stream
 from costmodel.schedules import AR, WFD, DtV
 from costmodel.serving import highest_rate, predict_serving, serve, summarize
 from costmodel.simulate import acceptance_draws, simulate_batch
@@ -205,8 +206,13 @@ def test_the_command_prints_each_schedule_and_finds_the_rate(capsys):
     (["--max-batch", "0"], "max batch must be at least 1"),
     (["--fidelity", "fast"], "unknown fidelity 'fast'; use calls or steps"),
     (["--fidelity", "steps", "--token-budget", "0"], "the token budget must be at least 1"),
-    # requests whose KV exceeds the memory left beside the weights
-    (["--prompt-tokens", "100000000"], "the stream's mean request: 100,000,000 + 256 tokens"),
+    # requests longer than the model's context, or whose KV exceeds the memory left beside
+    # the weights (Ouro-2.6B's context is 65,536 tokens)
+    (["--prompt-tokens", "2000-2100"], "exceeds the model's context of 2048"),
+    (["--model", "ouro-2.6b", "--prompt-tokens", "65000"],
+     "the stream's mean request: 65,000 + 256 tokens"),
+    (["--lengths", "azure-conv-2023", "--output-tokens", "9"], "leave out --prompt-tokens"),
+    (["--lengths", "sharegpt"], "unknown length sample 'sharegpt'; shipped: azure-code-2023"),
 ])
 def test_bad_input_is_one_line(capsys, args, said):
     code, out, err = run_cli(capsys, "serving", "--model", "huginn-tiny", "--requests", "3",
@@ -402,3 +408,59 @@ def test_the_command_schedules_as_vllm_and_counts_preemptions(capsys):
                              "ar", "--json")
     assert code in (0, None), err
     assert json.loads(out)["schedules"]["ar"]["preemptions"] > 0
+
+
+@pytest.mark.parametrize("name", LengthSample.names())
+def test_a_shipped_length_sample_draws_pairs_that_fit_the_context(name):
+    """A shipped sample loads; its draws are seeded, their means the sample's, and with a
+    context every pair fits it, in the share the sample says fits."""
+    sample = LengthSample.load(name)
+    assert sample.requests == sum(count for _, _, count in sample.cells)
+    prompts, outputs = sample.draw(np.random.default_rng(0), 20_000)
+    assert (prompts, outputs) == sample.draw(np.random.default_rng(0), 20_000)
+    assert min(outputs) >= 2 and min(prompts) >= 1
+    mean_prompt, mean_output = sample.mean_tokens()
+    assert np.mean(prompts) == pytest.approx(mean_prompt, rel=0.03)
+    assert np.mean(outputs) == pytest.approx(mean_output, rel=0.03)
+    within = np.mean(np.add(prompts, outputs) <= 2048)
+    assert within == pytest.approx(sample.fitting_share(2048), abs=0.01)
+    fitting = sample.draw(np.random.default_rng(1), 5_000, context=2048)
+    assert max(np.add(*fitting)) <= 2048
+    assert np.mean(fitting[0]) < mean_prompt  # the long ones left out
+
+
+@given(st.integers(3, 20), st.integers(3, 12), st.integers(0, 2**16))
+@settings(max_examples=40, deadline=None)
+def test_a_length_sample_made_from_a_trace_holds_its_requests(prompt_top, output_top, seed):
+    """bench/length_samples.py's histogram of a trace: every request counted in the cell its
+    lengths fall in, and the pairs drawn from it within the cells that hold requests."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from length_samples import quarter_octaves
+
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(1, 2 ** prompt_top, 50)
+    outputs = rng.integers(2, 2 ** output_top, 50)
+    p_edges, o_edges = quarter_octaves(prompts.max()), quarter_octaves(outputs.max())
+    counts, _, _ = np.histogram2d(prompts, outputs, bins=[p_edges, o_edges])
+    sample = LengthSample(name="t", about="t", source="t", requests=50, prompt_edges=p_edges,
+                          output_edges=o_edges,
+                          cells=[[i, j, int(n)] for (i, j), n in np.ndenumerate(counts) if n])
+    assert sum(c for _, _, c in sample.cells) == 50
+    drawn_p, drawn_o = sample.draw(rng, 200)
+    cells = {(i, j) for i, j, _ in sample.cells}
+    def cell(p, o):
+        return np.searchsorted(p_edges, p, "right") - 1, np.searchsorted(o_edges, o, "right") - 1
+
+    # (an output of 1 token is drawn as 2: a request asks for 2 at least)
+    assert all(cell(p, o) in cells or o == 2 for p, o in zip(drawn_p, drawn_o, strict=True))
+
+
+def test_the_command_draws_a_shipped_sample_and_says_what_fits(capsys):
+    code, out, err = run_cli(capsys, "serving", "--model", "huginn-tiny", "--requests", "40",
+                             "--lengths", "azure-code-2023", "--fidelity", "steps", "--json")
+    assert code == 0, err
+    assert json.loads(out)["lengths"] == "azure-code-2023"
+    assert "azure-code-2023's requests that fit the model's context of 2048 tokens" in err
