@@ -25,6 +25,7 @@ parallelism.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -74,28 +75,36 @@ class Placed(BaseModel):
     fits: bool = True  # every device's within its capacity
 
 
-def device_bytes(model: LoopedModelSpec, wl: Workload, layout: str, *, depth: int,
-                 readouts: int, lookahead: int, static: bool) -> dict[str, int]:
-    """Each device's weights and KV cache, by its parts: a part's weights (the prelude's with
-    the embedding table, the coda's with the head: a tied one held by both where they are
-    apart) and its layers' KV for every position of every sequence (decode activations, a few
-    megabytes, left out)."""
-    width = DTYPE_BYTES[wl.dtype]
-    sequence = wl.context_length + wl.new_tokens + lookahead
-    tokens = wl.batch_size * (static_span(sequence) if static else sequence)
-    per_layer = model.kv_bytes_per_token_per_layer(wl.dtype) * tokens
+def device_kv(model: LoopedModelSpec, layout: str, *, dtype: str, depth: int, readouts: int,
+              kv_sharing: int) -> dict[str, tuple[int, int]]:
+    """Each device's (weights bytes, KV bytes per token of sequence), by its parts: a part's
+    weights (the prelude's with the embedding table, the coda's with the head: a tied one held
+    by both where they are apart) and its layers' KV."""
+    width = DTYPE_BYTES[dtype]
+    per_layer = model.kv_bytes_per_token_per_layer(dtype)
     layers = {"prelude": model.prelude_layers,
-              "block": model.core_layers * model.core_slots(depth, wl.kv_sharing),
+              "block": model.core_layers * model.core_slots(depth, kv_sharing),
               "coda": model.coda_layers * readouts}
-    own = {name: (part.weight_params + part.lookup_params) * width + layers[name] * per_layer
-           for name, part in model.parts.items()}
     out = {}
     for names in devices(layout):
-        total = sum(own[name] for name in names)
+        weights = sum((model.parts[n].weight_params + model.parts[n].lookup_params) * width
+                      for n in names)
         if model.tied_head and {"prelude", "coda"} <= set(names):
-            total -= model.embedding_params * width  # one table for both
-        out[" + ".join(names)] = total
+            weights -= model.embedding_params * width  # one table for both
+        out[" + ".join(names)] = (weights, sum(layers[n] for n in names) * per_layer)
     return out
+
+
+def device_bytes(model: LoopedModelSpec, wl: Workload, layout: str, *, depth: int,
+                 readouts: int, lookahead: int, static: bool) -> dict[str, int]:
+    """Each device's weights and KV cache for every position of every sequence (decode
+    activations, a few megabytes, left out)."""
+    sequence = wl.context_length + wl.new_tokens + lookahead
+    tokens = wl.batch_size * (static_span(sequence) if static else sequence)
+    return {name: weights + per_token * tokens
+            for name, (weights, per_token) in device_kv(
+                model, layout, dtype=wl.dtype, depth=depth, readouts=readouts,
+                kv_sharing=wl.kv_sharing).items()}
 
 
 def part_times(pricer: _Pricer, groups: list[CallGroup], alpha) -> dict[str, float]:
@@ -185,3 +194,61 @@ def _across_wave(model, pricer, schedule, depth, alpha, batch, wl, layout, link,
     moved = handoffs(model, groups, alpha, batch, wl.dtype, layout, link)
     side = {**parts, "coda": parts["coda"] + moved}  # the chain beside the block
     return busiest(side, layout)[0]
+
+
+@dataclass(frozen=True)
+class StreamPlacement:
+    """A placement serving a stream (``costmodel serving --placement``): the running sequences
+    split into G groups, 1 to as many as there are devices, pipelined, so that in a step every
+    group passes every device once. A step (a token of every sequence) then costs the longest
+    of: the busiest device's share of every group's calls (G times its share at a group's
+    batch), the link's hand-offs of every group, and one group's pass through the parts in
+    order (its calls and hand-offs); the engine splits them in the G that makes the step
+    shortest (one group, in order, where the block's weights dominate: each group reads them
+    again)."""
+
+    layout: str
+    link: Link
+
+    def step_s(self, model: LoopedModelSpec, groups: list[CallGroup], alpha: float,
+               dtype: str, parts: dict[str, np.ndarray], max_batch: int) -> np.ndarray:
+        """A step's time, ``[batch - 1, key]``, from each part's step time at each batch
+        (``parts[part][b - 1]``: a group of b sequences; ``costmodel.stream.part_priced``)."""
+        width = max(np.shape(t)[-1] for t in parts.values())
+        at = {part: np.broadcast_to(t, (max_batch, width)) for part, t in parts.items()}
+        steps = np.zeros((max_batch, width))
+        for batch in range(1, max_batch + 1):
+            options = []
+            for flight in range(1, min(len(devices(self.layout)), batch) + 1):
+                b = -(-batch // flight)  # the sequences of a group
+                own = {part: at[part][b - 1] if part in at else 0.0
+                       for part in ("prelude", "block", "coda")}
+                moved = handoffs(model, groups, alpha, b, dtype, self.layout, self.link)
+                busiest_device = np.max([sum(own[n] for n in names)
+                                         for names in devices(self.layout)], axis=0)
+                in_order = sum(own.values()) + moved
+                options.append(np.maximum(flight * np.maximum(busiest_device, moved),
+                                          in_order))
+            steps[batch - 1] = np.min(options, axis=0)
+        return steps
+
+    def prefill_handoff_s(self, model: LoopedModelSpec, tokens: int, dtype: str) -> float:
+        """A prefill's hand-offs: its positions' hidden states into the block and out of it,
+        and the first token back to the prelude's device."""
+        size = tokens * model.hidden_size * DTYPE_BYTES[dtype]
+        return 2 * (self.link.latency_s + size / self.link.bandwidth_bytes_per_s) \
+            + self.link.latency_s
+
+    def kv_budget_bytes(self, model: LoopedModelSpec, hw: HardwareSpec, *, dtype: str,
+                        depth: int, readouts: int, kv_sharing: int, activation_bytes: int
+                        ) -> int:
+        """The KV a stream's requests may reserve, in the bytes the model's KV per token counts
+        (``kv_bytes_per_token``): the tokens of sequence the fullest device holds beside its
+        weights and activations, times that."""
+        capacity = hw.roofline.memory_capacity_bytes - activation_bytes
+        tokens = min((capacity - weights) / per_token if per_token else np.inf
+                     for weights, per_token in device_kv(
+                         model, self.layout, dtype=dtype, depth=depth, readouts=readouts,
+                         kv_sharing=kv_sharing).values())
+        return max(0, int(tokens * model.kv_bytes_per_token(dtype, depth, kv_sharing,
+                                                               readouts)))

@@ -26,12 +26,13 @@ from dataclasses import dataclass
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+from .admission import kv_budget_bytes, kv_needs, kv_per_token
 from .engines import EngineOverheads
 from .hardware import HardwareSpec
 from .links import Link
-from .memory import memory_report
 from .model import LoopedModelSpec
 from .parallel import split
+from .placement import StreamPlacement
 from .requests import Request, check_fits
 from .schedules.base import Schedule
 from .trace import CallRecord
@@ -152,37 +153,6 @@ class _Clock:
             self.now, self.previous = time, None  # after a pause a call stands alone
 
 
-def kv_budget_bytes(model: LoopedModelSpec, hw: HardwareSpec, dtype: str, depth: int,
-                    batch: int, positions_per_call: int) -> int:
-    """The memory left for KV beside the weights and a full batch's activations."""
-    probe = Workload(context_length=1, new_tokens=1, batch_size=batch, dtype=dtype, depth=depth)
-    memory = memory_report(model, hw, probe, depth=depth, readout_depths=1,
-                           positions_per_call=positions_per_call)
-    return memory.capacity_bytes - memory.weights_bytes - memory.activation_bytes
-
-
-def kv_per_token(model: LoopedModelSpec, schedule: Schedule, *, depth: int, dtype: str,
-                 kv_sharing: int) -> int:
-    """The KV a token of a sequence holds under ``schedule`` (a coda slot at d too where it
-    drafts)."""
-    return model.kv_bytes_per_token(dtype, depth, kv_sharing, 2 if schedule.drafts else 1)
-
-
-def kv_needs(model: LoopedModelSpec, schedule: Schedule, requests: Sequence[Request], *,
-             depth: int, dtype: str, kv_sharing: int, kv_budget: int) -> list[int]:
-    """The KV each request reserves when it starts (its prompt, output and the schedule's
-    lookahead); refused in one line where one alone needs more than the budget."""
-    per_token = kv_per_token(model, schedule, depth=depth, dtype=dtype, kv_sharing=kv_sharing)
-    needs = [(r.prompt_tokens + r.output_tokens + schedule.lookahead(depth)) * per_token
-             for r in requests]
-    for i, (r, need) in enumerate(zip(requests, needs, strict=True)):
-        if need > kv_budget:
-            raise ValueError(f"request {i} ({r.prompt_tokens:,} + {r.output_tokens:,} tokens) "
-                             f"needs {need:,} bytes of KV; {kv_budget:,} are free beside the "
-                             "weights")
-    return needs
-
-
 FIDELITIES = ("calls", "steps")
 
 
@@ -190,8 +160,8 @@ def serve(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
           requests: Sequence[Request], *, max_batch: int, acceptance: float, depth: int,
           kv_sharing: int = 0, dtype: str = "bf16", kv_budget: int | None = None,
           seed: int = 0, engine: EngineOverheads | None = None, fidelity: str = "calls",
-          token_budget: int | None = None, stats: dict | None = None
-          ) -> tuple[list[Served], float]:
+          token_budget: int | None = None, stats: dict | None = None,
+          placement: StreamPlacement | None = None) -> tuple[list[Served], float]:
     """Each request as ``schedule`` serves the stream (drafts accepted at ``acceptance``, drawn
     per request from ``seed``), and the mean number of sequences per call. ``engine``: the
     engine's own time, a step's shared by the tokens it commits (one per running sequence: an
@@ -200,16 +170,22 @@ def serve(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
     (simulated call by call) or "steps" (a step at a time from the closed forms:
     ``costmodel.stream``); with ``token_budget``, steps scheduled as vLLM's (chunked prefills,
     KV taken as tokens come, preemption: ``costmodel.stream_vllm``; ``stats`` gets how many
-    preemptions)."""
+    preemptions). ``placement``: the parts on devices of their own, step by step
+    (``costmodel.placement.StreamPlacement``)."""
     from .batching import run_batch
 
     if max_batch < 1:
         raise ValueError(f"the batch must hold at least 1 sequence, got {max_batch}")
     if fidelity not in FIDELITIES:
         raise ValueError(f"unknown fidelity {fidelity!r}; use {' or '.join(FIDELITIES)}")
+    if placement is not None and (fidelity != "steps" or token_budget is not None):
+        raise ValueError("a placement is served step by step as this project's engine "
+                         "schedules: give fidelity steps (--fidelity steps), without a token "
+                         "budget")
     if kv_budget is None:
         kv_budget = kv_budget_bytes(model, hw, dtype, depth, max_batch,
-                                    schedule.positions_per_call(depth))
+                                    schedule.positions_per_call(depth), schedule, kv_sharing,
+                                    placement)
     if token_budget is not None:
         if fidelity != "steps":
             raise ValueError("a token budget schedules steps as vLLM does: give fidelity steps")
@@ -236,7 +212,7 @@ def serve(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
         served, mean_batch = serve_steps(
             model, hw, schedule, requests, max_batch=max_batch, acceptance=acceptance,
             depth=depth, kv_budget=kv_budget, kv_per_request=needs, kv_sharing=kv_sharing,
-            dtype=dtype, engine=engine)
+            dtype=dtype, engine=engine, placement=placement)
         return [Served(**s) for s in served], mean_batch
     stream = _Stream(model, hw, schedule, requests, acceptance=acceptance, depth=depth,
                      kv_sharing=kv_sharing, dtype=dtype, kv_budget=kv_budget, seed=seed,
@@ -401,12 +377,25 @@ def predict_serving(model: LoopedModelSpec, hw: HardwareSpec, requests: Sequence
                     slo_tpot_s: float | None = None, names: Sequence[str] | None = None,
                     seed: int = 0, engine: EngineOverheads | None = None,
                     tensor_parallel: int = 1, link: str | Link | None = None,
-                    fidelity: str = "calls", token_budget: int | None = None
-                    ) -> dict[str, ServingResult]:
+                    fidelity: str = "calls", token_budget: int | None = None,
+                    placement: str | None = None) -> dict[str, ServingResult]:
     """Each schedule (``names``: those of the registry to run; default all) serving the
-    stream; on ``tensor_parallel`` devices joined by ``link`` (``costmodel.parallel.split``)."""
+    stream; on ``tensor_parallel`` devices joined by ``link`` (``costmodel.parallel.split``),
+    or with its parts placed on devices of their own by ``placement`` (a layout of
+    ``costmodel.placement.LAYOUTS``), joined by ``link``."""
     check_fits(requests, model.max_position_embeddings)
-    model, hw = split(model, hw, tensor_parallel, link)
+    placed = None
+    if placement is not None:
+        from .links import resolve_link
+        from .placement import LAYOUTS, StreamPlacement
+
+        if placement not in LAYOUTS:
+            raise ValueError(f"unknown layout {placement!r}; use {' or '.join(LAYOUTS)}")
+        if tensor_parallel > 1:
+            raise ValueError("a placement's devices each hold whole parts: leave out tensor "
+                             "parallelism")
+        placed = StreamPlacement(placement, resolve_link(hw, link))
+    model, hw = split(model, hw, tensor_parallel, None if placed else link)
     depth = depth or model.default_depth
     schedules, alpha = chosen_schedules(
         model, hw, requests, max_batch=max_batch, depth=depth, dtype=dtype,
@@ -420,7 +409,7 @@ def predict_serving(model: LoopedModelSpec, hw: HardwareSpec, requests: Sequence
         served, mean_batch = serve(model, hw, schedule, requests, max_batch=max_batch,
                                    acceptance=alpha, depth=depth, kv_sharing=kv_sharing,
                                    dtype=dtype, seed=seed, engine=engine, fidelity=fidelity,
-                                   token_budget=token_budget, stats=stats)
+                                   token_budget=token_budget, stats=stats, placement=placed)
         results[name] = summarize(schedule, served, mean_batch, slo_ttft_s=slo_ttft_s,
                                   slo_tpot_s=slo_tpot_s, preemptions=stats.get("preemptions"))
     return results

@@ -25,6 +25,7 @@ from .cli_options import (
     TickOverheadOption,
     WaveOverheadOption,
     at_least_one,
+    chosen_link,
     engine_overheads,
     hardware_of,
     override_hardware,
@@ -156,6 +157,10 @@ def serving_cmd(
     link: LinkOption = None,
     link_bandwidth: LinkBandwidthOption = None,
     link_latency: LinkLatencyOption = None,
+    placement: Annotated[str | None, typer.Option(
+        help="the model's parts on devices of their own, joined by --link: p|r|c (prelude | "
+             "block | coda) or pc|r (prelude and coda | block); the running sequences "
+             "pipelined over them in groups (with --fidelity steps)")] = None,
     fidelity: Annotated[str, typer.Option(
         help="calls (each call of each sequence simulated: drafts' acceptance drawn) or steps "
              "(a step at a time from the closed forms: hundreds of times faster, for long "
@@ -185,12 +190,14 @@ def serving_cmd(
     stream = _requests(requests_file, rate, requests, prompt_tokens, output_tokens, lengths,
                        arrivals, seed, spec.max_position_embeddings)
     hw = override_hardware(for_engine(engine, base, spec), None, None, None, None, dtype)
-    spec, hw = parallel_devices(spec, hw, tensor_parallel, link, link_bandwidth, link_latency)
+    spec, hw = parallel_devices(spec, hw, tensor_parallel, link, link_bandwidth, link_latency,
+                                placement)
     options = {"max_batch": max_batch, "depth": depth, "dtype": dtype, "kv_sharing": kv_sharing,
                "acceptance": acceptance, "draft_depth": draft_depth, "width": width,
                "block_length": block_length, "slo_ttft_s": ttft, "slo_tpot_s": tpot,
                "seed": seed, "fidelity": one_of("fidelity", fidelity, FIDELITIES),
-               "token_budget": token_budget,
+               "token_budget": token_budget, "placement": placement,
+               "link": chosen_link(hw, link, link_bandwidth, link_latency) if placement else None,
                "engine": engine_overheads(step_overhead, sequence_overhead, request_overhead,
                                          tick_overhead, wave_overhead, commit_ahead)}
     runs = []
@@ -202,6 +209,7 @@ def serving_cmd(
     if plot is not None and not save_figure(plot, _latency_figure(runs, ttft, tpot), (10, 4)):
         typer.echo(NO_PLOTS, err=True)
     head = {"model": spec.name, "hardware": hw.name, "engine": engine,
+            **({"placement": placement} if placement else {}),
             "requests": len(stream(per_s)), "max_batch": max_batch,
             **({"lengths": lengths} if lengths else {})}
     if as_json:
@@ -214,7 +222,10 @@ def serving_cmd(
     for r, results in runs:
         source = f"{requests_file}" if requests_file else f"{r:g}/s {arrivals}" + (
             f", lengths of {lengths}" if lengths else "")
-        _print(results, found, f"{spec.name} on {devices_text(hw)}, {head['requests']} requests "
+        where = devices_text(hw) if placement is None else (
+            f"{hw.name} x {len(placement.split('|'))} placed {placement} over "
+            f"{options['link'].name}")
+        _print(results, found, f"{spec.name} on {where}, {head['requests']} requests "
                f"({source}), at most {max_batch} together")
     if engine == "vllm" and options["engine"] is None:
         typer.echo("note: the engine's own time (scheduling, sampling, output) is not counted: "

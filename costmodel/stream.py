@@ -29,6 +29,7 @@ from .engines import EngineOverheads
 from .groups import block_calls_per_token
 from .hardware import HardwareSpec
 from .model import LoopedModelSpec
+from .placement import StreamPlacement
 from .predict import _Pricer, prefill_time_s
 from .requests import Request
 from .schedules.base import Schedule
@@ -40,17 +41,23 @@ CONTEXT_BUCKET = 16  # keys: a step's time is priced at its context rounded to t
 
 def step_times(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule, *, alpha: float,
                depth: int, kv_sharing: int, dtype: str, max_batch: int, longest: int,
-               engine: EngineOverheads) -> np.ndarray:
+               engine: EngineOverheads, placement: StreamPlacement | None = None
+               ) -> np.ndarray:
     """Seconds a step takes, ``[batch - 1, context]`` for every batch up to ``max_batch`` and
-    every context (a sequence's tokens so far) up to ``longest``."""
+    every context (a sequence's tokens so far) up to ``longest``; on one device, or with the
+    parts placed on devices of their own (``placement``)."""
     buckets = np.arange(0, longest + CONTEXT_BUCKET, CONTEXT_BUCKET, dtype=float)
     keys = buckets + 1
     if hw.graphs.cuda_graphs:  # a replayed step reads its static span
         keys = np.array([static_span(int(k)) for k in keys], dtype=float)
     batches = np.arange(1, max_batch + 1, dtype=float)[:, None]
     groups = schedule.call_groups(depth, kv_sharing)
-    per_token = np.broadcast_to(_priced(model, hw, schedule, groups, alpha, dtype,
-                                        keys[None, :], batches), (max_batch, len(buckets)))
+    if placement is None:
+        per_token = np.broadcast_to(_priced(model, hw, schedule, groups, alpha, dtype,
+                                            keys[None, :], batches), (max_batch, len(buckets)))
+    else:
+        per_token = placement.step_s(model, groups, alpha, dtype, part_priced(
+            model, hw, schedule, groups, alpha, dtype, keys[None, :], batches), max_batch)
     ticks = float(block_calls_per_token(groups, np.asarray(alpha))) if schedule.drafts else 0.0
     own = np.array([engine.token_share_s(b, schedule.drafts, ticks, depth)
                     for b in range(1, max_batch + 1)])
@@ -59,39 +66,44 @@ def step_times(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule, *, 
 
 
 def _priced(model, hw, schedule: Schedule, groups, alpha: float, dtype: str, keys, batches):
-    """A step's calls at each batch: in phase, every call serves the whole batch; a WFD
-    batch's waves each read out on ticks of their own phase, so a tick's prelude and coda
+    """A step's time at each batch (every part's, ``part_priced``)."""
+    return sum(part_priced(model, hw, schedule, groups, alpha, dtype, keys, batches).values())
+
+
+def part_priced(model, hw, schedule: Schedule, groups, alpha: float, dtype: str, keys, batches
+                ) -> dict[str, np.ndarray]:
+    """Each part's time in a step at each batch: in phase, every call serves the whole batch;
+    a WFD batch's waves each read out on ticks of their own phase, so a tick's prelude and coda
     calls come whenever any wave's readout falls due (1 - (1 - q)^B of the ticks, where one
     wave reads out on q of them) and serve the waves whose readout is due."""
     alpha = np.asarray(alpha)
-    if schedule.in_phase:
-        return _Pricer(model, hw, dtype, keys, batches, None).per_token(groups, alpha)[
-            "latency_s"]
+    parts = {}
     block = [g for g in groups if g.part == "block"]
     ticks = sum(g.weight(alpha) for g in block)
-    total = _Pricer(model, hw, dtype, keys, batches, None).per_token(block, alpha)["latency_s"]
-    for part in ("prelude", "coda"):
+    for part in ("prelude", "block", "coda"):
         own = [g for g in groups if g.part == part]
-        q = min(1.0, float(sum(g.weight(alpha) for g in own) / ticks)) if own else 0.0
-        if not q:
+        if not own:
             continue
+        q = 1.0 if schedule.in_phase or part == "block" else min(
+            1.0, float(sum(g.weight(alpha) for g in own) / ticks))
         due = 1 - (1 - q) ** batches  # the ticks with a call of this part
         served = batches * q / due  # the waves a call serves
         calls = _Pricer(model, hw, dtype, keys, served, None).per_token(own, alpha)
-        total = total + calls["latency_s"] * due / q  # due / q times the in-phase calls
-    return total
+        parts[part] = calls["latency_s"] * due / q  # due / q times the in-phase calls
+    return parts
 
 
 def elapsed_times(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
                   requests: Sequence[Request], *, acceptance: float, depth: int,
                   kv_sharing: int, dtype: str, max_batch: int,
-                  engine: EngineOverheads) -> np.ndarray:
+                  engine: EngineOverheads, placement: StreamPlacement | None = None
+                  ) -> np.ndarray:
     """``step_times`` summed along the context from 0: ``[batch - 1, c]`` is what the steps
     from context 0 to c take, so any run of steps costs one difference."""
     longest = max(r.prompt_tokens + r.output_tokens for r in requests)
     times = step_times(model, hw, schedule, alpha=acceptance, depth=depth,
                        kv_sharing=kv_sharing, dtype=dtype, max_batch=max_batch,
-                       longest=longest, engine=engine)
+                       longest=longest, engine=engine, placement=placement)
     return np.concatenate([np.zeros((max_batch, 1)), np.cumsum(times, axis=1)], axis=1)
 
 
@@ -108,36 +120,41 @@ def decoding_run(line: np.ndarray, context: int, most: int, wait: float | None =
 
 
 class _Prefills:
-    """The time a group of newcomers' prompts take, prefilled together at their mean length."""
+    """The time a group of newcomers' prompts take, prefilled together at their mean length
+    (placed: through the parts in order, their hidden states handed from device to device)."""
 
-    def __init__(self, model, hw, depth: int, dtype: str, kv_sharing: int, readouts: int):
+    def __init__(self, model, hw, depth: int, dtype: str, kv_sharing: int, readouts: int,
+                 placement: StreamPlacement | None = None):
         self.args = model, hw, depth, readouts
         self.fields = {"dtype": dtype, "kv_sharing": kv_sharing, "new_tokens": 1}
         self.memo: dict[tuple[int, int], float] = {}
+        self.placement = placement
 
     def __call__(self, prompts: list[int]) -> float:
         key = (len(prompts), round(np.mean(prompts)))
         if key not in self.memo:
             model, hw, depth, readouts = self.args
             workload = Workload(context_length=key[1], batch_size=key[0], **self.fields)
-            self.memo[key] = prefill_time_s(model, hw, workload, depth, readouts)
+            self.memo[key] = prefill_time_s(model, hw, workload, depth, readouts) + (
+                self.placement.prefill_handoff_s(model, key[0] * key[1], self.fields["dtype"])
+                if self.placement is not None else 0.0)
         return self.memo[key]
 
 
 def serve_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
                 requests: Sequence[Request], *, max_batch: int, acceptance: float, depth: int,
                 kv_budget: int, kv_per_request: Sequence[int], kv_sharing: int = 0,
-                dtype: str = "bf16", engine: EngineOverheads | None = None
-                ) -> tuple[list[dict], float]:
+                dtype: str = "bf16", engine: EngineOverheads | None = None,
+                placement: StreamPlacement | None = None) -> tuple[list[dict], float]:
     """Each request's arrival, first token and finish as ``schedule`` serves the stream step by
     step, and the mean number of sequences per step (weighed by the steps' time)."""
     engine = engine or EngineOverheads()
     elapsed = elapsed_times(model, hw, schedule, requests, acceptance=acceptance, depth=depth,
                             kv_sharing=kv_sharing, dtype=dtype, max_batch=max_batch,
-                            engine=engine)
+                            engine=engine, placement=placement)
     per_round = max(1, round(schedule.tokens_per_round(acceptance)))  # a round's tokens
     readouts = 2 if schedule.drafts else 1
-    prefill = _Prefills(model, hw, depth, dtype, kv_sharing, readouts)
+    prefill = _Prefills(model, hw, depth, dtype, kv_sharing, readouts, placement)
     served = [{"arrival_s": r.arrival_s, "output_tokens": r.output_tokens} for r in requests]
     ready = [r.arrival_s + engine.request_s for r in requests]
     running: dict[int, list[int]] = {}  # request -> [tokens still to commit, its context]

@@ -103,3 +103,18 @@ def cpu_like_product_s(size: float, rows: int, working_set: float) -> float:
     bandwidth = 200e9 if working_set <= 2**24 else 20e9
     passes = rows if rows < 4 else 2
     return 2e-6 + size / bandwidth * passes + 2 * (size / 4) * rows / 100e9
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    import sys
+
+    from costmodel.cli import main
+
+    argv, sys.argv = sys.argv, ["costmodel", *args]
+    try:
+        with pytest.raises(SystemExit) as done:
+            main()
+    finally:
+        sys.argv = argv
+    out = capsys.readouterr()
+    return done.value.code, out.out, out.err

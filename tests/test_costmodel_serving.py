@@ -5,32 +5,19 @@ import json
 
 import numpy as np
 import pytest
+from conftest import run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from costmodel.cli import main
 from costmodel.engines import EngineOverheads
 from costmodel.presets import resolve
-from costmodel.requests import Lengths, LengthSample, Request, read_requests, request_stream
+from costmodel.requests import Lengths, Request, read_requests, request_stream
 from costmodel.schedules import AR, WFD, DtV
 from costmodel.serving import highest_rate, predict_serving, serve, summarize
 from costmodel.simulate import acceptance_draws, simulate_batch
 
 MODEL, HARDWARE = resolve("huginn-tiny", "a6000")
 SCHEDULES = [AR(), DtV(draft_depth=2, block_length=3), WFD(draft_depth=2)]
-
-
-def run_cli(capsys, *args: str) -> tuple[int, str, str]:
-    import sys
-
-    argv, sys.argv = sys.argv, ["costmodel", *args]
-    try:
-        with pytest.raises(SystemExit) as done:
-            main()
-    finally:
-        sys.argv = argv
-    out = capsys.readouterr()
-    return done.value.code, out.out, out.err
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
@@ -324,7 +311,6 @@ def test_steps_agree_with_calls_on_a_stream_below_saturation(model, hardware):
 def test_a_wfd_batch_s_waves_read_out_out_of_phase():
     """Stepped, a batch of WFD waves pays a prelude and coda call on every tick where any wave's
     readout falls due, more than waves in step would; AR's and DtV's steps are in phase."""
-    import numpy as np
 
     from costmodel.predict import _Pricer
     from costmodel.stream import _priced
@@ -408,59 +394,3 @@ def test_the_command_schedules_as_vllm_and_counts_preemptions(capsys):
                              "ar", "--json")
     assert code in (0, None), err
     assert json.loads(out)["schedules"]["ar"]["preemptions"] > 0
-
-
-@pytest.mark.parametrize("name", LengthSample.names())
-def test_a_shipped_length_sample_draws_pairs_that_fit_the_context(name):
-    """A shipped sample loads; its draws are seeded, their means the sample's, and with a
-    context every pair fits it, in the share the sample says fits."""
-    sample = LengthSample.load(name)
-    assert sample.requests == sum(count for _, _, count in sample.cells)
-    prompts, outputs = sample.draw(np.random.default_rng(0), 20_000)
-    assert (prompts, outputs) == sample.draw(np.random.default_rng(0), 20_000)
-    assert min(outputs) >= 2 and min(prompts) >= 1
-    mean_prompt, mean_output = sample.mean_tokens()
-    assert np.mean(prompts) == pytest.approx(mean_prompt, rel=0.03)
-    assert np.mean(outputs) == pytest.approx(mean_output, rel=0.03)
-    within = np.mean(np.add(prompts, outputs) <= 2048)
-    assert within == pytest.approx(sample.fitting_share(2048), abs=0.01)
-    fitting = sample.draw(np.random.default_rng(1), 5_000, context=2048)
-    assert max(np.add(*fitting)) <= 2048
-    assert np.mean(fitting[0]) < mean_prompt  # the long ones left out
-
-
-@given(st.integers(3, 20), st.integers(3, 12), st.integers(0, 2**16))
-@settings(max_examples=40, deadline=None)
-def test_a_length_sample_made_from_a_trace_holds_its_requests(prompt_top, output_top, seed):
-    """bench/length_samples.py's histogram of a trace: every request counted in the cell its
-    lengths fall in, and the pairs drawn from it within the cells that hold requests."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from length_samples import quarter_octaves
-
-    rng = np.random.default_rng(seed)
-    prompts = rng.integers(1, 2 ** prompt_top, 50)
-    outputs = rng.integers(2, 2 ** output_top, 50)
-    p_edges, o_edges = quarter_octaves(prompts.max()), quarter_octaves(outputs.max())
-    counts, _, _ = np.histogram2d(prompts, outputs, bins=[p_edges, o_edges])
-    sample = LengthSample(name="t", about="t", source="t", requests=50, prompt_edges=p_edges,
-                          output_edges=o_edges,
-                          cells=[[i, j, int(n)] for (i, j), n in np.ndenumerate(counts) if n])
-    assert sum(c for _, _, c in sample.cells) == 50
-    drawn_p, drawn_o = sample.draw(rng, 200)
-    cells = {(i, j) for i, j, _ in sample.cells}
-    def cell(p, o):
-        return np.searchsorted(p_edges, p, "right") - 1, np.searchsorted(o_edges, o, "right") - 1
-
-    # (an output of 1 token is drawn as 2: a request asks for 2 at least)
-    assert all(cell(p, o) in cells or o == 2 for p, o in zip(drawn_p, drawn_o, strict=True))
-
-
-def test_the_command_draws_a_shipped_sample_and_says_what_fits(capsys):
-    code, out, err = run_cli(capsys, "serving", "--model", "huginn-tiny", "--requests", "40",
-                             "--lengths", "azure-code-2023", "--fidelity", "steps", "--json")
-    assert code == 0, err
-    assert json.loads(out)["lengths"] == "azure-code-2023"
-    assert "azure-code-2023's requests that fit the model's context of 2048 tokens" in err
