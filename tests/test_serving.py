@@ -176,7 +176,7 @@ def test_the_plugin_s_wfd_and_dtv_emit_ar_tokens_and_verify_what_wfd_verifies(
 
 @pytest.mark.parametrize("name, overrides, rules", [
     ("huginn-tiny", {"exit_rule": "kl:0.01"}, [None, "argmax-stable:2"]),
-    ("ouro-tiny", {"exit_rule": "gate:0.8"}, [None, "kl:0.01"]),
+    ("ouro-tiny", {"exit_rule": "gate:0.8"}, [None, "kl:0.01", "forced:2:0.5,3:0.3,4:0.2"]),
     ("huginn-tiny", {"exit_rule": "kl:0.01", "schedule": "wfd", "draft_depth": 2}, [None])])
 def test_exit_rules_on_vllm_emit_wfd_s_ar_with_exit_tokens(engines, tmp_path, name, overrides,
                                                            rules):
@@ -185,7 +185,8 @@ def test_exit_rules_on_vllm_emit_wfd_s_ar_with_exit_tokens(engines, tmp_path, na
     together (their tokens at different depths in the same block calls) with AR, eight
     together with WFD (DtV over two ranks: the random sharded checkpoints' test; requests'
     own rules on an engine with exit_rule "none": the server's test);
-    the tokens stop at the depths wfd's do (the sum of the decoded tokens' depths). WFD's in
+    the tokens stop at the depths wfd's do (the sum of the decoded tokens' depths); forced
+    depths (timing) as `wfd generate --force-exits` draws them. WFD's in
     blocks of 32 tokens over 40 new ones: positions its waves commit ahead exit before vLLM has
     allocated their block (their KV copied in the wave's side buffer); its KV cache held to 12
     blocks, so that requests are preempted and recomputed (``Plan.exits_from``)."""
@@ -203,9 +204,10 @@ def test_exit_rules_on_vllm_emit_wfd_s_ar_with_exit_tokens(engines, tmp_path, na
     model = load_model(name)
     depths_before = 0
     for run, done in zip(runs, job["runs"], strict=True):
-        rule = ExitRule.parse(run["exit"] or engine_rule)
-        ours = [generate(model, p, max_new_tokens=new, schedule="ar", exit_rule=rule)
-                for p in prompts]
+        text = run["exit"] or engine_rule
+        rule = {"force_exits": text.split(":", 1)[1]} if text.startswith("forced:") else {
+            "exit_rule": ExitRule.parse(text)}
+        ours = [generate(model, p, max_new_tokens=new, schedule="ar", **rule) for p in prompts]
         assert done["tokens"] == [r.tokens for r in ours], run
         depths = sum(d for r in ours for d in r.stats["exit_depths"])
         if not ahead:  # (a preempted request commits some tokens again)

@@ -46,6 +46,8 @@ def test_wfd_and_dtv_read_out_at_two_depths_and_ar_at_one():
     ({"exit_rule": "stop"}, "unknown exit rule 'stop'"),
     ({"exit_rule": "kl", "exit_min_depth": 9}, r"exit_min_depth must be in 1\.\.8"),
     ({"exit_rule": "none", "exit_min_depth": 0}, r"exit_min_depth must be in 1\.\.8"),
+    ({"exit_rule": "forced:2:0.5,9:0.5"}, r"exit depth 9 outside 1\.\.8"),
+    ({"exit_rule": "forced:2:0.5,4:0.5", "exit_min_depth": 2}, "forced exit depths are their"),
 ])
 def test_an_exit_rule_it_cannot_run_is_refused(options, message):
     with pytest.raises(ValueError, match=message):
@@ -87,6 +89,13 @@ def test_a_request_s_own_exit_rule_is_checked_against_the_engine_s():
         request_rule(fixed, {"exit": "kl"})
     by_request = EngineExits.of(config(exit_rule="none"))
     assert request_rule(by_request, {}) is None
+    # timing on random weights: depths drawn by position, as `wfd generate --force-exits`
+    assert request_rule(by_request, {"exit": "forced:2:0.5,8:0.5"}).label == "forced 2:0.5,8:0.5"
+    for asked, message in [({"exit": "forced:2:0.5,8:0.5", "exit_min_depth": 3},
+                            "forced exit depths are their own"),
+                           ({"exit": "forced:2:0.4"}, "sum to 0.4, not 1")]:
+        with pytest.raises(ValueError, match=message):
+            request_rule(by_request, asked)
     with pytest.raises(ValueError, match="exit_min_depth goes with an exit rule"):
         request_rule(by_request, {"exit_min_depth": 3})
     ExitParams.engine = engine

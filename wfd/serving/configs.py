@@ -34,7 +34,8 @@ class LoopedConfig(PretrainedConfig):
     # next sample, handed to vLLM as speculative tokens (wfd.serving.ahead); 0: a token a step
     commit_ahead: int = 8
     # adaptive depth (wfd.serving.exits): each decoded token stops iterating where this rule
-    # (costmodel.exits.ExitRule's RULE[:THRESHOLD]) fires, from exit_min_depth on; a request
+    # (costmodel.exits.ExitRule's RULE[:THRESHOLD]) fires, from exit_min_depth on, or at forced
+    # depths (forced:DEPTH:P,...: timing on random weights, ``served_rule``); a request
     # may set its own (SamplingParams extra_args "exit", "exit_min_depth"); "none": fixed depth
     # unless a request sets one; None: fixed depth, vLLM's own forward
     exit_rule: str | None = None
@@ -86,16 +87,15 @@ class LoopedConfig(PretrainedConfig):
 
     @property
     def exits(self):
-        """The engine's exit rule (a costmodel ExitRule), checked against this model; None at
-        fixed depth (or where only requests set one)."""
-        from costmodel.exits import ExitRule
-
+        """The engine's exit rule (``served_rule``), checked against this model; None at fixed
+        depth (or where only requests set one)."""
         if self.exit_min_depth < 1 or self.exit_min_depth > self.depth:
             raise ValueError(f"exit_min_depth must be in 1..{self.depth}, "
                              f"got {self.exit_min_depth}")
         if self.exit_rule is None or str(self.exit_rule).strip().lower() == "none":
             return None
-        return check_exit_rule(ExitRule.parse(str(self.exit_rule), int(self.exit_min_depth)),
+        return check_exit_rule(served_rule(str(self.exit_rule), int(self.exit_min_depth),
+                                           self.depth),
                                self.model_type, self.depth)
 
     @property
@@ -143,6 +143,21 @@ class LoopedConfig(PretrainedConfig):
     @property
     def looped(self) -> ModelConfig:
         return ModelConfig.from_hf({**self.to_dict(), "model_type": self.model_type})
+
+
+def served_rule(text: str, min_depth: int, depth: int):
+    """An exit rule as the plugin takes it: ``RULE[:THRESHOLD]`` (a costmodel ExitRule, checked
+    from ``min_depth``), or ``forced:DEPTH:P,...`` (timing on random weights, as `wfd generate
+    --force-exits`: each decoded position exits at a depth drawn from the distribution by its
+    position, not where a rule fires; its depths are its own, so no minimum depth with it)."""
+    from costmodel.exits import ExitRule, ForcedExits
+
+    name, _, depths = text.strip().partition(":")
+    if name.strip().lower() != "forced":
+        return ExitRule.parse(text, min_depth)
+    if min_depth != 1:
+        raise ValueError("forced exit depths are their own: leave out exit_min_depth with them")
+    return ForcedExits.parse(depths, depth)
 
 
 def check_exit_rule(rule, model_type: str, depth: int):

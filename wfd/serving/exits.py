@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import torch
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
-from costmodel.exits import ExitRule
+from costmodel.exits import ExitRule, ForcedExits
 from costmodel.slots import core_slot
 
 from .ahead import plain_greedy
-from .configs import check_exit_rule
+from .configs import check_exit_rule, served_rule
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,12 @@ def request_rule(engine: EngineExits, asked: dict | None) -> ExitRule | None:
     if text is None and engine.rule is None:
         raise ValueError("exit_min_depth goes with an exit rule: this engine has none of its "
                          "own, so give the request's (extra_args exit)")
-    base = engine.rule if text is None else ExitRule.parse(str(text))
+    base = engine.rule if text is None else served_rule(str(text), 1, engine.depth)
+    if isinstance(base, ForcedExits):
+        if min_depth is not None:
+            raise ValueError("forced exit depths are their own: leave out exit_min_depth "
+                             "with them")
+        return base
     lowest = engine.min_depth
     try:
         depth = lowest if min_depth is None else int(min_depth)
