@@ -113,21 +113,24 @@ def check_tokens(model, name: str, prompts, new_tokens: int, rules, vllm: dict, 
 
 
 def predicted_speedup(profile: Path, name: str, rule: str, depths: list[int], batch: int,
-                      new_tokens: int, plan: dict) -> float:
+                      new_tokens: int, plan: dict, context: int = 64) -> float:
     """``costmodel predict --engine vllm``'s tokens/s of the schedule with these exit depths
-    over the same at fixed depth, at this batch."""
+    over the same at fixed depth, at this batch (``plan``'s recurrence_depth: R)."""
     schedule = plan.get("schedule", "ar")
     drafts = ["--draft-depth", str(plan["draft_depth"])] if "draft_depth" in plan else []
+    if "recurrence_depth" in plan:
+        drafts += ["--depth", str(plan["recurrence_depth"])]
     def tokens_per_s(*extra: str) -> float:
         done = subprocess.run(
             ["costmodel", "predict", "--profile", str(profile), "--model", name, "--context",
-             "64", "--new-tokens", str(new_tokens), "--batch", str(batch), "--engine", "vllm",
-             "--json", *drafts, *extra], capture_output=True, text=True, check=True)
+             str(context), "--new-tokens", str(new_tokens), "--batch", str(batch), "--engine",
+             "vllm", "--json", *drafts, *extra], capture_output=True, text=True, check=True)
         return json.loads(done.stdout)["schedules"][schedule]["tokens_per_s"]
 
     counts = Counter(depths)
     spread = ",".join(f"{r}:{n / len(depths):.8f}" for r, n in sorted(counts.items()))
-    return tokens_per_s("--exit-depths", spread, "--exit", rule.split(":")[0]) / tokens_per_s()
+    named = [] if rule.startswith("forced") else ["--exit", rule.split(":")[0]]
+    return tokens_per_s("--exit-depths", spread, *named) / tokens_per_s()
 
 
 def model_rows(name: str, args) -> list[dict]:
