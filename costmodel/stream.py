@@ -86,6 +86,8 @@ def part_priced(model, hw, schedule: Schedule, groups, alpha: float, dtype: str,
             continue
         q = 1.0 if schedule.in_phase or part == "block" else min(
             1.0, float(sum(g.weight(alpha) for g in own) / ticks))
+        if not q:  # no call of this part
+            continue
         due = 1 - (1 - q) ** batches  # the ticks with a call of this part
         served = batches * q / due  # the waves a call serves
         calls = _Pricer(model, hw, dtype, keys, served, None).per_token(own, alpha)
