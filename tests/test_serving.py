@@ -299,7 +299,7 @@ def test_random_sharded_checkpoints_decode_as_wfd_ar_at_another_depth(
     prompts = [torch.randint(vocab, (n,), generator=gen).tolist() for n in (3, 9, 17, 30)]
     depth = model.config.depth - 1
     # a few tokens each: two ranks on two cores synchronize every step (the cost here)
-    new = 10
+    new = 6
     runs = [{"prompts": prompts, "max_tokens": new, "batch": b} for b in (1, 4)]
     # Huginn's DtV with an exit rule on the states, checked from depth 5 (fewer readouts): AR's
     # tokens with the same rule
