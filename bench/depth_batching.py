@@ -113,9 +113,11 @@ def check_tokens(model, name: str, prompts, new_tokens: int, rules, vllm: dict, 
 
 
 def predicted_speedup(profile: Path, name: str, rule: str, depths: list[int], batch: int,
-                      new_tokens: int, plan: dict, context: int = 64) -> float:
+                      new_tokens: int, plan: dict, context: int = 64,
+                      engine: list[str] = ()) -> float:
     """``costmodel predict --engine vllm``'s tokens/s of the schedule with these exit depths
-    over the same at fixed depth, at this batch (``plan``'s recurrence_depth: R)."""
+    over the same at fixed depth, at this batch (``plan``'s recurrence_depth: R; ``engine``:
+    more of predict's options, the engine's own time)."""
     schedule = plan.get("schedule", "ar")
     drafts = ["--draft-depth", str(plan["draft_depth"])] if "draft_depth" in plan else []
     if "recurrence_depth" in plan:
@@ -124,7 +126,8 @@ def predicted_speedup(profile: Path, name: str, rule: str, depths: list[int], ba
         done = subprocess.run(
             ["costmodel", "predict", "--profile", str(profile), "--model", name, "--context",
              str(context), "--new-tokens", str(new_tokens), "--batch", str(batch), "--engine",
-             "vllm", "--json", *drafts, *extra], capture_output=True, text=True, check=True)
+             "vllm", "--json", *drafts, *engine, *extra], capture_output=True, text=True,
+            check=True)
         return json.loads(done.stdout)["schedules"][schedule]["tokens_per_s"]
 
     counts = Counter(depths)

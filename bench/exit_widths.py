@@ -5,7 +5,8 @@ iterating frees little; a wide one's call grows with its rows, and there the fre
 
     python bench/exit_widths.py [--models huginn-tiny huginn-small:random huginn-mid:random]
         [--depth 8] [--exits 2:0.25,3:0.5,4:0.25] [--batches 1 16] [--new-tokens 64]
-        [--repeats 2] [--profile PROFILE.json] [--out F.json]
+        [--repeats 2] [--profile PROFILE.json [--overheads STEP SEQUENCE TICK WAVE]]
+        [--out F.json]
 
 Each model (a shipped one, or PRESET:random: the preset's architecture, random weights, in the
 public layout) runs at recurrence depth --depth; each decoded token of the exit mode stops at a
@@ -15,8 +16,11 @@ batch B sends B requests at once (batch 1: four, one at a time). Rows: ``model``
 ``batch``, ``fixed_tokens_per_s`` (vLLM's forward at fixed depth), ``exit_tokens_per_s``,
 ``wave_fixed_tokens_per_s`` (the exit mode's machinery at fixed depth), ``mean_exit_depth`` and,
 with --profile (calibrated on this machine), ``predicted_speedup`` (`costmodel predict --engine
-vllm --exit-depths`). Exits non-zero where vLLM's tokens are not wfd's AR's with the same forced
-depths. The engines use both cores: run it on a quiet machine.
+vllm --exit-depths`), with --overheads the engine's own time per step, per sequence in a step,
+per tick and per wave in a tick (`--step-overhead --sequence-overhead --tick-overhead
+--wave-overhead`, as bench/vllm_predicted.py fits them: e.g. 2.70ms 0.21ms 0.29ms 0.10ms).
+Exits non-zero where vLLM's tokens are not wfd's AR's with the same forced depths. The engines
+use both cores: run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -82,9 +86,15 @@ def model_rows(name: str, args, tmp: Path) -> list[dict]:
             preset = name.removesuffix(":random")
             row["predicted_speedup"] = predicted_speedup(
                 args.profile, preset, rule, depths, b, args.new_tokens, plan,
-                context=PROMPT_TOKENS)
+                context=PROMPT_TOKENS, engine=overheads(args.overheads))
         rows.append(row)
     return rows
+
+
+def overheads(times: list[str] | None) -> list[str]:
+    """predict's options for the engine's own time (step, sequence, tick, wave), or none."""
+    flags = ("--step-overhead", "--sequence-overhead", "--tick-overhead", "--wave-overhead")
+    return [part for flag, time in zip(flags, times or (), strict=False) for part in (flag, time)]
 
 
 def table(rows: list[dict]) -> str:
@@ -111,6 +121,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--profile", type=Path)
+    parser.add_argument("--overheads", nargs=4, metavar=("STEP", "SEQUENCE", "TICK", "WAVE"),
+                        help="the engine's own time for the predictions, e.g. 2.70ms 0.21ms "
+                             "0.29ms 0.10ms")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

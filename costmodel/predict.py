@@ -207,7 +207,8 @@ def predict(
     name of costmodel/data/links.json, a ``Link``, or None: the hardware's usual one); the
     memory is then one device's. ``continuous_depth``: a batch's tokens with exits batched
     continuously, each sequence at its own depth (the plugin's exit mode on vLLM), not in step
-    (``wfd``'s batch).
+    (``wfd``'s batch); that mode runs AR as a wave, so with ``engine`` AR with exits pays the
+    engine's time per tick and commits ahead as the plugin's drafting schedules do.
     """
     spec, hw = split(*resolve(model, hardware), tensor_parallel, link)
     wl = Workload.model_validate(workload or {})  # a Workload, or its fields as a dict
@@ -264,7 +265,8 @@ def predict(
     if wl.prompts is not None:
         for name, schedule in chosen.items():
             _finite_run(spec, hw, wl, depth, schedule, float(alpha), results[name])
-    _with_speedups(results, engine, wl.batch_size, depth)
+    _with_speedups(results, engine, wl.batch_size, depth,
+                   waves=exits is not None and continuous_depth)
     return Prediction(model=spec.name, hardware=hw, workload=wl, depth=depth, memory=memory,
                       schedules=results)
 
@@ -308,12 +310,12 @@ def _result(spec: LoopedModelSpec, hw: HardwareSpec, wl: Workload, depth: int,
 
 
 def _with_speedups(results: dict[str, ScheduleResult], engine: EngineOverheads | None,
-                   batch: int, depth: int) -> None:
+                   batch: int, depth: int, waves: bool = False) -> None:
     """The engine's time (where given) added to each token as overhead: its step's share (a
     drafting schedule's step commits several tokens of each sequence) and a drafting
-    schedule's ticks; speedups."""
+    schedule's ticks (``waves``: AR's too, run as a wave: the plugin's exit mode); speedups."""
     for name, r in results.items() if engine is not None else ():
-        drafts = r.draft_depth is not None
+        drafts = r.draft_depth is not None or waves
         ticks = r.block_calls_per_token
         own = engine.token_share_s(batch, drafts, ticks, depth)
         latency = r.latency_per_token_s + own

@@ -182,3 +182,31 @@ def test_a_prompt_s_decoded_tokens_stop_again_where_they_exited():
             reply = {3} if event.depths[0] == 2 and 3 in event.positions else set()
     assert blocks == [(0, 1, 2, 3, 4), (0, 1, 2, 3, 4), (0, 1, 2, 4), (0, 1, 2, 4)]
     assert checks == [((3, 4), (1, 1)), ((3, 4), (2, 2)), ((4,), (3,))]
+
+
+def test_exits_on_vllm_pay_the_wave_s_time_per_tick_as_its_drafting_schedules_do():
+    """The plugin runs AR with exits as a wave: with the engine's own time given, its tokens
+    pay the time per tick and per wave in a tick (mean exit depth ticks a token) and commit
+    ahead as the plugin's WFD does; vLLM's AR at fixed depth pays its step only, in step
+    (``wfd``'s batch) nothing changes."""
+    from costmodel import predict
+    from costmodel.engines import EngineOverheads
+
+    workload = {"context_length": 32, "new_tokens": 64, "batch_size": 16, "depth": 8}
+    exits = {**workload, "exit_depths": {2: 0.25, 3: 0.5, 4: 0.25}}
+    plain = EngineOverheads(step_s=2.7e-3, per_sequence_s=2e-4)
+    ticked = plain.model_copy(update={"tick_s": 3e-4, "wave_tick_s": 1e-4})
+
+    def ar(wl, engine, continuous=True):
+        return predict("huginn-tiny", "a6000", wl, engine=engine,
+                       continuous_depth=continuous).schedules["ar"]
+
+    assert ar(workload, ticked).latency_per_token_s == ar(workload, plain).latency_per_token_s
+    bare = ar(exits, None).latency_per_token_s
+    per_tick = ticked.per_tick_s(16) * 3.0  # the mean exit depth's ticks
+    assert ar(exits, ticked).latency_per_token_s - ar(exits, plain).latency_per_token_s == (
+        pytest.approx(per_tick, rel=1e-6))
+    # a wave's step commits ahead: the step's share falls below AR's one token a step
+    assert ar(exits, plain).latency_per_token_s - bare < 16 * plain.per_token_s(16, False)
+    assert ar(exits, ticked, continuous=False).latency_per_token_s == pytest.approx(
+        ar(exits, plain, continuous=False).latency_per_token_s)
