@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Annotated
 
 import numpy as np
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from .specs import Spec
 
@@ -66,6 +66,19 @@ class LengthSample(Spec):
     prompt_edges: list[Annotated[int, Field(ge=1)]]  # bin i: edges[i] <= tokens < edges[i + 1]
     output_edges: list[Annotated[int, Field(ge=1)]]
     cells: list[tuple[int, int, Annotated[int, Field(ge=1)]]]  # prompt bin, output bin, count
+
+    @model_validator(mode="after")
+    def _cells_within_edges(self) -> LengthSample:
+        for edges, what in ((self.prompt_edges, "prompt"), (self.output_edges, "output")):
+            if len(edges) < 2 or any(b <= a for a, b in zip(edges, edges[1:], strict=False)):
+                raise ValueError(f"the {what} edges must be two or more, increasing")
+        for i, j, _ in self.cells:
+            if not (0 <= i < len(self.prompt_edges) - 1 and 0 <= j < len(self.output_edges) - 1):
+                raise ValueError(f"cell ({i}, {j}) lies outside the edges")
+        if sum(count for _, _, count in self.cells) != self.requests:
+            raise ValueError(f"the cells count {sum(c for _, _, c in self.cells)} requests, "
+                             f"not {self.requests}")
+        return self
 
     @classmethod
     def names(cls) -> list[str]:

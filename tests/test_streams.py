@@ -152,3 +152,21 @@ def test_the_command_serves_a_placed_stream(capsys):
     assert code == 0, err
     result = json.loads(out)
     assert result["placement"] == "p|r|c" and set(result["schedules"]) == {"ar", "dtv", "wfd"}
+
+
+@pytest.mark.parametrize("content, said", [
+    ('{"name": "x", "about": "x", "source": "x", "requests": 3, "prompt_edges": [1, 2], '
+     '"output_edges": [2, 4], "cells": [[0, 5, 3]]}', "cell (0, 5) lies outside the edges"),
+    ('{"name": "x", "about": "x", "source": "x", "requests": 4, "prompt_edges": [1, 2], '
+     '"output_edges": [2, 4], "cells": [[0, 0, 3]]}', "the cells count 3 requests, not 4"),
+    ('{"name": "x", "about": "x", "source": "x", "requests": 3, "prompt_edges": [2, 1], '
+     '"output_edges": [2, 4], "cells": [[0, 0, 3]]}', "prompt edges must be two or more"),
+    ("{not json", "Invalid JSON"),
+])
+def test_a_length_sample_file_that_does_not_hold_is_one_line(capsys, tmp_path, content, said):
+    path = tmp_path / "lengths.json"
+    path.write_text(content)
+    code, out, err = run_cli(capsys, "serving", "--model", "huginn-tiny", "--requests", "3",
+                             "--lengths", str(path))
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and said in err, err
