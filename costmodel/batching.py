@@ -8,8 +8,9 @@ parts ranked coda < prelude < block (a round ends with its readout; a new token 
 block call that advances it). A round is an AR token, a DtV round or a WFD tick; sequences of one
 schedule share the rounds' shape, so running the smallest clock first keeps them in step: AR's R
 block calls, DtV's drafting and verification and WFD's ticks each run as one call for the whole
-batch. A prefill runs before any decoding (its own clock, merged with other prefills), and the
-sequence then joins at the next round no one has begun.
+batch. A prefill runs before any decoding (its own clock, merged with the prefills that start
+with it; a newcomer waits for one under way, first come first served), and the sequence then
+joins at the next round no one has begun.
 
 When a sequence ends (its executor is ``done``), its region goes to the next waiting sequence
 before the next call (continuous batching), so the batch stays full while sequences remain.
@@ -89,7 +90,11 @@ def run_batch(jobs: Sequence[Job], regions: int,
     free = list(range(regions))
     lanes: list[Lane] = []
     while waiting or lanes:
-        while free and waiting and (admit is None or admit(waiting[0], lanes)):
+        # a prefill under way finishes first: a newcomer starting beside it would run its own
+        # prefill's calls first (the smaller clock) and hold back the earlier one's first token
+        while free and waiting and not any(
+                lane.round == PREFILL and lane.calls_in_round for lane in lanes) and (
+                admit is None or admit(waiting[0], lanes)):
             job, region = waiting.pop(0), free.pop(0)
             executor, plan = start(job, region)
             decoding = [lane.next_fresh_round for lane in lanes if lane.round != PREFILL]
