@@ -37,9 +37,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from depth_batching import predicted_speedup, requests_of, vllm_pass  # noqa: E402
+from vllm_tensor_parallel import checkpoint  # noqa: E402
 
 from costmodel.clitools import script_main  # noqa: E402
-from wfd.checkpoint import load_model, save  # noqa: E402
+from wfd.checkpoint import load_model  # noqa: E402
 from wfd.generate import generate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +51,8 @@ def folder_of(name: str, tmp: Path) -> Path:
     """A shipped model's folder, or random weights of a preset's architecture saved in one."""
     if not name.endswith(":random"):
         return ROOT / "wfd" / "models" / name
-    return save(load_model(name), tmp / name.removesuffix(":random"))
+    preset = name.removesuffix(":random")
+    return checkpoint(preset, tmp / preset)
 
 
 def model_rows(name: str, args, tmp: Path) -> list[dict]:

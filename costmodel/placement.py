@@ -138,19 +138,25 @@ def busiest(parts: dict[str, float], layout: str) -> tuple[float, str]:
     return time, name
 
 
+def placed_link(hw: HardwareSpec, layout: str, link: str | Link | None) -> Link:
+    """The link joining ``layout``'s devices of ``hw`` (None: the hardware's usual one); one
+    line where the layout is unknown or ``hw`` is already split for tensor parallelism."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; use {' or '.join(LAYOUTS)}")
+    if hw.tensor_parallel is not None:
+        raise ValueError("a placement's devices each hold whole parts: leave out tensor "
+                         "parallelism")
+    return resolve_link(hw, link)
+
+
 def place(model: LoopedModelSpec, hw: HardwareSpec, workload: Workload | dict, *,
           layout: str = "p|r|c", link: str | Link | None = None, lag: int = 1
           ) -> dict[str, Placed]:
     """Each schedule (at the variant ``predict`` finds best on one device) placed by
     ``layout`` over devices of ``hw`` joined by ``link`` (None: the hardware's usual one)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; use {' or '.join(LAYOUTS)}")
     if lag < 1:
         raise ValueError(f"the lag across the wave must be at least 1 tick, got {lag}")
-    if hw.tensor_parallel is not None:
-        raise ValueError("a placement's devices each hold whole parts: leave out tensor "
-                         "parallelism")
-    link = resolve_link(hw, link)
+    link = placed_link(hw, layout, link)
     wl = Workload.model_validate(workload)
     # the variants as one device runs them, however much memory that one would need
     roomy = hw.with_terms(memory_capacity_bytes=hw.roofline.memory_capacity_bytes * 64)

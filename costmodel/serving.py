@@ -32,7 +32,7 @@ from .hardware import HardwareSpec
 from .links import Link
 from .model import LoopedModelSpec
 from .parallel import split
-from .placement import StreamPlacement
+from .placement import StreamPlacement, placed_link
 from .requests import Request, check_fits
 from .schedules.base import Schedule
 from .trace import CallRecord
@@ -384,18 +384,9 @@ def predict_serving(model: LoopedModelSpec, hw: HardwareSpec, requests: Sequence
     or with its parts placed on devices of their own by ``placement`` (a layout of
     ``costmodel.placement.LAYOUTS``), joined by ``link``."""
     check_fits(requests, model.max_position_embeddings)
-    placed = None
-    if placement is not None:
-        from .links import resolve_link
-        from .placement import LAYOUTS, StreamPlacement
-
-        if placement not in LAYOUTS:
-            raise ValueError(f"unknown layout {placement!r}; use {' or '.join(LAYOUTS)}")
-        if tensor_parallel > 1:
-            raise ValueError("a placement's devices each hold whole parts: leave out tensor "
-                             "parallelism")
-        placed = StreamPlacement(placement, resolve_link(hw, link))
-    model, hw = split(model, hw, tensor_parallel, None if placed else link)
+    model, hw = split(model, hw, tensor_parallel, None if placement else link)
+    placed = None if placement is None else StreamPlacement(
+        placement, placed_link(hw, placement, link))
     depth = depth or model.default_depth
     schedules, alpha = chosen_schedules(
         model, hw, requests, max_batch=max_batch, depth=depth, dtype=dtype,

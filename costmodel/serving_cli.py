@@ -222,8 +222,10 @@ def serving_cmd(
     for r, results in runs:
         source = f"{requests_file}" if requests_file else f"{r:g}/s {arrivals}" + (
             f", lengths of {lengths}" if lengths else "")
+        from .placement import devices
+
         where = devices_text(hw) if placement is None else (
-            f"{hw.name} x {len(placement.split('|'))} placed {placement} over "
+            f"{hw.name} x {len(devices(placement))} placed {placement} over "
             f"{options['link'].name}")
         _print(results, found, f"{spec.name} on {where}, {head['requests']} requests "
                f"({source}), at most {max_batch} together")

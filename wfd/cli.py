@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Annotated
@@ -180,11 +179,10 @@ def _check_sources(prompt: str | None, prompt_ids: str | None, prompts_file: Pat
         raise UserError("give --prompts-file or a prompt (--prompt, --prompt-ids), not both")
     if batch_size < 1:
         raise UserError(f"batch size must be at least 1, got {batch_size}")
-    if not os.access(prompts_file, os.R_OK) or prompts_file.is_dir():
-        # before the model loads (seconds), as the run would say it
-        why = "not a file" if prompts_file.is_dir() else (
-            "Permission denied" if prompts_file.exists() else "No such file or directory")
-        raise UserError(f"cannot read the prompts file {prompts_file}: {why}")
+    try:  # before the model loads (seconds), as reading it in the run would say it
+        prompts_file.open().close()
+    except OSError as exc:
+        raise UserError(f"cannot read the prompts file {prompts_file}: {exc.strerror}") from None
     if as_json and out is None:
         raise UserError("--json prints the run's totals: give --out for the per-prompt results")
 
