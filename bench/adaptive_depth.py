@@ -2,7 +2,7 @@
 well the cost model predicts the speedups with exits.
 
     python bench/adaptive_depth.py [--models huginn-tiny ouro-tiny] [--rules kl:0.01 ...]
-        [--prompts 4] [--new-tokens 128] [--repeats 3] [--windows 8]
+        [--prompts 4] [--new-tokens 128] [--repeats 3] [--windows 8] [--exit-kv reference]
 
 For each model and rule (defaults: RULES below), on held-out text and prompts (greedy, fp32):
 
@@ -101,8 +101,8 @@ def predicted_speedups(model, name, profile, prompts, new_tokens, rule, draft_de
                                           depth=model.config.depth,
                                           prompt_length=len(prompt)), run.depth_records)
             wl = Workload(context_length=len(prompt), new_tokens=new_tokens, dtype="fp32",
-                          depth_trace=str(path), exit_rule=rule.label.split(" ")[0],
-                          exit_min_depth=rule.min_depth)
+                          depth_trace=str(path), exit_rule=f"{rule.name}:{rule.threshold:g}",
+                          exit_min_depth=rule.min_depth, exit_kv=rule.kv)
             p = predict(model.config.to_spec(name), profile.hardware, wl,
                         draft_depth=draft_depth, block_length=BLOCK_LENGTH)
             for kind in out:
@@ -139,6 +139,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("--exit-kv", choices=["latest", "reference"], default="latest",
+                        help="the rules' exit KV rule (reference: the public Huginn code's)")
     parser.add_argument("--drafts", action="store_true",
                         help="measure adaptive drafting instead of exits")
     args = parser.parse_args()
@@ -170,7 +172,7 @@ def main() -> None:
               "predicted WFD / AR-exit | DtV / AR-exit | predicted DtV / AR-exit |")
         print("|---" * 10 + "|")
         for text in args.rules or RULES[name]:
-            rule = ExitRule.parse(text)
+            rule = ExitRule.parse(text, kv=args.exit_kv)
             bits = held_out_bits(model, data, rule, windows=args.windows)
             runs = timed(model, prompts, args.repeats, {
                 "fixed ar": common, "fixed wfd": dict(schedule="wfd", **common),

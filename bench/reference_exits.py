@@ -12,9 +12,10 @@ builds a tiny random Huginn in the public layout, well conditioned (its core's r
 branches scaled by --damp: the recurrence converges, so tokens really exit), saves it, loads
 that folder into the reference class, and for each criterion and threshold compares the
 greedy tokens of the reference ``generate_with_adaptive_compute`` (zero initial state, prompt
-at full depth, its default cache) with ``wfd``'s AR with the same rule and ``--exit-kv``
-(default: reference, the public code's rule). Prints a table of each case (tokens equal, the
-first difference, the exit depths on both sides) and exits 1 when any case differs.
+at full depth, its default cache) with ``wfd``'s AR, DtV and WFD (``--schedules``) with the
+same rule and ``--exit-kv`` (default: reference, the public code's rule). Prints a table of
+each case (tokens equal and the first difference per schedule, the exit depths on both sides)
+and exits 1 when any run differs.
 """
 
 from __future__ import annotations
@@ -96,11 +97,14 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--damp", type=float, default=0.3)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--schedules", nargs="+", choices=["ar", "dtv", "wfd"],
+                        default=["ar", "dtv", "wfd"])
     args = parser.parse_args()
     package = import_reference(args.huginn_ref)
     cfg = TINY["huginn"].model_copy(update={"default_depth": DEPTH})
-    print("| seed | rule | tokens equal | first difference | our exit depths | reference's |"
-          "\n|---|---|---|---|---|---|")
+    heads = " | ".join(f"{s.upper()}: tokens equal (first difference)" for s in args.schedules)
+    print(f"| seed | rule | {heads} | our exit depths | reference's |\n"
+          f"|---|---|{'---|' * len(args.schedules)}---|---|")
     differ = 0
     for seed in args.seeds:
         ours = damp(init_random(build(cfg, init_scale=0.0), seed=seed), args.damp)
@@ -113,17 +117,19 @@ def main() -> None:
                 theirs, steps = reference_run(package, Path(tmp), prompt, criterion, threshold,
                                               args.new_tokens)
                 rule = ExitRule.parse(f"{name}:{threshold}", kv=args.kv)
-                run = generate(loaded, prompt, max_new_tokens=args.new_tokens, schedule="ar",
-                               exit_rule=rule, record=False)
-                first = next((i for i, (a, b) in enumerate(zip(run.tokens, theirs, strict=True))
-                              if a != b), None)
-                differ += first is not None
-                depths = run.stats["exit_depths"]
-                print(f"| {seed} | `{rule.label}` | {'yes' if first is None else 'no'} | "
-                      f"{'-' if first is None else first} | {min(depths)}-{max(depths)} "
-                      f"(mean {sum(depths) / len(depths):.2f}) | {min(steps)}-{max(steps)} "
-                      f"(mean {sum(steps) / len(steps):.2f}) |")
-    print(f"\n{differ} of {len(args.seeds) * len(CASES)} cases differ")
+                cells = []
+                for schedule in args.schedules:
+                    run = generate(loaded, prompt, max_new_tokens=args.new_tokens,
+                                   schedule=schedule, exit_rule=rule, record=False)
+                    first = next((i for i, (a, b) in enumerate(
+                        zip(run.tokens, theirs, strict=True)) if a != b), None)
+                    differ += first is not None
+                    cells.append("yes" if first is None else f"no ({first})")
+                depths = run.stats["exit_depths"]  # every schedule's are AR's (tests)
+                print(f"| {seed} | `{rule.label}` | {' | '.join(cells)} | "
+                      f"{min(depths)}-{max(depths)} (mean {sum(depths) / len(depths):.2f}) | "
+                      f"{min(steps)}-{max(steps)} (mean {sum(steps) / len(steps):.2f}) |")
+    print(f"\n{differ} of {len(args.seeds) * len(CASES) * len(args.schedules)} runs differ")
     sys.exit(1 if differ else 0)
 
 

@@ -86,9 +86,11 @@ def sample_calls(profile: CalibrationProfile, count: int) -> list[ValidationPoin
     return chosen
 
 
-def check_profile(profile: CalibrationProfile, count: int = 16, progress=None) -> ProfileCheck:
+def check_profile(profile: CalibrationProfile, count: int = 16, progress=None,
+                  retries: int = 4) -> ProfileCheck:
     """Time ``count`` of the profile's calls here, with its device, dtype, threads and execution
-    mode, and compare them with its stored times."""
+    mode, and compare them with its stored times; a call timed while the machine was busy is
+    timed again up to ``retries`` times (on a CPU)."""
     import torch
 
     from wfd.checkpoint import load_model
@@ -101,7 +103,7 @@ def check_profile(profile: CalibrationProfile, count: int = 16, progress=None) -
     grid = Grid(positions=[1], contexts=[1], repeats=int(profile.grid.get("repeats", [7])[0]))
     mode = profile.hardware.mode
     cuda = device.startswith("cuda")
-    quiet = Quiet(device, retries=0 if cuda else 4, budget_s=30.0)
+    quiet = Quiet(device, retries=0 if cuda else retries, budget_s=30.0)
     shapes = [(p.record.kind, len(p.record.positions), min(p.record.positions),
                len(p.record.slot_contexts())) for p in points]
     models = {}

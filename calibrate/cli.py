@@ -251,6 +251,9 @@ def check_profile_cmd(
     profile: Annotated[Path, typer.Option(help="calibration profile (JSON)")],
     calls: Annotated[int, typer.Option(
         help="how many of the profile's calls to time again (spread over its models)")] = 16,
+    retries: Annotated[int, typer.Option(
+        help="times a call timed while the machine was busy is timed again, after a pause "
+             "(0: time each once, the quickest check)")] = 4,
     as_json: JsonOption = False,
 ) -> None:
     """Time a sample of the profile's calls on this machine and compare them with the times it
@@ -258,6 +261,8 @@ def check_profile_cmd(
     prof = load_profile(profile)
     if calls < 1:
         raise UserError(f"--calls must be at least 1, got {calls}")
+    if retries < 0:
+        raise UserError(f"--retries must be at least 0, got {retries}")
     if prof.device != "cpu":
         import torch
 
@@ -275,7 +280,7 @@ def check_profile_cmd(
     try:
         with stderr_progress(TextColumn("{task.description}"), BarColumn(),
                              TimeElapsedColumn()) as progress:
-            check = check_profile(prof, calls, progress)
+            check = check_profile(prof, calls, progress, retries)
     except CheckpointError as exc:
         raise UserError(f"profile {profile}: {exc}") from None
     ratio, per_model = check.median_ratio, check.per_model()

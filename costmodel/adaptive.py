@@ -37,10 +37,10 @@ class ExitProfile:
 
     @classmethod
     def from_distribution(cls, dist: dict[int, float], depth: int, acceptance: float,
-                          every_depth: bool) -> ExitProfile:
+                          every_depth: bool, kv: str = "latest") -> ExitProfile:
         probs = tuple(dist.get(r, 0.0) for r in range(1, depth + 1))
         first = min(r for r, p in dist.items() if p > 0)
-        return cls(depth, probs, (acceptance,) * depth, EarlyExit(first, every_depth))
+        return cls(depth, probs, (acceptance,) * depth, EarlyExit(first, every_depth, kv))
 
     @classmethod
     def from_pairs(cls, pairs: Sequence[tuple[int, bool]], depth: int, exits: EarlyExit
@@ -106,7 +106,8 @@ def exit_profile(model: LoopedModelSpec, workload: Workload, depth: int, draft_d
     if not workload.adaptive:
         return None
     coda_attends = model.coda_layers > 0
-    rule = ExitRule.parse(workload.exit_rule, workload.exit_min_depth) \
+    kv = workload.exit_kv
+    rule = ExitRule.parse(workload.exit_rule, workload.exit_min_depth, kv) \
         if workload.exit_rule else None
     if rule is not None and rule.name == "gate" and not model.exit_gate:
         raise ValueError(f"the gate rule needs a model with an exit gate; {model.name} has none")
@@ -114,8 +115,11 @@ def exit_profile(model: LoopedModelSpec, workload: Workload, depth: int, draft_d
         dist = workload.exit_depths
         check_exit_depths(dist, depth)
         alpha = model.default_acceptance if workload.acceptance is None else workload.acceptance
-        every = rule.for_plan(coda_attends, depth).every_depth if rule else coda_attends
-        return ExitProfile.from_distribution(dist, depth, alpha, every)
+        # without a rule, depths known without readouts (as forced exits are), whose coda
+        # under the latest KV rule is read at every depth
+        every = rule.for_plan(coda_attends, depth).every_depth if rule else \
+            coda_attends and kv == "latest"
+        return ExitProfile.from_distribution(dist, depth, alpha, every, kv)
     from .trace import read_depth_trace
 
     trace = read_depth_trace(workload.depth_trace)

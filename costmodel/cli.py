@@ -87,7 +87,8 @@ def _print_table(p: Prediction) -> None:
            f"{wl.kv_sharing} slot(s)")
         + (f", acceptance {alpha:.2f}" if alpha is not None else "")
         + (", CUDA graphs" if hw.graphs.cuda_graphs else "")
-        + (f", exits at mean depth {p.schedules['ar'].mean_exit_depth:.2f} (WFD simulated)"
+        + (f", exits at mean depth {p.schedules['ar'].mean_exit_depth:.2f}"
+           + (", reference KV" if wl.exit_kv == "reference" else "") + " (WFD simulated)"
            if p.schedules and next(iter(p.schedules.values())).mean_exit_depth is not None
            else ""))
     fit = "fits" if mem.fits else "DOES NOT FIT"
@@ -143,17 +144,25 @@ def _print_placement(placed: dict) -> None:
               "pipelined: of a group, with every device busy)"))
 
 
-def _exit_options(rule: str | None, min_depth: int, exit_depths: str | None, depth: int
-                  ) -> dict[str, object]:
+def _exit_options(rule: str | None, min_depth: int, exit_depths: str | None, depth: int,
+                  exit_kv: str = "latest") -> dict[str, object]:
     """The adaptive-depth fields of a workload, checked (one line for a bad one)."""
     out: dict[str, object] = {}
     if rule is not None:
         from .exits import ExitRule
 
-        ExitRule.parse(rule, min_depth).for_plan(False, depth)  # ValueError: a UserError
+        ExitRule.parse(rule, min_depth, exit_kv).for_plan(False, depth)  # a UserError
         out.update(exit_rule=rule, exit_min_depth=min_depth)
     elif min_depth != 1:
         raise UserError("--min-depth goes with --exit")
+    if exit_kv != "latest":
+        from .exits import EXIT_KV
+
+        if exit_kv not in EXIT_KV:
+            raise UserError(f"the exit KV rule must be {' or '.join(EXIT_KV)}, got {exit_kv!r}")
+        if rule is None and exit_depths is None:
+            raise UserError("--exit-kv goes with exits (--exit or --exit-depths)")
+        out["exit_kv"] = exit_kv
     if exit_depths is not None:
         from .exits import parse_exit_depths
 
@@ -193,6 +202,10 @@ def predict_cmd(
     exit_depths: Annotated[str | None, typer.Option(
         help="adaptive depth: the exit depths' distribution, e.g. \"4:0.3,6:0.5,8:0.2\" "
              "(--acceptance: of the drafts of tokens that go past the draft depth)")] = None,
+    exit_kv: Annotated[str, typer.Option(
+        help="with exits, what later tokens read of an exited token's skipped depths: latest "
+             "(its KV at its exit) or reference (the public Huginn code's: a wave defers "
+             "readouts until older tokens are final)")] = "latest",
     batch: BatchOption = 1,
     prompts: Annotated[int | None, typer.Option(
         help="a run of N prompts decoded --batch at a time, to its end (the batch empties as "
@@ -237,7 +250,8 @@ def predict_cmd(
     hw = override_hardware(base, bandwidth, flops, memory, launch_overhead, dtype, mode, host_speed)
     spec, hw = parallel_devices(spec, hw, tensor_parallel, link, link_bandwidth, link_latency,
                                 placement)
-    exits = _exit_options(exit_rule, min_depth, exit_depths, depth or spec.default_depth)
+    exits = _exit_options(exit_rule, min_depth, exit_depths, depth or spec.default_depth,
+                          exit_kv)
     if exit_rule is not None and exit_depths is None and depth_trace is None:
         raise UserError("--exit is priced from the exit depths a --depth-trace gives under it "
                         "(or give their distribution: --exit-depths)")

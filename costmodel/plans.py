@@ -123,6 +123,13 @@ class Plan:
         # prompt again, in an engine), whose prefill step stops where its rule fires, as when
         # it was decoded; None: every prompt position at full depth
         self.exits_from: int | None = None
+        # the reference exit KV rule with a coda that attends: a token's final readout (and a
+        # rule's readout that decides its exit) attends over every older token's final one, so
+        # it waits until those are made (``after_block``); AR never waits
+        self.defer = exits is not None and exits.kv == "reference" and coda_attends
+        self.front = prompt_length  # the oldest position whose final readout is not made
+        self.held: dict[int, int] = {}  # position -> the depth it waits at for its rule
+        self.unread: dict[int, int] = {}  # position -> the depth it stopped at, unread
 
     def steps(self) -> Steps:
         """The whole schedule: the prefill (unless skipped), then decoding without end."""
@@ -143,7 +150,8 @@ class Plan:
         attends = self.coda_attends or every_position
         readout = positions if attends else tuple(p for p in (last,) if p < first)
         single = self.exits is not None and self.exits.kv == "reference"
-        depths = self.readout_depths if attends and not single else self.always_read
+        depths = (self.depth,) if single else self.readout_depths if attends else \
+            self.always_read
         yield Call("prelude", positions + going, (0,) * self.prompt_length)
         for r in range(1, self.depth + 1):
             yield Call("block", positions + going, (r,) * (len(positions) + len(going)))
@@ -181,6 +189,8 @@ class Plan:
         """What follows a block call over ``positions`` at ``depths``: their readouts and, with
         exits, the rule's verdict. Returns the positions whose readout is now final (exited, or
         at R)."""
+        if self.defer:
+            return (yield from self.after_block_deferred(positions, depths))
         pairs = list(zip(positions, depths, strict=True))
         exited: set[int] = set()
         checked = [(p, r) for p, r in pairs if r < self.depth] if self.exits else []
@@ -193,6 +203,70 @@ class Plan:
         if checked and every:
             exited = yield Check(*map(tuple, zip(*checked, strict=True)))
         return set(exited) | {p for p, r in pairs if r == self.depth}
+
+    def after_block_deferred(self, positions: Sequence[int], depths: Sequence[int]
+                             ) -> Generator[Event, bool | set[int] | None, set[int]]:
+        """``after_block`` under the reference exit KV rule (``defer``). A rule on the states
+        decides at once, but a stopped position's final readout waits until every older one's
+        is made (``unread``). A rule on the readouts decides with a readout that must attend
+        over the older final ones, so a position past the rule's first depth that is not the
+        oldest unread waits out of the calls (``held``) until it is: it never steps past a
+        depth whose verdict is unknown, so the core KV later positions read is AR's. Readouts
+        at the depths always read (a draft's) are made at once, as proposals. Returns the
+        positions whose final readout is now made, these or older ones."""
+        rule = self.exits
+        pairs = list(zip(positions, depths, strict=True))
+        checked = [(p, r) for p, r in pairs if r < self.depth]
+        exited = set()
+        if checked and not rule.every_depth:
+            exited = yield Check(*map(tuple, zip(*checked, strict=True)))
+        self.unread.update((p, r) for p, r in pairs if r == self.depth or p in exited)
+        if rule.every_depth:
+            self.held.update((p, r) for p, r in checked if r >= rule.min_depth)
+        proposals = {p: r for p, r in pairs if r in self.always_read and r < self.depth}
+        return (yield from self.read_final(proposals))
+
+    def read_final(self, proposals: dict[int, int]
+                   ) -> Generator[Event, bool | set[int] | None, set[int]]:
+        """One coda call with ``proposals`` and every final readout that can be made now (the
+        oldest unread position's and the stopped ones that follow it); then, if the oldest
+        waits for its rule, its verdict, and again while it exits."""
+        done: set[int] = set()
+        while True:
+            read, p = dict(proposals), self.front
+            while p in self.unread:
+                read[p] = self.unread.pop(p)
+                done.add(p)
+                p += 1
+            self.front = p
+            asked = (p, self.held.pop(p)) if p in self.held else None
+            if asked:
+                read[p] = asked[1]
+            if read:
+                order = sorted(read)
+                yield Call("coda", tuple(order), tuple(read[q] for q in order))
+            if asked is None or p not in (yield Check((p,), (asked[1],))):
+                return done  # the oldest unread goes on (back into the calls), or none waits
+            done.add(p)
+            self.front, proposals = p + 1, {}
+
+    def waits(self, position: int) -> bool:
+        """Whether a position stays out of the calls for now (``after_block_deferred``)."""
+        return position in self.held or position in self.unread
+
+    def proposal(self, position: int) -> Generator[Event, bool | set[int] | None, None]:
+        """A readout to draft from, for a position that stopped below the draft depth with its
+        final readout still waiting (a proposal: verified when the final one is made)."""
+        depth = self.unread.get(position)
+        if depth is not None and depth not in self.always_read:
+            yield Call("coda", (position,), (depth,))
+
+    def rolled_back(self, length: int) -> None:
+        """Positions from ``length`` on are discarded: none of them waits any more."""
+        self.front = length
+        for waiting in (self.held, self.unread):
+            for p in [p for p in waiting if p >= length]:
+                del waiting[p]
 
     def decode(self) -> Steps:
         """Decoding without end: each schedule's own (costmodel.schedules)."""

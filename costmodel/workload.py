@@ -3,7 +3,7 @@ sharing, depth, a run of prompts and adaptive depth a prediction prices."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -35,6 +35,9 @@ class Workload(Spec):
     exit_depths: dict[int, float] | None = None
     exit_rule: str | None = None
     exit_min_depth: Annotated[int, Field(ge=1)] = 1
+    # what later tokens read of an exited token's skipped depths (costmodel.exits.EXIT_KV):
+    # under "reference" a wave defers readouts until older tokens are final (costmodel.plans)
+    exit_kv: Literal["latest", "reference"] = "latest"
 
     @property
     def adaptive(self) -> bool:
@@ -49,6 +52,9 @@ class Workload(Spec):
         if self.exit_rule is not None and self.exit_depths is None and self.depth_trace is None:
             raise ValueError("an exit rule is priced from a depth trace (or give the exit "
                              "depths' distribution)")
+        if self.exit_kv != "latest" and not self.adaptive:
+            raise ValueError("the exit KV rule (--exit-kv) goes with exits (--exit or "
+                             "--exit-depths)")
         if self.adaptive and self.prompts is not None:
             raise ValueError("a run of prompts is priced at fixed depth only; leave out "
                              "--prompts to price exits")

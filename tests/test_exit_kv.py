@@ -5,6 +5,8 @@ calls (in step, as wfd's batch runs them, or continuously, as the vLLM plugin do
 
 import pytest
 from conftest import model_for, tiny_model
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from costmodel import AR
 from costmodel.adaptive import ExitProfile
@@ -103,10 +105,47 @@ def test_the_reference_kv_rule_runs_alike_eager_static_and_batched(family):
     assert late.tokens == run(model, prompts[0], max_new_tokens=12).tokens
 
 
+@settings(max_examples=16, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(["kl:0.05", "kl:0.5", "entropy-diff:0.05", "argmax-stable:1",
+                        "latent-diff:0.3", "latent-diff:0.05"]), st.booleans(),
+       st.integers(1, 3), st.sampled_from(["dtv", "wfd"]), st.integers(1, 3),
+       st.integers(1, 5), st.one_of(st.none(), st.integers(1, 4)),
+       st.lists(st.integers(0, 63), min_size=1, max_size=6))
+def test_dtv_and_wfd_under_the_reference_kv_rule_equal_ar_under_it(rule, easy, min_depth,
+                                                                  schedule, d, k, cap, prompt):
+    """Under the public code's KV rule a younger position's final readout (and a readout rule's
+    check) waits for the older ones' final readouts: the tokens and every exit depth are AR's."""
+    model = model_for("huginn", easy)
+    options = {"max_new_tokens": 14, "exit_rule": rule, "min_depth": min_depth,
+               "exit_kv": "reference"}
+    ar = run(model, prompt, **options)
+    fast = run(model, prompt, schedule, draft_depth=d, block_length=k, width_cap=cap,
+               **options)
+    assert (fast.tokens, fast.stats["exit_depths"]) == (ar.tokens, ar.stats["exit_depths"])
+
+
+def test_under_the_reference_kv_rule_a_state_rule_keeps_the_wave_and_a_readout_rule_waits():
+    """A rule on the states decides at once, so the wave goes on (fewer block calls than AR);
+    a rule on the readouts decides once the older tokens are final, so a younger position
+    waits at its first checked depth: no block call holds two positions past it."""
+    model, prompt = model_for("huginn", True), [3, 1, 4, 1, 5]
+    options = {"max_new_tokens": 16, "exit_kv": "reference"}
+
+    def blocks(schedule, rule):
+        return [c for c in generate(model, prompt, schedule=schedule, exit_rule=rule,
+                                    **options).records if c.kind == "block"]
+    assert len(blocks("wfd", "latent-diff:0.05")) < 0.8 * len(blocks("ar", "latent-diff:0.05"))
+    waves = [c for c in blocks("wfd", "kl:0.05") if c.positions[0] >= len(prompt)]
+    assert max(len(c.positions) for c in waves) > 1
+    assert all(sum(r > 1 for r in c.depths) <= 1 for c in waves)
+
+
 @pytest.mark.parametrize("settings, message", [
     ({"exit_kv": "reference"}, "goes with an exit rule"),
-    ({"exit_rule": "kl", "exit_kv": "reference", "schedule": "wfd"}, "runs with --schedule ar"),
-    ({"exit_rule": "kl", "exit_kv": "reference", "kv_sharing": 2}, "runs with --schedule ar"),
+    ({"exit_rule": "kl", "exit_kv": "reference", "schedule": "wfd", "draft_rule": "kl:0.5"},
+     "no draft rule"),
+    ({"exit_rule": "kl", "exit_kv": "reference", "kv_sharing": 2}, "a KV slot per depth"),
     ({"exit_rule": "kl", "exit_kv": "nearest"}, "the exit KV rule must be latest or reference"),
 ])
 def test_the_reference_kv_rule_is_refused_where_it_cannot_run(settings, message):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from costmodel import AR, WFD, DtV, Workload, get_hardware, predict, simulate
 from costmodel.adaptive import ExitProfile
-from costmodel.exits import ExitRule, parse_exit_depths
+from costmodel.exits import EXIT_KV, ExitRule, parse_exit_depths
 from costmodel.groups import block_calls_per_token
 from costmodel.plans import EarlyExit
 from costmodel.predict import _Pricer
@@ -29,8 +29,10 @@ def run(model, prompt, schedule="ar", **options):
 @st.composite
 def exit_cases(draw):
     family = draw(st.sampled_from(["huginn", "ouro"]))
+    # Huginn's coda attends: under the public code's KV rule a wave defers readouts
+    kv = draw(st.sampled_from(EXIT_KV)) if family == "huginn" else "latest"
     rule = ExitRule.parse(draw(st.sampled_from(RULES[family])),
-                          draw(st.integers(1, 3)))
+                          draw(st.integers(1, 3)), kv)
     return family, rule
 
 
@@ -46,7 +48,8 @@ def test_dtv_and_wfd_with_exits_equal_ar_with_the_same_rule(case, easy, prompt, 
     model = model_for(family, easy)
     depth = model.config.depth
     d = min(d, depth - 1)
-    sharing = depth if sharing == "R" else 0  # s >= R: a slot per depth, as without sharing
+    # s >= R: a slot per depth, as without sharing (the reference KV rule keeps no sharing)
+    sharing = depth if sharing == "R" and rule.kv == "latest" else 0
     ar = run(model, prompt, max_new_tokens=14, exit_rule=rule, kv_sharing=sharing)
     fast = run(model, prompt, schedule, max_new_tokens=14, exit_rule=rule, draft_depth=d,
                block_length=k, width_cap=cap, kv_sharing=sharing, mode=mode)
@@ -198,7 +201,7 @@ def closed_form(model, profile, groups, alpha):
 
 
 @pytest.mark.slow
-@settings(max_examples=12, deadline=None, derandomize=True)
+@settings(max_examples=8, deadline=None, derandomize=True)
 @given(st.dictionaries(st.integers(1, 32), st.floats(0.05, 1.0), min_size=1, max_size=4),
        st.floats(0.0, 1.0), st.booleans(), st.integers(1, 8), st.integers(1, 31),
        st.integers(0, 2**16))

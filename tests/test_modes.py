@@ -9,13 +9,21 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import run_cli
 
+import calibrate.modes
 from calibrate.fit import MODE_TERMS, Observation, fit, parameters_for, predict_calls
 from calibrate.modes import join_modes
 from costmodel import get_model
 from costmodel.cost import call_cost
 from costmodel.hardware import HardwareSpec
-from costmodel.profile import CalibrationProfile, ProfileError, ValidationPoint, save_profile
+from costmodel.profile import (
+    CalibrationProfile,
+    ProfileError,
+    ValidationPoint,
+    load_profile,
+    save_profile,
+)
 from costmodel.schedules import AR, WFD
 from costmodel.simulate import simulate
 from costmodel.trace import CallRecord
@@ -143,7 +151,7 @@ def _profile(mode: str, seed: int) -> CalibrationProfile:
 
 
 @pytest.mark.slow
-def test_joined_profiles_validate_per_mode_and_across_modes(tmp_path):
+def test_joined_profiles_validate_per_mode_and_across_modes(tmp_path, capsys, monkeypatch):
     eager, graphs = tmp_path / "eager.json", tmp_path / "graphs.json"
     save_profile(_profile("eager", 0), eager)
     save_profile(_profile("graphs", 1), graphs)
@@ -158,8 +166,11 @@ def test_joined_profiles_validate_per_mode_and_across_modes(tmp_path):
     cross = {(c["fit_on"], c["predicted"]): c for c in payload["cross_mode"]}
     assert set(cross) == {("eager", "graphs"), ("graphs", "eager")}
     assert "graph_host_overhead_s" in cross["eager", "graphs"]["held"]
-    text = subprocess.run([*cli, "join-modes", str(eager), str(graphs), "--out", str(joint)],
-                          capture_output=True, text=True, timeout=120).stdout
+    # the same as text, in this process, from the fit just written (fitting again takes 5 s)
+    monkeypatch.setattr(calibrate.modes, "join_modes", lambda e, g: load_profile(joint))
+    code, text, _ = run_cli(capsys, "join-modes", str(eager), str(graphs), "--out",
+                            str(tmp_path / "again.json"))
+    assert code == 0
     c = cross["eager", "graphs"]["per_call"]
     assert (f"fitted on eager only, priced graphs: calls median {c['median_rel_error']:.1%}, "
             f"max {c['max_rel_error']:.1%}") in text

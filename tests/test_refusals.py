@@ -80,12 +80,14 @@ def test_a_refused_command_prints_its_one_line_alone(tmp_path, case):
 
 
 def test_validate_and_check_profile_refuse_in_one_line(tmp_path):
-    """A profile without calls: nothing to validate or time again, on a machine not its own."""
+    """A profile without calls: nothing to validate or time again, on a machine not its own;
+    a negative count of retries."""
     empty = tmp_path / "empty.json"
     raw = json.loads(Path(HUGINN).read_text())
     raw["validation"], raw["training"] = [], []
     empty.write_text(json.dumps(raw))
     for command in (["validate", "--profile", str(empty)],
-                    ["check-profile", "--profile", str(empty)]):
+                    ["check-profile", "--profile", str(empty)],
+                    ["check-profile", "--profile", HUGINN, "--retries", "-1"]):
         out = run(tmp_path, "costmodel", *command)
         assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, (command, out.stderr)

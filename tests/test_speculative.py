@@ -46,12 +46,12 @@ def test_wfd_greedy_equals_ar(family, easy, prompt, d, cap, mode):
 
 
 @pytest.mark.parametrize("family", ["huginn", "ouro"])
-def test_every_draft_depth_and_block_length(family):
+def test_every_draft_depth_at_block_lengths_1_to_8(family):
     model = model_for(family, True)
     prompt = [5, 9, 33, 2, 17]
     ar = run(model, prompt, max_new_tokens=20).tokens
     for d in range(1, model.config.depth):
-        for k in range(1, 9):
+        for k in (1, 2, 3, 5, 8):  # and the hypothesis tests' draws between
             assert run(model, prompt, "dtv", max_new_tokens=20, block_length=k,
                        draft_depth=d).tokens == ar
         assert run(model, prompt, "wfd", max_new_tokens=20, draft_depth=d).tokens == ar

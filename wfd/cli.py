@@ -81,7 +81,7 @@ def generate(
     exit_kv: Annotated[str, typer.Option(
         help="--exit: what later tokens read of the depths a token skipped: latest (its KV at "
              "its exit depth) or reference (the public Huginn code's: absent; one coda slot "
-             "holding its final readout; AR only)")] = "latest",
+             "holding its final readout)")] = "latest",
     force_exits: Annotated[str | None, typer.Option(
         help="timing mode: each token exits at a depth drawn from this distribution, e.g. "
              "\"8:0.5,16:0.5\", instead of where a rule fires (NOT a real decode)")] = None,

@@ -42,7 +42,7 @@ class RunOptions(BaseModel):
     exit_rule: ExitRule | ForcedExits | None = None
     min_depth: int = Field(1, ge=1)
     # what later tokens read of an exited token's skipped depths (costmodel.exits.EXIT_KV):
-    # "latest" (its KV at its exit depth) or "reference" (the public Huginn code's; AR only)
+    # "latest" (its KV at its exit depth) or "reference" (the public Huginn code's)
     exit_kv: Literal["latest", "reference"] = "latest"
     force_exits: str | None = None  # timing: exit depths drawn from "DEPTH:P,..."
     draft_rule: ExitRule | None = None
@@ -75,8 +75,11 @@ class RunOptions(BaseModel):
         if isinstance(data.get("exit_rule"), str):
             data["exit_rule"] = ExitRule.parse(data["exit_rule"], data.get("min_depth", 1),
                                                data.get("exit_kv", "latest"))
-        elif isinstance(data.get("exit_rule"), ExitRule) and "exit_kv" in data:
-            data["exit_rule"] = replace(data["exit_rule"], kv=data["exit_kv"])
+        elif isinstance(data.get("exit_rule"), ExitRule):  # one KV rule, the rule's or given
+            if "exit_kv" in data:
+                data["exit_rule"] = replace(data["exit_rule"], kv=data["exit_kv"])
+            else:
+                data["exit_kv"] = data["exit_rule"].kv
         if isinstance(data.get("draft_rule"), str):
             try:
                 data["draft_rule"] = ExitRule.parse(data["draft_rule"])
@@ -100,9 +103,9 @@ class RunOptions(BaseModel):
         if self.exit_kv == "reference" and not isinstance(rule, ExitRule):
             raise ValueError("the reference exit KV rule (--exit-kv) goes with an exit rule "
                              "(--exit)")
-        if self.exit_kv == "reference" and (self.auto or self.drafts or self.kv_sharing):
-            raise ValueError("the reference exit KV rule runs with --schedule ar and a KV slot "
-                             "per depth: a wave reads a position out before older ones exit")
+        if self.exit_kv == "reference" and (self.auto or self.draft_rule or self.kv_sharing):
+            raise ValueError("the reference exit KV rule runs with a named schedule, a KV slot "
+                             "per depth and no draft rule (--draft-when)")
         if self.force_exits is not None and rule is not None:
             raise ValueError("give an exit rule or forced exits, not both")
         if self.draft_rule is not None and not self.drafts:

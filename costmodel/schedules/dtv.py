@@ -4,13 +4,14 @@ commits."""
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from typing import TYPE_CHECKING, Annotated, Literal
 
 import numpy as np
 from pydantic import Field
 
 from ..groups import CallGroup, binomial, expected_tokens_per_round
-from ..plans import Bonus, Call, Draft, Plan, Rollback, Steps, Verify, check_draft_depth
+from ..plans import Bonus, Call, Draft, Event, Plan, Rollback, Steps, Verify, check_draft_depth
 from .base import Drafting, Schedule, register
 
 if TYPE_CHECKING:
@@ -39,53 +40,70 @@ class DtVPlan(Plan):
         self.lookahead = block_length + 1
 
     def decode(self) -> Steps:
-        k, d = self.block_length, self.draft_depth
         cur = self.prompt_length  # the position holding the newest committed token
         while True:
             self.rounds += 1
-            drafted = tuple(range(cur, cur + k + 1))
-            settled: set[int] = set()  # exited by d: the draft is the final token
-            at: dict[int, int] = {}  # the depth each drafted position stopped drafting at
-            limit = d  # adaptive drafts never go deeper than the one before (exactness)
-            for p in drafted:
-                yield Call("prelude", (p,), (0,))
-                for r in range(1, limit + 1):  # the last one's readout only fills the coda's KV
-                    yield Call("block", (p,), (r,))
-                    at[p] = r
-                    if p in (yield from self.after_block((p,), (r,))):
-                        settled.add(p)  # its KV stands in for every deeper depth: no limit
-                        break
-                    if r == limit:  # below d: where the one before drafted; read out here
-                        if not self.read_at(r):
-                            yield Call("coda", (p,), (d,))
-                        break
-                    if (yield from self.draft_check(p, r, d)):
-                        limit = r
-                        break
-                if p < cur + k:
-                    yield Draft(p, final=p in settled)
+            drafted = yield from self.draft_round(cur)
             # the rest continue together, each a step per call from where it drafted (the older
-            # never shallower), leaving as they exit or reach R
-            going = [p for p in drafted if p not in settled]
-            while going:
+            # never shallower), leaving as they exit or reach R; a position waiting for older
+            # readouts (``Plan.defer``) rejoins when they are made
+            final = set(self.final)
+            while len(final) < len(drafted):
+                going = [p for p in drafted if p not in final and not self.waits(p)]
                 for p in going:
-                    at[p] += 1
-                yield Call("block", tuple(going), tuple(at[p] for p in going))
-                done = yield from self.after_block(going, [at[p] for p in going])
-                going = [p for p in going if p not in done]
-            accepted = 0
-            while accepted < k:
+                    self.at[p] += 1
+                yield Call("block", tuple(going), tuple(self.at[p] for p in going))
+                final |= yield from self.after_block(going, [self.at[p] for p in going])
+            accepted, drafts = 0, len(drafted) - 1  # k, or fewer where drafting had to stop
+            while accepted < drafts:
                 p = cur + accepted
-                if p in settled:
+                if p in self.settled:
                     yield Bonus(p)
                 elif not (yield Verify(p)):
                     break
                 accepted += 1
-            if accepted == k:
-                yield Bonus(cur + k)
+            if accepted == drafts:
+                yield Bonus(cur + drafts)
             cur += accepted + 1
             yield Rollback(cur)
+            self.rolled_back(cur)
 
+    def draft_round(self, cur: int) -> Generator[Event, bool | set[int] | None, list[int]]:
+        """Draft positions cur, cur + 1, ... one by one at d (k + 1 of them), each drafting the
+        next one's token; the positions drafted. Sets ``settled`` (exited by d with its final
+        readout made: the draft is its token), ``final`` (the positions whose final readout is
+        made) and ``at`` (the depth each stopped drafting at).
+        A position that must wait for older readouts below d (``Plan.defer``) ends the round's
+        drafting there: it is the round's last, with no draft of its own."""
+        k, d = self.block_length, self.draft_depth
+        self.settled, self.final, self.at = set(), set(), {}
+        drafted: list[int] = []
+        limit = d  # adaptive drafts never go deeper than the one before (exactness)
+        for p in range(cur, cur + k + 1):
+            drafted.append(p)
+            yield Call("prelude", (p,), (0,))
+            for r in range(1, limit + 1):  # the last one's readout only fills the coda's KV
+                yield Call("block", (p,), (r,))
+                self.at[p] = r
+                self.final |= yield from self.after_block((p,), (r,))
+                if p in self.final:
+                    self.settled.add(p)  # its KV stands in for every deeper depth: no limit
+                    break
+                if p in self.unread:  # stopped; its final readout waits: draft a proposal
+                    yield from self.proposal(p)
+                    break
+                if p in self.held and r < d:
+                    return drafted
+                if r == limit:  # below d: where the one before drafted; read out here
+                    if not self.read_at(r) and not self.defer:
+                        yield Call("coda", (p,), (d,))
+                    break
+                if (yield from self.draft_check(p, r, d)):
+                    limit = r
+                    break
+            if p < cur + k:
+                yield Draft(p, final=p in self.settled)
+        return drafted
 
 @register
 class DtV(Drafting):
@@ -126,9 +144,12 @@ class DtV(Drafting):
         ]
 
     def exit_groups(self, profile: ExitProfile, batch: int = 1, continuous: bool = False
-                    ) -> list[CallGroup]:
+                    ) -> list[CallGroup] | None:
         """DtV(k, d) with exits, per round (basis ("dtv", k)): k + 1 drafts of up to d steps each,
-        then continuation calls over the positions still going."""
+        then continuation calls over the positions still going; None under the reference exit
+        KV rule, whose waiting positions (``Plan.defer``) are simulated call by call."""
+        if profile.exits.kv == "reference":
+            return None
         k, d, depth = self.block_length, self.draft_depth, profile.depth
         read_at = profile.reads(self)
         drafted = k + 1

@@ -59,8 +59,10 @@ class WFDPlan(Plan):
         waiting: int | None = self.prompt_length  # the position whose token waits to enter
         while True:
             self.rounds += 1  # a tick: its prelude call (if a token enters), B, its coda call
-            going = [entry for entry in wave if not entry[2]]
-            if waiting is not None and (cap is None or len(going) < cap):
+            going = [entry for entry in wave if not entry[2] and not self.waits(entry[0])]
+            # positions waiting out of the calls (``Plan.defer``) still hold their place
+            if waiting is not None and (cap is None or len(going) < cap) and (
+                    not self.defer or len(wave) < self.width):
                 yield Call("prelude", (waiting,), (0,))
                 wave.append([waiting, 0, False, 0])
                 going.append(wave[-1])
@@ -72,11 +74,14 @@ class WFDPlan(Plan):
             # newest first: the draft's readout, then the verify's
             done = yield from self.after_block([e[0] for e in reversed(going)],
                                                [e[1] for e in reversed(going)])
-            for entry in going:
-                entry[2] = entry[0] in done
+            for entry in wave:
+                entry[2] = entry[2] or entry[0] in done
             p, r, final, drafted = newest
-            if newest in going and not drafted and (
-                    r == d or final or (yield from self.draft_check(p, r, d))):
+            # a position that stopped below d drafts its final readout, or a proposal while
+            # that waits (``Plan.defer``)
+            if not drafted and (final or p in self.unread or newest in going and (
+                    r == d or (yield from self.draft_check(p, r, d)))):
+                yield from self.proposal(p)
                 yield Draft(p, final=bool(final))
                 newest[3] = 2 if final else 1
                 waiting = p + 1
@@ -87,6 +92,7 @@ class WFDPlan(Plan):
                 elif not (yield Verify(p)):
                     self.flushed += len(wave)
                     yield Rollback(p + 1, flushed=len(wave))
+                    self.rolled_back(p + 1)
                     wave.clear()
                     waiting = p + 1  # the correction re-enters at depth 0
 
