@@ -38,7 +38,8 @@ def _vllm_kernels(module) -> tuple[str, int] | None:
         return "matmul", 1
     if isinstance(module, Attention):
         return "attention", 2
-    if type(module).__module__.startswith("vllm.model_executor.layers"):
+    # the plugin's own subclasses of vLLM's layers (wfd.serving.common.Norm) launch theirs
+    if any(c.__module__.startswith("vllm.model_executor.layers") for c in type(module).__mro__):
         return "other", 1
     return None
 

@@ -14,9 +14,7 @@ import math
 import torch
 from torch import nn
 from vllm.config import VllmConfig
-from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     ReplicatedLinear,
@@ -33,6 +31,8 @@ from wfd.huginn import STATE_CHUNK, initial_state_chunk
 
 from .common import (
     LoopedForCausalLM,
+    Norm,
+    SiluMul,
     attend,
     attention_projections,
     head_sharded_loader,
@@ -66,7 +66,7 @@ class GatedMLP(nn.Module):
         h, i = arch.hidden_size, arch.mlp_size
         self.fc = MergedColumnParallelLinear(h, [i, i], bias=False, quant_config=quant_config,
                                              prefix=f"{prefix}.fc")  # [gate | up] on disk
-        self.act = SiluAndMul()
+        self.act = SiluMul()
         self.proj = RowParallelLinear(i, h, bias=False, quant_config=quant_config,
                                       prefix=f"{prefix}.proj")
 
@@ -80,12 +80,12 @@ class SandwichBlock(nn.Module):
     def __init__(self, arch: ModelConfig, quant_config, prefix: str):
         super().__init__()
         eps, h = arch.norm_eps, arch.hidden_size
-        self.norm_1 = RMSNorm(h, eps=eps)
+        self.norm_1 = Norm(h, eps=eps)
         self.attn = HuginnAttention(arch, quant_config, f"{prefix}.attn")
-        self.norm_2 = RMSNorm(h, eps=eps)
+        self.norm_2 = Norm(h, eps=eps)
         self.mlp = GatedMLP(arch, quant_config, f"{prefix}.mlp")
-        self.norm_3 = RMSNorm(h, eps=eps)
-        self.norm_4 = RMSNorm(h, eps=eps)
+        self.norm_3 = Norm(h, eps=eps)
+        self.norm_4 = Norm(h, eps=eps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: Attention
                 ) -> torch.Tensor:
@@ -108,7 +108,7 @@ class HuginnTransformer(nn.Module):
                                         quant_config=quant_config, prefix=f"{prefix}.adapter")
         self.core_block = blocks("core_block", arch.core_layers)
         self.coda = blocks("coda", arch.coda_layers)
-        self.ln_f = RMSNorm(arch.hidden_size, eps=arch.norm_eps)
+        self.ln_f = Norm(arch.hidden_size, eps=arch.norm_eps)
 
 
 class RavenForCausalLM(LoopedForCausalLM):

@@ -12,9 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from vllm.config import VllmConfig
-from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     ReplicatedLinear,
@@ -28,7 +26,15 @@ from vllm.model_executor.models.utils import maybe_prefix
 
 from wfd.config import ModelConfig
 
-from .common import LoopedForCausalLM, attend, attention_projections, heads_per_rank, rotary
+from .common import (
+    LoopedForCausalLM,
+    Norm,
+    SiluMul,
+    attend,
+    attention_projections,
+    heads_per_rank,
+    rotary,
+)
 
 
 class OuroAttention(nn.Module):
@@ -55,7 +61,7 @@ class OuroMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(h, [i, i], bias=False,
                                                        quant_config=quant_config,
                                                        prefix=f"{prefix}.gate_up_proj")
-        self.act = SiluAndMul()
+        self.act = SiluMul()
         self.down_proj = RowParallelLinear(i, h, bias=False, quant_config=quant_config,
                                            prefix=f"{prefix}.down_proj")
 
@@ -71,12 +77,12 @@ class OuroDecoderLayer(nn.Module):
     def __init__(self, arch: ModelConfig, quant_config, prefix: str):
         super().__init__()
         eps, h = arch.norm_eps, arch.hidden_size
-        self.input_layernorm = RMSNorm(h, eps=eps)
+        self.input_layernorm = Norm(h, eps=eps)
         self.self_attn = OuroAttention(arch, quant_config, f"{prefix}.self_attn")
-        self.input_layernorm_2 = RMSNorm(h, eps=eps)
-        self.post_attention_layernorm = RMSNorm(h, eps=eps)
+        self.input_layernorm_2 = Norm(h, eps=eps)
+        self.post_attention_layernorm = Norm(h, eps=eps)
         self.mlp = OuroMLP(arch, quant_config, f"{prefix}.mlp")
-        self.post_attention_layernorm_2 = RMSNorm(h, eps=eps)
+        self.post_attention_layernorm_2 = Norm(h, eps=eps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: Attention
                 ) -> torch.Tensor:
@@ -91,7 +97,7 @@ class OuroInner(nn.Module):
                                                    prefix=f"{prefix}.embed_tokens")
         self.layers = nn.ModuleList(OuroDecoderLayer(arch, quant_config, f"{prefix}.layers.{i}")
                                     for i in range(arch.core_layers))
-        self.norm = RMSNorm(arch.hidden_size, eps=arch.norm_eps)
+        self.norm = Norm(arch.hidden_size, eps=arch.norm_eps)
         self.early_exit_gate = ReplicatedLinear(arch.hidden_size, 1, bias=True,
                                                 prefix=f"{prefix}.early_exit_gate")
 
