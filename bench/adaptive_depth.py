@@ -131,6 +131,38 @@ def adaptive_drafts(model, name: str, prompts, repeats: int, common: dict) -> No
               f" | {acceptance:.3f} | {run['block_calls_per_token']:.2f} |", flush=True)
 
 
+def exit_row(model, name: str, data: bytes, prompts, profile, rule: ExitRule,
+             fixed_bits: float, args, common: dict) -> None:
+    """One rule's row: its bits per byte and exit depth, AR, WFD and DtV with it against fixed
+    depth (interleaved pass by pass), and the predicted speedups beside the measured."""
+    text, d = rule.label, model.config.default_draft_depth
+    bits = held_out_bits(model, data, rule, windows=args.windows)
+    runs = timed(model, prompts, args.repeats, {
+        "fixed ar": common, "fixed wfd": dict(schedule="wfd", **common),
+        "ar": dict(exit_rule=rule, **common),
+        "wfd": dict(schedule="wfd", exit_rule=rule, **common),
+        "dtv": dict(schedule="dtv", exit_rule=rule, block_length=BLOCK_LENGTH,
+                    **common)})
+    ar_x, wfd_x, dtv_x = runs["ar"], runs["wfd"], runs["dtv"]
+    ar, wfd = runs["fixed ar"], runs["fixed wfd"]
+    same = [a == b for x, y in zip(ar_x["results"], ar["results"], strict=True)
+            for a, b in zip(x.tokens, y.tokens, strict=False)]
+    bound = tick_bound(ar_x, wfd_x, d)
+    wfd_speedup = wfd_x["tokens_per_s"] / ar_x["tokens_per_s"]
+    dtv_speedup = dtv_x["tokens_per_s"] / ar_x["tokens_per_s"]
+    predicted = predicted_speedups(model, name, profile, prompts, args.new_tokens,
+                                   rule, d)
+    print(f"| {text} | {bits['mean_exit_depth']:.2f} | {bits['bits_per_byte']:.4f} "
+          f"({bits['bits_per_byte'] / fixed_bits - 1:+.2%}) | {sum(same) / len(same):.1%}"
+          f" | {ar_x['tokens_per_s']:.1f} ({ar_x['tokens_per_s'] / ar['tokens_per_s']:.2f}"
+          f"x) | {wfd_x['tokens_per_s']:.1f} "
+          f"({wfd_x['tokens_per_s'] / wfd['tokens_per_s']:.2f}x) | {wfd_speedup:.2f}x "
+          f"({bound:.2f}x, {wfd_speedup / bound:.0%}) | {predicted['wfd']:.2f}x "
+          f"({predicted['wfd'] / wfd_speedup - 1:+.0%}) | {dtv_speedup:.2f}x | "
+          f"{predicted['dtv']:.2f}x ({predicted['dtv'] / dtv_speedup - 1:+.0%}) |",
+          flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(RULES))
@@ -172,32 +204,8 @@ def main() -> None:
               "predicted WFD / AR-exit | DtV / AR-exit | predicted DtV / AR-exit |")
         print("|---" * 10 + "|")
         for text in args.rules or RULES[name]:
-            rule = ExitRule.parse(text, kv=args.exit_kv)
-            bits = held_out_bits(model, data, rule, windows=args.windows)
-            runs = timed(model, prompts, args.repeats, {
-                "fixed ar": common, "fixed wfd": dict(schedule="wfd", **common),
-                "ar": dict(exit_rule=rule, **common),
-                "wfd": dict(schedule="wfd", exit_rule=rule, **common),
-                "dtv": dict(schedule="dtv", exit_rule=rule, block_length=BLOCK_LENGTH,
-                            **common)})
-            ar_x, wfd_x, dtv_x = runs["ar"], runs["wfd"], runs["dtv"]
-            ar, wfd = runs["fixed ar"], runs["fixed wfd"]
-            same = [a == b for x, y in zip(ar_x["results"], ar["results"], strict=True)
-                    for a, b in zip(x.tokens, y.tokens, strict=False)]
-            bound = tick_bound(ar_x, wfd_x, d)
-            wfd_speedup = wfd_x["tokens_per_s"] / ar_x["tokens_per_s"]
-            dtv_speedup = dtv_x["tokens_per_s"] / ar_x["tokens_per_s"]
-            predicted = predicted_speedups(model, name, profile, prompts, args.new_tokens,
-                                           rule, d)
-            print(f"| {text} | {bits['mean_exit_depth']:.2f} | {bits['bits_per_byte']:.4f} "
-                  f"({bits['bits_per_byte'] / fixed_bits - 1:+.2%}) | {sum(same) / len(same):.1%}"
-                  f" | {ar_x['tokens_per_s']:.1f} ({ar_x['tokens_per_s'] / ar['tokens_per_s']:.2f}"
-                  f"x) | {wfd_x['tokens_per_s']:.1f} "
-                  f"({wfd_x['tokens_per_s'] / wfd['tokens_per_s']:.2f}x) | {wfd_speedup:.2f}x "
-                  f"({bound:.2f}x, {wfd_speedup / bound:.0%}) | {predicted['wfd']:.2f}x "
-                  f"({predicted['wfd'] / wfd_speedup - 1:+.0%}) | {dtv_speedup:.2f}x | "
-                  f"{predicted['dtv']:.2f}x ({predicted['dtv'] / dtv_speedup - 1:+.0%}) |",
-                  flush=True)
+            exit_row(model, name, data, prompts, profile, ExitRule.parse(text, kv=args.exit_kv),
+                     fixed_bits, args, common)
 
 
 if __name__ == "__main__":
