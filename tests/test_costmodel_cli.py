@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import run_cli
 
 from costmodel.store import PROFILES_DIR
 
@@ -146,12 +147,13 @@ def test_kv_sharing_lets_longer_contexts_fit():
      ["--profile", CPU_PROFILE, "--model", "huginn-tiny", "--engine", "vllm", "--mode",
       "graphs"]],
 )
-def test_bad_input_is_one_line_and_exit_2(args):
-    out = run("predict", *args)
-    assert out.returncode == 2, (args, out.stdout, out.stderr)
-    lines = out.stderr.splitlines()  # a blank line first is two (a spinner left one)
-    assert len(lines) == 1 and lines[0].startswith("error:"), out.stderr
-    assert "Traceback" not in out.stderr and "Value error" not in out.stderr
+def test_bad_input_is_one_line_and_exit_2(args, capsys):
+    # in this process (a run of the command itself: test_refusals.py)
+    code, out, err = run_cli(capsys, "predict", *args)
+    assert code == 2, (args, out, err)
+    lines = err.splitlines()  # a blank line first is two (a spinner left one)
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    assert "Traceback" not in err and "Value error" not in err
 
 
 def test_unknown_preset_error_lists_known_ones():

@@ -2,7 +2,6 @@
 the depth curriculum."""
 
 import statistics
-import subprocess
 import sys
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 from costmodel.presets import MODELS
 from wfd.checkpoint import build, init_random
 from wfd.config import ModelConfig
-from wfd.train import forward_losses, ramped_mean_depth, sample_depth
+from wfd.train import forward_losses, main, ramped_mean_depth, sample_depth
 
 
 def test_final_depth_only_gives_the_same_loss_and_gradients():
@@ -47,10 +46,13 @@ def test_the_depth_ramp_rises_from_one_to_the_mean_then_holds():
 @pytest.mark.parametrize("flag, value", [("--minutes", "0"), ("--batch", "0"), ("--length", "0"),
                                          ("--lr", "-1"), ("--threads", "0"),
                                          ("--intermediate-weight", "-1")])
-def test_numbers_training_cannot_use_are_refused_before_it_starts(flag, value, tmp_path):
-    # each gave a traceback, a NaN loss for the whole budget, or a model trained for no time
-    out = subprocess.run([sys.executable, "-m", "wfd.train", "--family", "ouro", "--out",
-                          str(tmp_path / "m"), flag, value], capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 2 and f"{flag} must be" in out.stderr, out.stderr
+def test_numbers_training_cannot_use_are_refused_before_it_starts(flag, value, tmp_path,
+                                                                  monkeypatch, capsys):
+    # each gave a traceback, a NaN loss for the whole budget, or a model trained for no time;
+    # `python -m wfd.train` runs main() (in this process: torch is imported already)
+    monkeypatch.setattr(sys, "argv", ["wfd.train", "--family", "ouro", "--out",
+                                      str(tmp_path / "m"), flag, value])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code == 2 and f"{flag} must be" in capsys.readouterr().err
     assert not (tmp_path / "m").exists()

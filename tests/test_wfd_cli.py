@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import run_cli
 
 from costmodel.store import PROFILES_DIR
 
@@ -73,11 +74,12 @@ def test_prompt_ids_without_tokenizer_prints_ids():
     # a depth trace under exits held short records that predict then indexed past
     ["--model", "huginn-tiny:random", "--prompt", "x", "--exit", "kl", "--depth-trace", "d.jsonl"],
 ])
-def test_bad_input_is_one_line_and_exit_2(args):
-    out = run("generate", *args)
-    assert out.returncode == 2, (args, out.stderr)
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:"), out.stderr
+def test_bad_input_is_one_line_and_exit_2(args, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # what a refused run might have written lands here
+    code, _, err = run_cli(capsys, "generate", *args, program="wfd")
+    assert code == 2, (args, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
 
 
 def test_auto_refuses_a_profile_of_another_device_or_dtype():
