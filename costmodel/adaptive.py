@@ -16,7 +16,7 @@ from functools import cached_property
 
 import numpy as np
 
-from .exits import ExitRule, check_exit_depths
+from .exits import ExitRule, check_exit_depths, reads_every_depth
 from .model import LoopedModelSpec
 from .plans import EarlyExit
 from .workload import Workload
@@ -115,10 +115,9 @@ def exit_profile(model: LoopedModelSpec, workload: Workload, depth: int, draft_d
         dist = workload.exit_depths
         check_exit_depths(dist, depth)
         alpha = model.default_acceptance if workload.acceptance is None else workload.acceptance
-        # without a rule, depths known without readouts (as forced exits are), whose coda
-        # under the latest KV rule is read at every depth
+        # without a rule, depths known without readouts (as forced exits are)
         every = rule.for_plan(coda_attends, depth).every_depth if rule else \
-            coda_attends and kv == "latest"
+            reads_every_depth(False, coda_attends, kv)
         return ExitProfile.from_distribution(dist, depth, alpha, every, kv)
     from .trace import read_depth_trace
 

@@ -156,10 +156,9 @@ def _exit_options(rule: str | None, min_depth: int, exit_depths: str | None, dep
     elif min_depth != 1:
         raise UserError("--min-depth goes with --exit")
     if exit_kv != "latest":
-        from .exits import EXIT_KV
+        from .exits import check_exit_kv
 
-        if exit_kv not in EXIT_KV:
-            raise UserError(f"the exit KV rule must be {' or '.join(EXIT_KV)}, got {exit_kv!r}")
+        check_exit_kv(exit_kv)  # ValueError: a UserError
         if rule is None and exit_depths is None:
             raise UserError("--exit-kv goes with exits (--exit or --exit-depths)")
         out["exit_kv"] = exit_kv

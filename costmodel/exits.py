@@ -30,6 +30,19 @@ ENTROPY_START = 100.0  # nats: the public code's first "previous entropy"
 EXIT_KV = ("latest", "reference")
 
 
+def check_exit_kv(kv: str) -> None:
+    """An exit KV rule this project knows (EXIT_KV), or a ValueError in one line."""
+    if kv not in EXIT_KV:
+        raise ValueError(f"the exit KV rule must be {' or '.join(EXIT_KV)}, got {kv!r}")
+
+
+def reads_every_depth(reads_readouts: bool, coda_attends: bool, kv: str) -> bool:
+    """Whether a plan reads a position out at every checked depth: its rule reads readouts or,
+    with the latest KV rule, the coda attends (a later position's readout at that depth attends
+    over its KV; with the reference's one coda slot, it attends over the final readouts)."""
+    return reads_readouts or (coda_attends and kv == "latest")
+
+
 @dataclass(frozen=True)
 class ExitRule:
     name: str
@@ -40,8 +53,7 @@ class ExitRule:
     @classmethod
     def parse(cls, text: str, min_depth: int = 1, kv: str = "latest") -> ExitRule:
         """``RULE`` or ``RULE:THRESHOLD``; a bad one raises ValueError in one line."""
-        if kv not in EXIT_KV:
-            raise ValueError(f"the exit KV rule must be {' or '.join(EXIT_KV)}, got {kv!r}")
+        check_exit_kv(kv)
         name, _, value = text.strip().partition(":")
         if name not in DEFAULT_THRESHOLDS:
             raise ValueError(f"unknown exit rule {name!r}; use one of "
@@ -73,15 +85,13 @@ class ExitRule:
         return self.name in READS_READOUTS
 
     def for_plan(self, coda_attends: bool, depth: int) -> EarlyExit:
-        """What a plan needs: every checked depth is read out when the rule reads readouts or,
-        with the latest KV rule, the coda attends (a later position's readout at that depth
-        attends over its KV; with the reference's one coda slot, it attends over the final
-        readouts)."""
+        """What a plan needs: its first depth, whether it reads out every checked depth
+        (``reads_every_depth``) and the KV rule."""
         if self.min_depth > depth:
             raise ValueError(f"the minimum exit depth must be in 1..{depth}, "
                              f"got {self.min_depth}")
         return EarlyExit(self.min_depth,
-                         self.reads_readouts or (coda_attends and self.kv == "latest"), self.kv)
+                         reads_every_depth(self.reads_readouts, coda_attends, self.kv), self.kv)
 
     def fires(self, value: float) -> bool:
         """Whether the quantity a check measured exits the position."""

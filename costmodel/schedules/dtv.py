@@ -43,21 +43,20 @@ class DtVPlan(Plan):
         cur = self.prompt_length  # the position holding the newest committed token
         while True:
             self.rounds += 1
-            drafted = yield from self.draft_round(cur)
+            drafted, settled, final, at = yield from self.draft_round(cur)
             # the rest continue together, each a step per call from where it drafted (the older
             # never shallower), leaving as they exit or reach R; a position waiting for older
             # readouts (``Plan.defer``) rejoins when they are made
-            final = set(self.final)
             while len(final) < len(drafted):
                 going = [p for p in drafted if p not in final and not self.waits(p)]
                 for p in going:
-                    self.at[p] += 1
-                yield Call("block", tuple(going), tuple(self.at[p] for p in going))
-                final |= yield from self.after_block(going, [self.at[p] for p in going])
+                    at[p] += 1
+                yield Call("block", tuple(going), tuple(at[p] for p in going))
+                final |= yield from self.after_block(going, [at[p] for p in going])
             accepted, drafts = 0, len(drafted) - 1  # k, or fewer where drafting had to stop
             while accepted < drafts:
                 p = cur + accepted
-                if p in self.settled:
+                if p in settled:
                     yield Bonus(p)
                 elif not (yield Verify(p)):
                     break
@@ -68,15 +67,18 @@ class DtVPlan(Plan):
             yield Rollback(cur)
             self.rolled_back(cur)
 
-    def draft_round(self, cur: int) -> Generator[Event, bool | set[int] | None, list[int]]:
+    def draft_round(self, cur: int) -> Generator[
+            Event, bool | set[int] | None, tuple[list[int], set[int], set[int], dict[int, int]]]:
         """Draft positions cur, cur + 1, ... one by one at d (k + 1 of them), each drafting the
-        next one's token; the positions drafted. Sets ``settled`` (exited by d with its final
-        readout made: the draft is its token), ``final`` (the positions whose final readout is
-        made) and ``at`` (the depth each stopped drafting at).
-        A position that must wait for older readouts below d (``Plan.defer``) ends the round's
-        drafting there: it is the round's last, with no draft of its own."""
+        next one's token. Returns the positions drafted; those settled (exited by d with their
+        final readout made: the draft is the token); those whose final readout is made; and the
+        depth each stopped drafting at. A position that must wait for older readouts below d
+        (``Plan.defer``) ends the round's drafting there: it is the round's last, with no draft
+        of its own."""
         k, d = self.block_length, self.draft_depth
-        self.settled, self.final, self.at = set(), set(), {}
+        settled: set[int] = set()
+        final: set[int] = set()
+        at: dict[int, int] = {}
         drafted: list[int] = []
         limit = d  # adaptive drafts never go deeper than the one before (exactness)
         for p in range(cur, cur + k + 1):
@@ -84,16 +86,16 @@ class DtVPlan(Plan):
             yield Call("prelude", (p,), (0,))
             for r in range(1, limit + 1):  # the last one's readout only fills the coda's KV
                 yield Call("block", (p,), (r,))
-                self.at[p] = r
-                self.final |= yield from self.after_block((p,), (r,))
-                if p in self.final:
-                    self.settled.add(p)  # its KV stands in for every deeper depth: no limit
+                at[p] = r
+                final |= yield from self.after_block((p,), (r,))
+                if p in final:
+                    settled.add(p)  # its KV stands in for every deeper depth: no limit
                     break
                 if p in self.unread:  # stopped; its final readout waits: draft a proposal
                     yield from self.proposal(p)
                     break
                 if p in self.held and r < d:
-                    return drafted
+                    return drafted, settled, final, at
                 if r == limit:  # below d: where the one before drafted; read out here
                     if not self.read_at(r) and not self.defer:
                         yield Call("coda", (p,), (d,))
@@ -102,8 +104,9 @@ class DtVPlan(Plan):
                     limit = r
                     break
             if p < cur + k:
-                yield Draft(p, final=p in self.settled)
-        return drafted
+                yield Draft(p, final=p in settled)
+        return drafted, settled, final, at
+
 
 @register
 class DtV(Drafting):
