@@ -13,7 +13,9 @@ at its arrival time on a thread of its own, streamed (`/v1/completions`, greedy,
 its first and last chunks timed as they arrive. TTFT is arrival to the first chunk (the
 prefill's token), TPOT the rest over the tokens after the first. The same streams are then
 simulated (`costmodel.serving`, `--engine vllm`: vLLM's kernel counts, eager on a CPU) with the
-profile's hardware, and the medians, p99s and throughput printed side by side: step by step
+profile's hardware, and the medians, p99s and throughput printed side by side (a p99 of fewer
+than 100 requests is about their slowest one; `--out` keeps each request's times, measured and
+simulated): step by step
 as vLLM schedules (`costmodel.stream_vllm`, with the server's token budget: 2,048 a step on the
 CPU build, and the plugin's WFD and DtV take whole prompts within it), or call by call with
 `--fidelity calls` (a newcomer's prefill whole, between rounds: its TPOT ran 6-23% long against
@@ -204,11 +206,14 @@ def main() -> None:
                   f"{engine.request_s * 1e3:.2f} ms a request", flush=True)
             for rate in args.rates:
                 stream = request_stream(rate, args.requests, prompt, output, seed=args.seed)
-                measured = summarize_served(load(base, str(folder), stream, args.seed))
-                simulated = predict_serving(spec, hw, stream, engine=engine,
+                served = load(base, str(folder), stream, args.seed)
+                measured = summarize_served(served)
+                simulated = predict_serving(spec, hw, stream, engine=engine, keep_served=True,
                                             **options)[args.schedule]
                 rows.append({"rate_per_s": rate, "measured": measured,
-                             "simulated": simulated.model_dump(mode="json")})
+                             "simulated": simulated.model_dump(mode="json",
+                                                               exclude={"served"}),
+                             "requests": side_by_side(stream, served, simulated.served)})
                 print(line(rate, measured, rows[-1]["simulated"]), flush=True)
         finally:
             server.terminate()
@@ -259,6 +264,16 @@ def engine_overheads(measure, spec, hw, prompt: Lengths, output: Lengths, option
                                     "per_sequence_s": per_sequence})
     request = max(0.0, lone_ttft - simulated(1, steps)[1])
     return steps.model_copy(update={"request_s": request})
+
+
+def side_by_side(stream: list[Request], measured: list[Served], simulated: list[Served]
+                 ) -> list[dict]:
+    """Each request's arrival and lengths, and its TTFT and TPOT as measured and as simulated
+    (seconds): which requests make a tail, and whether the simulation has them too."""
+    return [{"arrival_s": r.arrival_s, "prompt_tokens": r.prompt_tokens,
+             "output_tokens": r.output_tokens, "ttft_s": [m.ttft_s, s.ttft_s],
+             "tpot_s": [m.tpot_s, s.tpot_s]}
+            for r, m, s in zip(stream, measured, simulated, strict=True)]
 
 
 def summarize_served(served: list[Served]) -> dict:

@@ -130,6 +130,7 @@ def family_kernels(preset: str) -> dict[str, dict[str, int]]:
     from vllm import LLM, SamplingParams
 
     from wfd.checkpoint import save
+    from wfd.serving.offline import shut_down
 
     from .operations import narrow_model
 
@@ -145,6 +146,7 @@ def family_kernels(preset: str) -> dict[str, dict[str, int]]:
             llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)
 
         (counted,) = llm.apply_model(lambda model: count_forward(model, step))
+        shut_down(llm)  # its memory given back before the next family's engine starts
     layers = {"block": cfg.core_layers * cfg.depth}  # the core layers' calls in a step
     per_layer = {kind: n // layers["block"] for kind, n in counted["block:layer"].items()}
     table = {"layer": {k: per_layer.get(k, 0) for k in ("matmul", "attention", "other", "view")}}

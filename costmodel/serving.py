@@ -93,6 +93,7 @@ class ServingResult(BaseModel):
     slo_attainment: float | None = None  # the fraction meeting every objective given
     goodput_requests_per_s: float | None = None
     preemptions: int | None = None  # vLLM's scheduling (a token budget): requests preempted
+    served: list[Served] | None = None  # each request, in the stream's order (keep_served)
 
 
 @dataclass
@@ -378,11 +379,13 @@ def predict_serving(model: LoopedModelSpec, hw: HardwareSpec, requests: Sequence
                     seed: int = 0, engine: EngineOverheads | None = None,
                     tensor_parallel: int = 1, link: str | Link | None = None,
                     fidelity: str = "calls", token_budget: int | None = None,
-                    placement: str | None = None) -> dict[str, ServingResult]:
+                    placement: str | None = None, keep_served: bool = False
+                    ) -> dict[str, ServingResult]:
     """Each schedule (``names``: those of the registry to run; default all) serving the
     stream; on ``tensor_parallel`` devices joined by ``link`` (``costmodel.parallel.split``),
     or with its parts placed on devices of their own by ``placement`` (a layout of
-    ``costmodel.placement.LAYOUTS``), joined by ``link``."""
+    ``costmodel.placement.LAYOUTS``), joined by ``link``. ``keep_served``: each result keeps
+    its requests as served."""
     check_fits(requests, model.max_position_embeddings)
     model, hw = split(model, hw, tensor_parallel, None if placement else link)
     placed = None if placement is None else StreamPlacement(
@@ -403,6 +406,8 @@ def predict_serving(model: LoopedModelSpec, hw: HardwareSpec, requests: Sequence
                                    token_budget=token_budget, stats=stats, placement=placed)
         results[name] = summarize(schedule, served, mean_batch, slo_ttft_s=slo_ttft_s,
                                   slo_tpot_s=slo_tpot_s, preemptions=stats.get("preemptions"))
+        if keep_served:
+            results[name].served = served
     return results
 
 

@@ -4,6 +4,7 @@ objectives. ``register`` adds it to the `costmodel` app (costmodel.cli)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -169,6 +170,9 @@ def serving_cmd(
         help="with --fidelity steps: schedule as vLLM does, this many tokens a step (its "
              "max_num_batched_tokens) shared by decoding and chunked prefills, KV taken as "
              "tokens come and the newest request preempted when it runs out")] = None,
+    per_request: Annotated[Path | None, typer.Option(
+        help="also write each request as served (JSON Lines: the rate, schedule, its arrival "
+             "and lengths, TTFT, TPOT and latency in seconds)")] = None,
     dtype: DtypeOption = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -203,7 +207,10 @@ def serving_cmd(
     runs = []
     with spinner(f"serving {requests} requests at {len(sweep)} rate(s)", disable=as_json):
         for r in sweep:
-            runs.append((r, predict_serving(spec, hw, stream(r), names=names, **options)))
+            runs.append((r, predict_serving(spec, hw, stream(r), names=names,
+                                            keep_served=per_request is not None, **options)))
+    if per_request is not None:
+        _write_per_request(per_request, runs, stream, requests_file is None)
     found = _highest_rates(spec, hw, stream, names, options, per_s, attainment, as_json) \
         if find_rate else {}
     if plot is not None and not save_figure(plot, _latency_figure(runs, ttft, tpot), (10, 4)):
@@ -214,7 +221,8 @@ def serving_cmd(
             **({"lengths": lengths} if lengths else {})}
     if as_json:
         dumped = [{"rate_per_s": None if requests_file else r,
-                   "schedules": {n: x.model_dump(mode="json") for n, x in results.items()}}
+                   "schedules": {n: x.model_dump(mode="json", exclude={"served"})
+                                 for n, x in results.items()}}
                   for r, results in runs]
         print_json({**head, **(dumped[0] if rates is None else {"sweep": dumped}),
                     **({"highest_rate_per_s": found} if find_rate else {})})
@@ -233,6 +241,23 @@ def serving_cmd(
         typer.echo("note: the engine's own time (scheduling, sampling, output) is not counted: "
                    "give --step-overhead, --sequence-overhead and --request-overhead "
                    "(bench/serving_load.py measures vLLM's)", err=True)
+
+
+def _write_per_request(path: Path, runs, stream, drawn: bool) -> None:
+    """Each request of each run and schedule as served, a JSON line each (atomically)."""
+    from .trace import atomic_write
+
+    lines = []
+    for r, results in runs:
+        requests = stream(r)
+        for name, result in results.items():
+            for i, (asked, s) in enumerate(zip(requests, result.served, strict=True)):
+                lines.append(json.dumps({
+                    "rate_per_s": r if drawn else None, "schedule": name, "request": i,
+                    "arrival_s": s.arrival_s, "prompt_tokens": asked.prompt_tokens,
+                    "output_tokens": s.output_tokens, "ttft_s": s.ttft_s, "tpot_s": s.tpot_s,
+                    "e2e_s": s.e2e_s}))
+    atomic_write(path, "".join(line + "\n" for line in lines))
 
 
 def _checked(requests, max_batch, acceptance, attainment, schedule,

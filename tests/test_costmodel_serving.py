@@ -184,6 +184,33 @@ def test_the_command_prints_each_schedule_and_finds_the_rate(capsys):
     assert code == 0 and "TTFT p50/p90/p99 ms" in out and "wfd --draft-depth" in out
 
 
+@pytest.mark.parametrize("fidelity", ["calls", "steps"])
+def test_each_request_as_served_is_written_and_makes_the_percentiles(capsys, tmp_path,
+                                                                      fidelity):
+    """--per-request: a JSON line per request, rate and schedule, in the stream's order (its
+    arrivals), whose TTFTs and TPOTs are the ones the percentiles are taken over."""
+    out_file = tmp_path / "served.jsonl"
+    code, out, _ = run_cli(capsys, "serving", "--model", "huginn-tiny", "--requests", "12",
+                           "--rates", "10/s,40/s", "--prompt-tokens", "16-48",
+                           "--output-tokens", "8-16", "--max-batch", "4", "--fidelity",
+                           fidelity, "--per-request", str(out_file), "--json")
+    assert code == 0
+    rows = [json.loads(line) for line in out_file.read_text().splitlines()]
+    assert len(rows) == 2 * 3 * 12
+    for run in json.loads(out)["sweep"]:
+        stream = request_stream(run["rate_per_s"], 12, Lengths(low=16, high=48),
+                                Lengths(low=8, high=16), seed=0)
+        for name, result in run["schedules"].items():
+            mine = [r for r in rows if r["rate_per_s"] == run["rate_per_s"]
+                    and r["schedule"] == name]
+            assert [(r["arrival_s"], r["prompt_tokens"], r["output_tokens"]) for r in mine] \
+                == [(q.arrival_s, q.prompt_tokens, q.output_tokens) for q in stream]
+            for key in ("ttft_s", "tpot_s", "e2e_s"):
+                assert np.percentile([r[key] for r in mine], 99) == pytest.approx(
+                    result[key]["p99"]), (name, key)
+            assert "served" not in result
+
+
 @pytest.mark.parametrize("args, said", [
     (["--rate", "-2/s"], "request rate must be positive"),
     (["--prompt-tokens", "0"], "--prompt-tokens must be N or LOW-HIGH"),
@@ -292,11 +319,11 @@ def test_a_lone_request_stepped_takes_its_prefill_then_a_step_per_token():
 @pytest.mark.parametrize("model, hardware", [("huginn-3.5b", "h200"),
                                              ("ouro-2.6b", "h100-sxm")])
 def test_steps_agree_with_calls_on_a_stream_below_saturation(model, hardware):
-    """A stream of 40 requests at 0.5/s: step by step, each schedule's TPOT median within 10%
+    """A stream of 24 requests at 0.5/s: step by step, each schedule's TPOT median within 10%
     of the call-by-call simulation's, its throughput within 5% and its TTFT median within
     the prefill's spread (a DtV newcomer waits for a round, stepped for a token)."""
     spec, hw = resolve(model, hardware)
-    stream = request_stream(0.5, 40, Lengths(low=256, high=1024), Lengths(low=64, high=256),
+    stream = request_stream(0.5, 24, Lengths(low=256, high=1024), Lengths(low=64, high=160),
                             seed=0)
     calls = predict_serving(spec, hw, stream, max_batch=16)
     steps = predict_serving(spec, hw, stream, max_batch=16, fidelity="steps")

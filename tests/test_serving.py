@@ -2,9 +2,10 @@
 the shipped tiny models and on random checkpoints of both families, one request at a time and
 eight together, at two depths and with shared KV slots, and over two tensor-parallel ranks; DtV
 through vLLM's speculative decoding, the checkpoint drafting for itself (on one rank and two);
-`vllm serve` with DtV and WFD end to end. Each test starts engines of its own: one rank's in
-the test worker's engine process, one after another (vLLM imported once: about 2 s an engine),
-two ranks' and the servers' in processes of their own (20-30 s)."""
+`vllm serve` with DtV and WFD end to end. Each test starts engines of its own, in the test
+worker's engine process, one after another (vLLM imported once: about 2 s an engine of one
+rank, 9 s one of two, whose ranks start processes of their own); a server, in processes of its
+own (about 17 s)."""
 
 import importlib.util
 import json
@@ -231,47 +232,13 @@ def test_waves_near_the_longest_sequence_go_on_where_vllm_drafts_zeros(engines, 
     assert job["counters"]["accepted_tokens"] > 0
 
 
-ABORTING = """
-import json, sys
-from vllm import LLM, SamplingParams
-
-if __name__ == "__main__":
-    folder, prompts = sys.argv[1], json.loads(sys.argv[2])
-    llm = LLM(model=folder, dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
-              max_num_seqs=4, hf_overrides={"schedule": "wfd", "draft_depth": 2})
-    engine, done, steps = llm.llm_engine, {}, 0
-    params = SamplingParams(temperature=0, max_tokens=int(sys.argv[3]), detokenize=False,
-                            ignore_eos=True)
-    for i, prompt in enumerate(prompts[:3]):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
-        steps += 1
-        if steps == 2:  # mid-stream, its wave half built
-            engine.abort_request(["1"])
-        if steps == 3:  # a new request in its place, its prompt the aborted one's
-            engine.add_request("3", {"prompt_token_ids": prompts[1]}, params)
-    print(json.dumps(done))
-"""
-
-
-def test_a_request_aborted_mid_wave_leaves_the_others_their_tokens(tmp_path):
+def test_a_request_aborted_mid_wave_leaves_the_others_their_tokens(engines):
     """WFD in the engine: one of three requests aborted after two engine steps, a new one
     added a step later (with the aborted one's prompt): the others' and the new one's
     tokens are wfd's AR's, the aborted one's wave gone with it."""
-    prompts = [list(text.encode()) for text in CODE[:2]] + [list(CODE[2].encode())]
-    script = tmp_path / "aborting.py"
-    script.write_text(ABORTING)
+    prompts = [list(text.encode()) for text in CODE[:3]]
     folder = ROOT / "wfd" / "models" / "huginn-tiny"
-    done = subprocess.run([sys.executable, str(script), str(folder), json.dumps(prompts),
-                           str(NEW_TOKENS)],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env={**UNBOUND, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                               "VLLM_CPU_KVCACHE_SPACE": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    tokens = json.loads(done.stdout.strip().splitlines()[-1])
+    tokens = engines.call("serving_jobs:abort_mid_wave", str(folder), prompts, NEW_TOKENS)
     expected = ar_tokens(load_model("huginn-tiny"), prompts)
     assert set(tokens) == {"0", "2", "3"}
     assert [tokens["0"], tokens["3"], tokens["2"]] == expected
@@ -286,10 +253,10 @@ def test_random_sharded_checkpoints_decode_as_wfd_ar_at_another_depth(
     """One request at a time and four together, at another depth than the checkpoint's: the
     same tokens as wfd's AR with the same options. The plugin's DtV (Huginn, with an exit rule)
     and WFD (Ouro) over two tensor-parallel ranks (vLLM's CPU build splits the heads,
-    projections and head, one core each); AR with shared KV slots (Ouro) on one (with shared
-    slots a drafting schedule's positions, run together, read each other's earlier steps where
-    AR's read their last: not exact then, as in wfd). vLLM's own DtV (draft_model) is checked
-    on one rank, with the shipped models."""
+    projections and head, one core each, each rank in a worker process); AR with shared KV
+    slots (Ouro) on one (with shared slots a drafting schedule's positions, run together, read
+    each other's earlier steps where AR's read their last: not exact then, as in wfd). vLLM's
+    own DtV (draft_model) is checked on one rank, with the shipped models."""
     # vLLM's CPU attention takes head sizes of 32 and up; damped: fp32 rounding flips no token
     cfg = TINY_CONFIGS[family].model_copy(update={"hidden_size": 128, "head_dim": 32})
     model = damped(init_random(build(cfg)))
@@ -335,7 +302,10 @@ def serve(model: Path, tmp_path: Path, options: list[str]) -> tuple[subprocess.P
     runs; the CPU build's `vllm` command itself stops at reading the version of a package named
     vllm, installed as vllm-cpu), and its address once it answers /health."""
     port = free_port()
-    env = {**UNBOUND, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    # the worker in the engine core's process (vLLM's CPU build starts it in a process of its
+    # own unless told not to): a process's imports fewer to wait for, 17 s to answer, not 25
+    env = {**UNBOUND, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     server = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
          "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
@@ -413,14 +383,10 @@ def test_vllm_serve_answers_completions_and_refuses_a_prompt_too_long(tmp_path, 
         server.wait(timeout=60)
 
 
-def test_the_kernel_table_is_what_vllm_runs(tmp_path):
+def test_the_kernel_table_is_what_vllm_runs(engines):
     """costmodel/data/vllm_operations.json (what `costmodel predict --engine vllm` prices),
     counted again in vLLM's forward: a change to the plugin that adds or removes a kernel fails
-    here until the table is regenerated (the command it names)."""
-    out = tmp_path / "vllm_operations.json"
-    done = subprocess.run([sys.executable, "-m", "calibrate.tables", "--tables", "vllm",
-                           "--write", "--out-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=UNBOUND)
-    assert done.returncode == 0, done.stderr[-3000:]
+    here until the table is regenerated (`python -m calibrate.tables --write`)."""
+    counted = engines.call("calibrate.tables:tables", ["vllm"])["vllm_operations.json"]
     committed = json.loads((ROOT / "costmodel" / "data" / "vllm_operations.json").read_text())
-    assert json.loads(out.read_text())["families"] == committed["families"]
+    assert counted["families"] == committed["families"]

@@ -8,8 +8,9 @@ processes, so it runs here under ``__main__``:
 With ``--jobs`` the jobs run one after another in this process, each engine shut down before
 the next starts (vLLM imported once: a job then costs its engine's start, about 2 s for a tiny
 model, not the 8-10 s of a process of its own); each line is answered on standard output by
-``wfd.serving.offline: done OUT.json`` once OUT is written. Its engines run in-process, on one
-rank. A job that fails ends the process (its one line on standard error, exit 2).
+``wfd.serving.offline: done OUT.json`` once OUT is written. Its engine cores run in this
+process (a job of several ranks starts its workers in processes of their own, as vLLM does). A
+job that fails ends the process (its one line on standard error, exit 2).
 
 JOB: {"model": folder, "overrides": {...} (hf_overrides: recurrence_depth, kv_sharing,
 draft_depth, ...), "speculative_tokens": k (DtV: the same checkpoint drafts k tokens at its
@@ -154,15 +155,12 @@ def run_file(job: str, out: str) -> None:
 
 
 def run_jobs(lines) -> None:
-    """``--jobs``: each line's job in this process, its engine in-process on one rank."""
+    """``--jobs``: each line's job in this process, its engine core in-process."""
     for line in lines:
         if not line.strip():
             continue
         job, out = line.split()
         spec = json.loads(Path(job).read_text())
-        if spec.get("tensor_parallel", 1) > 1:
-            raise ValueError(f"{job}: --jobs runs engines of one rank; run a job of "
-                             f"{spec['tensor_parallel']} ranks on its own")
         Path(out).write_text(json.dumps(run_job({**spec, "in_process": True})))
         print(f"wfd.serving.offline: done {out}", flush=True)
 
