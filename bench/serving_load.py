@@ -25,7 +25,9 @@ The engine's own time (per step, per sequence in a step, per request on its way 
 per-call cost does not hold, is measured first and apart from the streams, from lone requests
 of the mean lengths and a full batch of them arriving together (`engine_overheads`), and given
 to the simulations (`costmodel serving --step-overhead --sequence-overhead
---request-overhead`). Needs the serve-cpu extra. A
+--request-overhead`); so is its wake, the extra time of a request that finds the server idle
+(`wake_after_idle`: lone requests after 0.5, 1, 2 and 4 s idle; `--wake-overhead`), which is
+what makes the tail of TTFT at low rates. Needs the serve-cpu extra. A
 profile of this machine: `costmodel calibrate --model huginn --quick`.
 """
 
@@ -47,7 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from costmodel.clitools import script_main
-from costmodel.engines import EngineOverheads, for_engine
+from costmodel.engines import EngineOverheads, IdleWake, for_engine
 from costmodel.predict import predict
 from costmodel.presets import get_model
 from costmodel.profile import load_profile
@@ -178,6 +180,9 @@ def main() -> None:
     parser.add_argument("--fidelity", choices=["steps", "calls"], default="steps",
                         help="simulate step by step as vLLM schedules (default), or call by "
                              "call")
+    parser.add_argument("--no-wake", dest="wake", action="store_false",
+                        help="leave out the server's wake from idle (measured by default: "
+                             "lone requests after 0.5-4 s idle, about 25 s)")
     parser.add_argument("--token-budget", type=int, default=2048,
                         help="the tokens a step of the server's takes (its "
                              "max_num_batched_tokens; the CPU build's default: 2048)")
@@ -201,9 +206,15 @@ def main() -> None:
             engine = engine_overheads(lambda requests, seed: load(base, str(folder), requests,
                                                                   seed),
                                       spec, hw, prompt, output, options, args.commit_ahead)
+            if args.wake:
+                engine = engine.model_copy(update={"wake": wake_after_idle(
+                    base, str(folder), round(prompt.mean), round(output.mean))})
+            wakes = ", ".join(f"{w.extra_s * 1e3:.1f} ms after {w.idle_s:g} s"
+                              for w in engine.wake)
             print(f"the engine's own time: {engine.step_s * 1e3:.2f} ms a step, "
                   f"{engine.per_sequence_s * 1e3:.2f} ms a sequence in it, "
-                  f"{engine.request_s * 1e3:.2f} ms a request", flush=True)
+                  f"{engine.request_s * 1e3:.2f} ms a request"
+                  + (f"; waking from idle: {wakes}" if wakes else ""), flush=True)
             for rate in args.rates:
                 stream = request_stream(rate, args.requests, prompt, output, seed=args.seed)
                 served = load(base, str(folder), stream, args.seed)
@@ -274,6 +285,26 @@ def side_by_side(stream: list[Request], measured: list[Served], simulated: list[
              "output_tokens": r.output_tokens, "ttft_s": [m.ttft_s, s.ttft_s],
              "tpot_s": [m.tpot_s, s.tpot_s]}
             for r, m, s in zip(stream, measured, simulated, strict=True)]
+
+
+def wake_after_idle(base: str, model: str, prompt_tokens: int, output_tokens: int,
+                    idles: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0), repeats: int = 3
+                    ) -> tuple[IdleWake, ...]:
+    """The server's extra TTFT for a lone request sent after it idled for each of ``idles``
+    seconds, over one sent right after the last (medians of ``repeats``): its wake, which the
+    simulation adds to a request that finds the engine idle."""
+    rng = np.random.default_rng(0)
+
+    def ttft(idle: float) -> float:
+        time.sleep(idle)
+        prompt = rng.integers(32, 127, prompt_tokens).tolist()
+        sent = time.perf_counter()
+        first, _, _ = send(base, model, prompt, output_tokens)
+        return first - sent
+
+    busy = float(np.median([ttft(0.0) for _ in range(2 * repeats)]))
+    return tuple(IdleWake(idle_s=idle, extra_s=max(0.0, float(np.median(
+        [ttft(idle) for _ in range(repeats)])) - busy)) for idle in idles)
 
 
 def summarize_served(served: list[Served]) -> dict:

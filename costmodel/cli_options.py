@@ -44,13 +44,17 @@ LinkBandwidthOption = Annotated[str | None, typer.Option(
     help="the link's bandwidth per device, one way, e.g. 450GB/s (replaces --link's)")]
 LinkLatencyOption = Annotated[str | None, typer.Option(
     help="the link's time per collective, e.g. 8us (replaces --link's)")]
+WakeOverheadOption = Annotated[str | None, typer.Option(
+    help="the engine's extra time for a request that finds it idle, by how long it idled: "
+         "IDLE:EXTRA pairs, e.g. 1s:10ms,4s:35ms (interpolated; bench/serving_load.py "
+         "measures a server's)")]
 CommitAheadOption = Annotated[int, typer.Option(
     help="DtV and WFD: tokens a step commits ahead of the engine's sampler, beside its one "
          "(the plugin's commit_ahead): the step's time is shared by them")]
 
 
 def engine_overheads(step: str, sequence: str, request: str = "0s", tick: str = "0s",
-                     wave: str = "0s", commit_ahead: int = 8):
+                     wave: str = "0s", commit_ahead: int = 8, wake: str | None = None):
     """The engine's own time the options give (None where all are zero)."""
     from .engines import EngineOverheads
 
@@ -60,7 +64,7 @@ def engine_overheads(step: str, sequence: str, request: str = "0s", tick: str = 
                              per_sequence_s=parse_duration(sequence),
                              request_s=parse_duration(request), tick_s=parse_duration(tick),
                              wave_tick_s=parse_duration(wave),
-                             commit_ahead=commit_ahead)
+                             commit_ahead=commit_ahead, wake=parse_wake(wake))
     return engine if engine != EngineOverheads(commit_ahead=commit_ahead) else None
 
 
@@ -151,3 +155,18 @@ def parallel_devices(spec, hw: HardwareSpec, degree: int, link: str | None,
         raise UserError("a placement's devices each hold whole parts: give --placement or "
                         "--tensor-parallel, not both")
     return split(spec, hw, degree, chosen_link(hw, link, bandwidth, latency))
+
+
+def parse_wake(text: str | None) -> tuple:
+    """--wake-overhead's IDLE:EXTRA pairs (e.g. 1s:10ms,4s:35ms), as the engine's wake."""
+    from .engines import IdleWake
+
+    if not text:
+        return ()
+    try:
+        pairs = [item.split(":") for item in text.split(",")]
+        return tuple(IdleWake(idle_s=parse_duration(idle), extra_s=parse_duration(extra))
+                     for idle, extra in pairs)
+    except ValueError:
+        raise UserError(f"--wake-overhead takes IDLE:EXTRA pairs of durations, idle above "
+                        f"0, e.g. 1s:10ms,4s:35ms; got {text!r}") from None

@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field
+import numpy as np
+from pydantic import Field, field_validator
 
 from .hardware import HardwareSpec
 from .model import LoopedModelSpec
@@ -52,6 +53,14 @@ def counted_fields(ops: dict[str, dict[str, int]]) -> dict[str, object]:
             "part_extra_operations": extras}
 
 
+class IdleWake(Spec):
+    """An engine's extra time for a request that reaches it after ``idle_s`` with nothing to
+    do: caches, cores and its processes' waits gone cold (measured, not modeled)."""
+
+    idle_s: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+    extra_s: Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
 class EngineOverheads(Spec):
     """The engine's own time, beside its model's calls (which the cost model prices): per step
     (scheduling, preparing inputs, sampling), per sequence in a step (its sampling and output:
@@ -64,7 +73,8 @@ class EngineOverheads(Spec):
     decoder does not hold.
     ``bench/serving_load.py`` measures vLLM's step, sequence and request times from lone and
     concurrent requests, ``bench/vllm_peer.py`` the step and tick times of the plugin; ``predict``
-    adds a step's share to each token, ``serving`` also a request's to its first."""
+    adds a step's share to each token, ``serving`` also a request's to its first, and to a
+    request that finds the engine idle its ``wake`` (``wake_s``)."""
 
     step_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
     per_sequence_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
@@ -72,6 +82,23 @@ class EngineOverheads(Spec):
     tick_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
     wave_tick_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
     commit_ahead: Annotated[int, Field(ge=0)] = 8
+    wake: tuple[IdleWake, ...] = ()  # by idle time, rising
+
+    @field_validator("wake")
+    @classmethod
+    def _rising(cls, wake: tuple[IdleWake, ...]) -> tuple[IdleWake, ...]:
+        idles = [w.idle_s for w in wake]
+        if idles != sorted(set(idles)):
+            raise ValueError(f"the wake's idle times must rise, got {idles}")
+        return wake
+
+    def wake_s(self, idle_s: float) -> float:
+        """The engine's extra time after ``idle_s`` idle: ``wake`` interpolated linearly from
+        none at no idle, its last beyond its longest idle."""
+        if not self.wake or idle_s <= 0:
+            return 0.0
+        return float(np.interp(idle_s, [0.0, *(w.idle_s for w in self.wake)],
+                               [0.0, *(w.extra_s for w in self.wake)]))
 
     def tokens_per_step(self, drafts: bool, sequences: int = 1, ticks_per_token: float = 0.0,
                         depth: int = 0) -> float:

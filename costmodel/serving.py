@@ -148,10 +148,11 @@ class _Clock:
             self.marks.clear()
         return self.now
 
-    def idle_until(self, time: float) -> None:
+    def idle_until(self, time: float, wake: Callable[[float], float]) -> None:
+        """Nothing to do until ``time``; then ``wake(idle seconds)`` more."""
         self.settle()
-        if time > self.now:
-            self.now, self.previous = time, None  # after a pause a call stands alone
+        if time > self.now:  # after a pause a call stands alone
+            self.now, self.previous = time + wake(time - self.now), None
 
 
 FIDELITIES = ("calls", "steps")
@@ -251,7 +252,7 @@ class _Stream:
     def admit(self, i: int, lanes) -> bool:
         clock, arrives = self.clock, self.requests[i].arrival_s + self.engine.request_s
         if not lanes:
-            clock.idle_until(arrives)
+            clock.idle_until(arrives, self.engine.wake_s)
         elif any(lane.calls_in_round for lane in lanes):
             return False  # between rounds only: a newcomer's prefill waits for the round's end
         elif arrives > clock.now and arrives > clock.settle():

@@ -24,6 +24,7 @@ from .cli_options import (
     StepOverheadOption,
     TensorParallelOption,
     TickOverheadOption,
+    WakeOverheadOption,
     WaveOverheadOption,
     at_least_one,
     chosen_link,
@@ -154,6 +155,7 @@ def serving_cmd(
     tick_overhead: TickOverheadOption = "0s",
     wave_overhead: WaveOverheadOption = "0s",
     commit_ahead: CommitAheadOption = 8,
+    wake_overhead: WakeOverheadOption = None,
     tensor_parallel: TensorParallelOption = 1,
     link: LinkOption = None,
     link_bandwidth: LinkBandwidthOption = None,
@@ -182,12 +184,7 @@ def serving_cmd(
 
     names, ttft, tpot = _checked(requests, max_batch, acceptance, attainment,
                                  schedule, slo_ttft, slo_tpot, find_rate)
-    sweep = [parse_rate(r) for r in rates.split(",")] if rates is not None else \
-        [parse_rate(rate) if rate is not None else 1.0]
-    if rates is not None and requests_file is not None:
-        raise UserError("--rates draws a stream at each rate: give it or --requests-file")
-    if plot is not None and len(sweep) < 2:
-        raise UserError("--plot needs two rates or more (--rates 1/s,2/s,4/s)")
+    sweep = _sweep(rate, rates, requests_file, plot)
     per_s = sweep[0]
     _, base, dtype = hardware_of(profile, hardware, dtype)
     spec = get_model(model)
@@ -203,7 +200,8 @@ def serving_cmd(
                "token_budget": token_budget, "placement": placement,
                "link": chosen_link(hw, link, link_bandwidth, link_latency) if placement else None,
                "engine": engine_overheads(step_overhead, sequence_overhead, request_overhead,
-                                         tick_overhead, wave_overhead, commit_ahead)}
+                                         tick_overhead, wave_overhead, commit_ahead,
+                                         wake_overhead)}
     runs = []
     with spinner(f"serving {requests} requests at {len(sweep)} rate(s)", disable=as_json):
         for r in sweep:
@@ -222,8 +220,7 @@ def serving_cmd(
     if as_json:
         dumped = [{"rate_per_s": None if requests_file else r,
                    "schedules": {n: x.model_dump(mode="json", exclude={"served"})
-                                 for n, x in results.items()}}
-                  for r, results in runs]
+                                 for n, x in results.items()}} for r, results in runs]
         print_json({**head, **(dumped[0] if rates is None else {"sweep": dumped}),
                     **({"highest_rate_per_s": found} if find_rate else {})})
         return
@@ -241,6 +238,18 @@ def serving_cmd(
         typer.echo("note: the engine's own time (scheduling, sampling, output) is not counted: "
                    "give --step-overhead, --sequence-overhead and --request-overhead "
                    "(bench/serving_load.py measures vLLM's)", err=True)
+
+
+def _sweep(rate: str | None, rates: str | None, requests_file: Path | None,
+           plot: Path | None) -> list[float]:
+    """The rates to serve the stream at (requests a second), the options checked."""
+    if rates is not None and requests_file is not None:
+        raise UserError("--rates draws a stream at each rate: give it or --requests-file")
+    sweep = [parse_rate(r) for r in rates.split(",")] if rates is not None else \
+        [parse_rate(rate) if rate is not None else 1.0]
+    if plot is not None and len(sweep) < 2:
+        raise UserError("--plot needs two rates or more (--rates 1/s,2/s,4/s)")
+    return sweep
 
 
 def _write_per_request(path: Path, runs, stream, drawn: bool) -> None:

@@ -176,11 +176,14 @@ def serve_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
                 served[i]["first_token_s"] = now
                 running[i] = [requests[i].output_tokens - 1, requests[i].prompt_tokens + 1]
             reserved -= finish(running, served, now, kv_per_request)
+            if (waiting < len(requests) and len(running) < max_batch and ready[waiting] <= now
+                    and reserved + kv_per_request[waiting] <= kv_budget):
+                continue  # one arrived during the prefill: its prefill before the next round
         if not running:
             if waiting < len(requests) and not newcomers:
                 if ready[waiting] <= now:  # nothing runs, and the next one's KV cannot fit
                     raise ValueError(f"request {waiting} needs more KV than the engine has")
-                now = ready[waiting]
+                now = ready[waiting] + engine.wake_s(ready[waiting] - now)
             continue
         # decode until a sequence finishes, or past the next arrival that could start
         b = len(running)

@@ -9,7 +9,7 @@ from conftest import run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from costmodel.engines import EngineOverheads
+from costmodel.engines import EngineOverheads, IdleWake
 from costmodel.presets import resolve
 from costmodel.requests import Lengths, Request, read_requests, request_stream
 from costmodel.schedules import AR, WFD, DtV
@@ -314,6 +314,49 @@ def test_a_lone_request_stepped_takes_its_prefill_then_a_step_per_token():
         assert served[0].finish_s - served[0].first_token_s == pytest.approx(
             times[0, 41:49].sum(), rel=1e-9)
         assert mean_batch == pytest.approx(1.0)
+
+
+def test_a_wake_is_interpolated_from_the_idle_times_measured():
+    engine = EngineOverheads(wake=[IdleWake(idle_s=1.0, extra_s=0.010),
+                                   IdleWake(idle_s=4.0, extra_s=0.040)])
+    assert [engine.wake_s(t) for t in (0.0, 0.5, 1.0, 2.5, 4.0, 60.0)] == pytest.approx(
+        [0.0, 0.005, 0.010, 0.025, 0.040, 0.040])
+    with pytest.raises(ValueError, match="must rise"):
+        EngineOverheads(wake=[IdleWake(idle_s=2.0, extra_s=0.0), IdleWake(idle_s=1.0,
+                                                                          extra_s=0.0)])
+
+
+@pytest.mark.parametrize("fidelity, budget", [("calls", None), ("steps", None),
+                                              ("steps", 2048)])
+def test_a_request_that_finds_the_engine_idle_waits_for_it_to_wake(fidelity, budget):
+    """Two requests 3 s apart: the second finds the engine idle since the first finished and
+    pays the wake for that long (its TTFT only: the engine's clock moves on by it); the first,
+    at the engine's start, none. Call by call, step by step, and as vLLM schedules."""
+    engine = EngineOverheads(wake=[IdleWake(idle_s=1.0, extra_s=0.010),
+                                   IdleWake(idle_s=4.0, extra_s=0.040)])
+    requests = [Request(arrival_s=0.0, prompt_tokens=32, output_tokens=16),
+                Request(arrival_s=3.0, prompt_tokens=32, output_tokens=16)]
+    kw = {"max_batch": 4, "acceptance": 0.7, "depth": 8, "fidelity": fidelity,
+          "token_budget": budget}
+    bare, _ = serve(MODEL, HARDWARE, AR(), requests, **kw)
+    woken, _ = serve(MODEL, HARDWARE, AR(), requests, engine=engine, **kw)
+    assert woken[0] == bare[0]
+    assert woken[1].ttft_s - bare[1].ttft_s == pytest.approx(
+        engine.wake_s(3.0 - bare[0].finish_s))
+    assert woken[1].tpot_s == pytest.approx(bare[1].tpot_s)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
+def test_a_newcomer_during_a_prefill_starts_after_the_next_round(schedule):
+    """Step by step, a request that arrives while another's prompt is prefilled joins after
+    the next round, as call by call, not once the other has finished."""
+    requests = [Request(arrival_s=0.0, prompt_tokens=32, output_tokens=64),
+                Request(arrival_s=1e-6, prompt_tokens=32, output_tokens=8)]
+    kw = {"max_batch": 4, "acceptance": 0.7, "depth": 8}
+    stepped, _ = serve(MODEL, HARDWARE, schedule, requests, fidelity="steps", **kw)
+    called, _ = serve(MODEL, HARDWARE, schedule, requests, fidelity="calls", **kw)
+    assert stepped[1].ttft_s < stepped[0].e2e_s / 4
+    assert stepped[1].ttft_s == pytest.approx(called[1].ttft_s, rel=0.5)
 
 
 @pytest.mark.parametrize("model, hardware", [("huginn-3.5b", "h200"),
