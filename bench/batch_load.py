@@ -14,7 +14,8 @@ drafting schedules at the acceptance the run measured, and the medians, p99s and
 printed side by side. The batch path's own time beside its calls (merging the sequences'
 inputs, splitting the outputs, each plan's bookkeeping), which a calibration at batch 1 does
 not hold, is fitted first and apart from the streams, as bench/serving_load.py fits vLLM's:
-lone requests of the mean lengths, then a full batch of them arriving together.
+lone requests of the mean lengths, then a full batch of them arriving together; and its wake
+from idle (lone requests after 0.5-4 s asleep; `--no-wake` leaves it out).
 """
 
 from __future__ import annotations
@@ -24,7 +25,16 @@ import json
 import statistics
 
 import numpy as np
-from serving_load import engine_overheads, stream_arguments, stream_lengths
+from serving_load import (
+    engine_overheads,
+    lone_request,
+    side_by_side,
+    stream_arguments,
+    stream_lengths,
+    wake_after_idle,
+    wake_option,
+    wake_text,
+)
 
 from costmodel.clitools import script_main
 from costmodel.presets import get_model
@@ -64,6 +74,7 @@ def figures(result) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     stream_arguments(parser, [2.0, 8.0, 32.0])
+    wake_option(parser)
     args = parser.parse_args()
     from wfd.checkpoint import load_model
 
@@ -77,18 +88,24 @@ def main() -> None:
     engine = engine_overheads(
         lambda requests, seed: decoded(model, requests, args.schedule, args.max_batch, seed)[0],
         spec, profile.hardware, prompt, output, options, commit_ahead=0)
+    if args.wake:
+        lone = lone_request(prompt, output, lambda requests, seed: decoded(
+            model, requests, args.schedule, args.max_batch, seed)[0])
+        engine = engine.model_copy(update={"wake": wake_after_idle(lone)})
     print(f"the batch path's own time: {engine.step_s * 1e3:.2f} ms a step, "
           f"{engine.per_sequence_s * 1e3:.2f} ms a sequence in it, "
-          f"{engine.request_s * 1e3:.2f} ms a request", flush=True)
+          f"{engine.request_s * 1e3:.2f} ms a request" + wake_text(engine), flush=True)
     rows = []
     for rate in args.rates:
         stream = request_stream(rate, args.requests, prompt, output, seed=args.seed)
         served, acceptance = decoded(model, stream, args.schedule, args.max_batch, args.seed)
         measured = summarize(AR(), served, mean_batch=0.0)
         simulated = predict_serving(spec, profile.hardware, stream, engine=engine,
-                                    acceptance=acceptance, **options)[args.schedule]
+                                    acceptance=acceptance, keep_served=True,
+                                    **options)[args.schedule]
         rows.append({"rate_per_s": rate, "acceptance": acceptance,
-                     "measured": figures(measured), "simulated": figures(simulated)})
+                     "measured": figures(measured), "simulated": figures(simulated),
+                     "requests": side_by_side(stream, served, simulated.served)})
         m, s = rows[-1]["measured"], rows[-1]["simulated"]
         print(f"rate {rate:5.1f}/s  TTFT p50 {m['ttft_p50_s'] * 1e3:6.1f} vs "
               f"{s['ttft_p50_s'] * 1e3:6.1f} ms  p99 {m['ttft_p99_s'] * 1e3:6.1f} vs "

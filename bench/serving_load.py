@@ -44,6 +44,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -136,6 +137,22 @@ def load(base: str, model: str, requests, seed: int) -> list[Served]:
     return served
 
 
+def lone_request(prompt: Lengths, output: Lengths,
+                 serve: Callable[[list[Request], int], list[Served]]) -> Callable[[], float]:
+    """A lone request of the mean lengths served by ``serve`` (requests and a seed for their
+    prompts: as served), its TTFT; each call's prompt another (no prefix cached)."""
+    request = Request(arrival_s=0.0, prompt_tokens=round(prompt.mean),
+                      output_tokens=round(output.mean))
+    seeds = iter(range(1000, 10**6))
+    return lambda: serve([request], next(seeds))[0].ttft_s
+
+
+def wake_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-wake", dest="wake", action="store_false",
+                        help="leave out the engine's wake from idle (measured by default: "
+                             "lone requests after 0.5-4 s idle, about 25 s)")
+
+
 def stream_arguments(parser: argparse.ArgumentParser, rates: list[float]) -> None:
     """A load bench's options: the profile, the model and schedule, and the streams'."""
     parser.add_argument("--profile", type=Path, required=True)
@@ -180,9 +197,7 @@ def main() -> None:
     parser.add_argument("--fidelity", choices=["steps", "calls"], default="steps",
                         help="simulate step by step as vLLM schedules (default), or call by "
                              "call")
-    parser.add_argument("--no-wake", dest="wake", action="store_false",
-                        help="leave out the server's wake from idle (measured by default: "
-                             "lone requests after 0.5-4 s idle, about 25 s)")
+    wake_option(parser)
     parser.add_argument("--token-budget", type=int, default=2048,
                         help="the tokens a step of the server's takes (its "
                              "max_num_batched_tokens; the CPU build's default: 2048)")
@@ -207,14 +222,12 @@ def main() -> None:
                                                                   seed),
                                       spec, hw, prompt, output, options, args.commit_ahead)
             if args.wake:
-                engine = engine.model_copy(update={"wake": wake_after_idle(
-                    base, str(folder), round(prompt.mean), round(output.mean))})
-            wakes = ", ".join(f"{w.extra_s * 1e3:.1f} ms after {w.idle_s:g} s"
-                              for w in engine.wake)
+                lone = lone_request(prompt, output, lambda requests, seed: load(
+                    base, str(folder), requests, seed))
+                engine = engine.model_copy(update={"wake": wake_after_idle(lone)})
             print(f"the engine's own time: {engine.step_s * 1e3:.2f} ms a step, "
                   f"{engine.per_sequence_s * 1e3:.2f} ms a sequence in it, "
-                  f"{engine.request_s * 1e3:.2f} ms a request"
-                  + (f"; waking from idle: {wakes}" if wakes else ""), flush=True)
+                  f"{engine.request_s * 1e3:.2f} ms a request" + wake_text(engine), flush=True)
             for rate in args.rates:
                 stream = request_stream(rate, args.requests, prompt, output, seed=args.seed)
                 served = load(base, str(folder), stream, args.seed)
@@ -287,24 +300,25 @@ def side_by_side(stream: list[Request], measured: list[Served], simulated: list[
             for r, m, s in zip(stream, measured, simulated, strict=True)]
 
 
-def wake_after_idle(base: str, model: str, prompt_tokens: int, output_tokens: int,
+def wake_after_idle(lone_ttft: Callable[[], float],
                     idles: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0), repeats: int = 3
                     ) -> tuple[IdleWake, ...]:
-    """The server's extra TTFT for a lone request sent after it idled for each of ``idles``
-    seconds, over one sent right after the last (medians of ``repeats``): its wake, which the
-    simulation adds to a request that finds the engine idle."""
-    rng = np.random.default_rng(0)
-
-    def ttft(idle: float) -> float:
+    """An engine's extra TTFT for a lone request (``lone_ttft()``: one served, its TTFT) sent
+    after it idled for each of ``idles`` seconds, over one sent right after the last (medians
+    of ``repeats``): its wake, which the simulation adds to a request that finds it idle."""
+    def after(idle: float) -> float:
         time.sleep(idle)
-        prompt = rng.integers(32, 127, prompt_tokens).tolist()
-        sent = time.perf_counter()
-        first, _, _ = send(base, model, prompt, output_tokens)
-        return first - sent
+        return lone_ttft()
 
-    busy = float(np.median([ttft(0.0) for _ in range(2 * repeats)]))
+    busy = float(np.median([after(0.0) for _ in range(2 * repeats)]))
     return tuple(IdleWake(idle_s=idle, extra_s=max(0.0, float(np.median(
-        [ttft(idle) for _ in range(repeats)])) - busy)) for idle in idles)
+        [after(idle) for _ in range(repeats)])) - busy)) for idle in idles)
+
+
+def wake_text(engine: EngineOverheads) -> str:
+    """The wake measured, as a line's end."""
+    wakes = ", ".join(f"{w.extra_s * 1e3:.1f} ms after {w.idle_s:g} s" for w in engine.wake)
+    return f"; waking from idle: {wakes}" if wakes else ""
 
 
 def summarize_served(served: list[Served]) -> dict:
