@@ -181,7 +181,35 @@ def test_slot_layouts_of_batched_calls():
     assert slot_layout((3, 5, 7, 40)) == ("ranges", ((0, 3, 3, 2, False), (3, 1, 40, 1, False)),
                                           False, 1)
     assert slot_layout((1, 9, 4, 30, 2)) == ("gather", None, False, 1)  # no progression to read
-    assert slot_layout((7, 7, 8)) == ("gather", None, False, 1)  # uneven groups
+    # prompts of unequal lengths prefilled together: a kernel per prompt on a CPU
+    assert slot_layout((7, 7, 8)) == ("runs", ((0, 2, 7), (2, 1, 8)), False, 1)
+    assert slot_layout((7, 7, 8), progressions=False) == ("gather", None, False, 1)
+
+
+def test_runs_of_unequal_lengths_attend_as_a_gather_does():
+    """Two sequences' positions of unequal counts in one call (a prefill of prompts of 3 and 5
+    tokens): a kernel per run over its own slot gives the gathered attention's outputs (to
+    rounding: the kernel's batch differs), and its keys stop at each run's own latest
+    position."""
+    from wfd.cache import LayerKV
+    from wfd.layers import CallPlan, attend, rope_frequencies
+
+    gen = torch.Generator().manual_seed(0)
+    positions = torch.tensor([0, 1, 2, 0, 1, 2, 3, 4])
+    slots = (4, 4, 4, 9, 9, 9, 9, 9)
+    q = torch.randn(8, 4, 16, generator=gen)
+    k, v = (torch.randn(8, 2, 16, generator=gen) for _ in "kv")  # grouped: 4 heads over 2
+    outs = {}
+    for progressions in (True, False):
+        kv = LayerKV(torch.zeros(12, 2, 8, 16), torch.zeros(12, 2, 8, 16), [0] * 12)
+        plan = CallPlan.make(positions, slots, torch.tensor(slots),
+                             rope_frequencies(16, 10000.0, torch.device("cpu")), span=8)
+        if not progressions:
+            plan.layout, plan.slot_range, plan.progression_spans = "gather", None, None
+        else:
+            assert plan.layout == "runs" and plan.progression_spans == (3, 5)
+        outs[progressions] = attend(q, k, v, plan, kv)
+    torch.testing.assert_close(outs[True], outs[False], rtol=1e-6, atol=1e-6)  # to rounding
 
 
 def test_each_sequences_wave_reads_its_own_context():

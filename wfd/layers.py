@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -128,8 +129,11 @@ def slot_layout(slots: tuple[int, ...], progressions: bool = True
     (first, last, step), descending, q) for an arithmetic progression (a strided view), ("ranges",
     ((first group, groups, first slot, step, descending), ...), False, q) for a few of them (a batch
     of WFD waves), or ("gather", None, False, q) otherwise; any other mix gathers one key set per
-    position ("gather", None, False, 1). Gathering copies every key set read, which costs a CPU more
-    than a kernel per progression; a GPU pays the host per kernel instead, so ``progressions=False``
+    position ("gather", None, False, 1), or, distinct slots in runs of unequal lengths (prompts of
+    unequal lengths prefilled together), as ("runs", ((first position, length, slot), ...), False,
+    1): a kernel per run over its own slot. Gathering copies every key set read (in that mix, a
+    position's each: a whole context per prompt token), which costs a CPU more than a kernel per
+    progression or run; a GPU pays the host per kernel instead, so ``progressions=False``
     (CallPlan on a GPU) gathers there."""
     runs: list[list[int]] = []
     for slot in slots:
@@ -139,8 +143,14 @@ def slot_layout(slots: tuple[int, ...], progressions: bool = True
             runs.append([slot, 1])
     heads = [slot for slot, _ in runs]
     sizes = {size for _, size in runs}
-    if len(set(heads)) != len(heads) or len(sizes) != 1:
+    if len(set(heads)) != len(heads):
         return "gather", None, False, 1
+    if len(sizes) != 1:  # runs of unequal lengths (prompts of a batch, prefilled together)
+        if not progressions:
+            return "gather", None, False, 1
+        starts = [0, *itertools.accumulate(size for _, size in runs[:-1])]
+        return "runs", tuple((start, size, slot) for start, (slot, size) in
+                             zip(starts, runs, strict=True)), False, 1
     per_group = sizes.pop()
     if len(heads) == 1:
         return "one", None, False, per_group
@@ -184,12 +194,13 @@ class CallPlan:
     cos: torch.Tensor  # [n, head_dim / 2] of the RoPE angles
     sin: torch.Tensor
     mask: torch.Tensor  # [n, span]: key j visible to position i iff j <= p_i
-    layout: str = "none"  # "none" (no cache), "one", "range", "ranges", "gather": slot_layout
-    slot_range: tuple | None = None  # "range": (first, last, step); "ranges": the progressions
+    layout: str = "none"  # "none" (no cache), "one", "range", "ranges", "runs", "gather"
+    # "range": (first, last, step); "ranges": the progressions; "runs": (start, length, slot)s
+    slot_range: tuple | None = None
     descending: bool = False  # a range read in descending slot order: queries flipped to match
     per_group: int = 1  # consecutive positions sharing one key set (see slot_layout)
-    # "ranges": the keys each progression reads, its own positions' latest + 1 (a sequence of a
-    # batch reads its own context, not the batch's longest); None otherwise
+    # "ranges", "runs": the keys each progression or run reads, its own positions' latest + 1 (a
+    # sequence of a batch reads its own context, not the batch's longest); None otherwise
     progression_spans: tuple[int, ...] | None = None
     _tables: dict = field(default_factory=dict)  # the RoPE tables, made on first use
 
@@ -208,7 +219,7 @@ class CallPlan:
             layout, slot_range, descending, per_group = slot_layout(
                 slots, progressions=positions.device.type == "cpu")
         spans = None
-        if layout == "ranges":  # a CPU's: reading its positions costs nothing
+        if layout in ("ranges", "runs"):  # a CPU's: reading its positions costs nothing
             latest = positions.tolist()
             spans = tuple(min(len(keys), 1 + max(latest[start * per_group:
                                                          (start + length) * per_group]))
@@ -301,6 +312,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CallPlan,
                                              enable_gqa=gqa)
         return out.movedim(-2, -3)  # [..., n, heads, hd]
     kv.write(plan.slot_index, plan.positions, k, v)
+    if plan.layout == "runs":
+        return attend_runs(q, kv, plan, gqa)
     per_group = plan.per_group
     # [groups, heads, per_group, hd] queries, [groups, 1, per_group, span] masks
     q = q.unflatten(0, (-1, per_group)).transpose(1, 2)
@@ -314,6 +327,22 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CallPlan,
     if plan.descending:
         out = out.flip(0)
     return out.transpose(1, 2).flatten(0, 1)  # [n, heads, hd]
+
+
+def attend_runs(q: torch.Tensor, kv: LayerKV, plan: CallPlan, gqa: bool) -> torch.Tensor:
+    """Attention of a "runs" plan: each run of positions (a sequence's, one slot) one kernel
+    over its own slot's keys, up to its own latest position (q and out: [n, heads, hd])."""
+    mask = plan.attention_mask(q.dtype)  # [n, 1, 1, span]
+    outs = []
+    for (start, length, slot), span in zip(plan.slot_range, plan.progression_spans,
+                                           strict=True):
+        queries = q[start:start + length].transpose(0, 1)[None]  # [1, heads, length, hd]
+        masks = mask[start:start + length, 0, :, :span].transpose(0, 1)[None]
+        out = F.scaled_dot_product_attention(
+            queries, kv.keys[slot, :, :span][None], kv.values[slot, :, :span][None],
+            attn_mask=masks, enable_gqa=gqa)
+        outs.append(out[0].transpose(0, 1))
+    return torch.cat(outs)
 
 
 def attend_progressions(q: torch.Tensor, kv: LayerKV, plan: CallPlan, gqa: bool) -> torch.Tensor:
