@@ -34,6 +34,7 @@ profile of this machine: `costmodel calibrate --model huginn --quick`.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -143,7 +144,7 @@ def lone_request(prompt: Lengths, output: Lengths,
     prompts: as served), its TTFT; each call's prompt another (no prefix cached)."""
     request = Request(arrival_s=0.0, prompt_tokens=round(prompt.mean),
                       output_tokens=round(output.mean))
-    seeds = iter(range(1000, 10**6))
+    seeds = itertools.count(1000)
     return lambda: serve([request], next(seeds))[0].ttft_s
 
 
@@ -235,8 +236,7 @@ def main() -> None:
                 simulated = predict_serving(spec, hw, stream, engine=engine, keep_served=True,
                                             **options)[args.schedule]
                 rows.append({"rate_per_s": rate, "measured": measured,
-                             "simulated": simulated.model_dump(mode="json",
-                                                               exclude={"served"}),
+                             "simulated": simulated.model_dump(mode="json"),
                              "requests": side_by_side(stream, served, simulated.served)})
                 print(line(rate, measured, rows[-1]["simulated"]), flush=True)
         finally:

@@ -100,6 +100,11 @@ class EngineOverheads(Spec):
         return float(np.interp(idle_s, [0.0, *(w.idle_s for w in self.wake)],
                                [0.0, *(w.extra_s for w in self.wake)]))
 
+    def awake_at(self, idle_since_s: float, arrives_s: float) -> float:
+        """When the engine, idle since ``idle_since_s``, takes in a request arriving at
+        ``arrives_s``: then, or later by its wake where it idled."""
+        return arrives_s + self.wake_s(arrives_s - idle_since_s)
+
     def tokens_per_step(self, drafts: bool, sequences: int = 1, ticks_per_token: float = 0.0,
                         depth: int = 0) -> float:
         """Tokens of a sequence one engine step commits: AR's one; a drafting schedule's those

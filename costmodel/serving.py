@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from .admission import kv_budget_bytes, kv_needs, kv_per_token
 from .engines import EngineOverheads
@@ -93,7 +93,8 @@ class ServingResult(BaseModel):
     slo_attainment: float | None = None  # the fraction meeting every objective given
     goodput_requests_per_s: float | None = None
     preemptions: int | None = None  # vLLM's scheduling (a token budget): requests preempted
-    served: list[Served] | None = None  # each request, in the stream's order (keep_served)
+    # each request, in the stream's order (keep_served); never in the result's JSON
+    served: list[Served] | None = Field(default=None, exclude=True)
 
 
 @dataclass
@@ -148,11 +149,11 @@ class _Clock:
             self.marks.clear()
         return self.now
 
-    def idle_until(self, time: float, wake: Callable[[float], float]) -> None:
-        """Nothing to do until ``time``; then ``wake(idle seconds)`` more."""
+    def idle_until(self, time: float, engine: EngineOverheads) -> None:
+        """Nothing to do until ``time``; then the engine's wake from that idle."""
         self.settle()
         if time > self.now:  # after a pause a call stands alone
-            self.now, self.previous = time + wake(time - self.now), None
+            self.now, self.previous = engine.awake_at(self.now, time), None
 
 
 FIDELITIES = ("calls", "steps")
@@ -252,7 +253,7 @@ class _Stream:
     def admit(self, i: int, lanes) -> bool:
         clock, arrives = self.clock, self.requests[i].arrival_s + self.engine.request_s
         if not lanes:
-            clock.idle_until(arrives, self.engine.wake_s)
+            clock.idle_until(arrives, self.engine)
         elif any(lane.calls_in_round for lane in lanes):
             return False  # between rounds only: a newcomer's prefill waits for the round's end
         elif arrives > clock.now and arrives > clock.settle():

@@ -219,8 +219,8 @@ def serving_cmd(
             **({"lengths": lengths} if lengths else {})}
     if as_json:
         dumped = [{"rate_per_s": None if requests_file else r,
-                   "schedules": {n: x.model_dump(mode="json", exclude={"served"})
-                                 for n, x in results.items()}} for r, results in runs]
+                   "schedules": {n: x.model_dump(mode="json") for n, x in results.items()}}
+                  for r, results in runs]
         print_json({**head, **(dumped[0] if rates is None else {"sweep": dumped}),
                     **({"highest_rate_per_s": found} if find_rate else {})})
         return

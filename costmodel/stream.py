@@ -161,11 +161,14 @@ def serve_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
     ready = [r.arrival_s + engine.request_s for r in requests]
     running: dict[int, list[int]] = {}  # request -> [tokens still to commit, its context]
     now, reserved, waiting, busy, weighed = 0.0, 0, 0, 0.0, 0.0
+
+    def startable(taken: int) -> bool:  # the next in line has arrived, with a place and KV
+        return (waiting < len(requests) and taken < max_batch and ready[waiting] <= now
+                and reserved + kv_per_request[waiting] <= kv_budget)
+
     while waiting < len(requests) or running:
         newcomers = []
-        while (waiting < len(requests) and len(running) + len(newcomers) < max_batch
-               and ready[waiting] <= now
-               and reserved + kv_per_request[waiting] <= kv_budget):
+        while startable(len(running) + len(newcomers)):
             newcomers.append(waiting)
             reserved += kv_per_request[waiting]
             waiting += 1
@@ -176,14 +179,13 @@ def serve_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
                 served[i]["first_token_s"] = now
                 running[i] = [requests[i].output_tokens - 1, requests[i].prompt_tokens + 1]
             reserved -= finish(running, served, now, kv_per_request)
-            if (waiting < len(requests) and len(running) < max_batch and ready[waiting] <= now
-                    and reserved + kv_per_request[waiting] <= kv_budget):
+            if startable(len(running)):
                 continue  # one arrived during the prefill: its prefill before the next round
         if not running:
             if waiting < len(requests) and not newcomers:
                 if ready[waiting] <= now:  # nothing runs, and the next one's KV cannot fit
                     raise ValueError(f"request {waiting} needs more KV than the engine has")
-                now = ready[waiting] + engine.wake_s(ready[waiting] - now)
+                now = engine.awake_at(now, ready[waiting])
             continue
         # decode until a sequence finishes, or past the next arrival that could start
         b = len(running)

@@ -134,7 +134,7 @@ def serve_vllm_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedul
                 continue
             if ready[line[0].index] <= now:
                 raise ValueError(f"request {line[0].index} needs more KV than the engine has")
-            now = ready[line[0].index] + engine.wake_s(ready[line[0].index] - now)
+            now = engine.awake_at(now, ready[line[0].index])
             continue
         steps, took = _steps(decoding, chunks, line, ready, now, elapsed, engine_line.held(),
                              kv_budget, kv_per_token, max_batch, len(running), prefill)

@@ -27,24 +27,26 @@ class Engines:
 
     def run(self, job: Path, out: Path, timeout: float = 600) -> None:
         """A job of ``wfd.serving.offline``, its output written to ``out``."""
-        self._ask({"job": str(job), "out": str(out)}, timeout)
+        self._ask(f"{job} {out}", f"wfd.serving.offline: done {out}", timeout)
 
     def call(self, function: str, *args, timeout: float = 600):
         """``function`` ("module:name", a module of wfd's or of the tests') called in the engine
         process with ``args``: its result, through JSON."""
         out = self.log.with_name(f"call-{function.replace(':', '-')}.json")
-        self._ask({"call": function, "args": list(args), "out": str(out)}, timeout)
+        self._ask(json.dumps({"call": function, "args": list(args), "out": str(out)}),
+                  f"engine_process: done {out}", timeout)
         return json.loads(out.read_text())
 
-    def _ask(self, line: dict, timeout: float) -> None:
+    def _ask(self, line: str, answer: str, timeout: float) -> None:
+        """``line`` sent to the engine process, and its output read until ``answer``."""
         if self.process is None or self.process.poll() is not None:
             self.process = subprocess.Popen(
                 [sys.executable, str(Path(__file__).with_name("engine_process.py"))],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(self.log, "w"),
                 env=UNBOUND)
-        self.process.stdin.write(json.dumps(line).encode() + b"\n")
+        self.process.stdin.write(line.encode() + b"\n")
         self.process.stdin.flush()
-        done, seen = f"engine_process: done {line['out']}".encode(), b""
+        done, seen = answer.encode(), b""
         deadline = time.monotonic() + timeout
         while done not in seen:  # vLLM logs to the same standard output: read to the answer
             left = deadline - time.monotonic()

@@ -347,9 +347,9 @@ def test_a_request_that_finds_the_engine_idle_waits_for_it_to_wake(fidelity, bud
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
-def test_a_newcomer_during_a_prefill_starts_after_the_next_round(schedule):
-    """Step by step, a request that arrives while another's prompt is prefilled joins after
-    the next round, as call by call, not once the other has finished."""
+def test_a_newcomer_during_a_prefill_is_prefilled_before_the_next_round(schedule):
+    """Step by step, a request that arrives while another's prompt is prefilled is prefilled
+    next, before the other's first round, as call by call, not once the other has finished."""
     requests = [Request(arrival_s=0.0, prompt_tokens=32, output_tokens=64),
                 Request(arrival_s=1e-6, prompt_tokens=32, output_tokens=8)]
     kw = {"max_batch": 4, "acceptance": 0.7, "depth": 8}
