@@ -131,23 +131,28 @@ def _bound(b: dict[str, float]) -> Literal["bandwidth", "compute", "overhead", "
 
 
 def prefill_time_s(model: LoopedModelSpec, hw: HardwareSpec, workload: Workload, depth: int,
-                   readout_depths: int) -> float:
-    """Prefill of the prompt through P, R block calls and the coda readout(s)."""
+                   readout_depths: int, readouts_together: bool = False) -> float:
+    """Prefill of the prompt through P, R block calls and the coda readout(s): a call per
+    readout depth (this decoder), or with ``readouts_together`` one call over them all (the
+    plugin's waves on vLLM, wfd/serving/wave.py)."""
     parts = model.parts
     L = workload.context_length
     b = workload.batch_size
     causal = L * (L + 1) / 2  # a prefill runs eagerly in every mode
 
-    def t(part: str, n: int, ctx_sum: float) -> float:
-        c = call_cost(model, hw, parts[part], workload.dtype, n_positions=b * n, n_slots=1,
-                      context_sum_positions=b * ctx_sum, context_sum_slots=b * L, key_sets=b)
+    def t(part: str, n: int, ctx_sum: float, slots: int = 1) -> float:
+        c = call_cost(model, hw, parts[part], workload.dtype, n_positions=b * n, n_slots=slots,
+                      context_sum_positions=b * ctx_sum, context_sum_slots=b * L * slots,
+                      key_sets=b * slots)
         return float(c.time_s)
 
     # a coda with attention must fill its KV for every prompt position, once per readout depth
     coda_positions = L if model.coda_layers else 1
     coda_ctx = causal if model.coda_layers else L
-    return (t("prelude", L, causal) + depth * t("block", L, causal)
-            + readout_depths * t("coda", coda_positions, coda_ctx))
+    together = readouts_together and readout_depths > 1
+    coda = t("coda", readout_depths * coda_positions, readout_depths * coda_ctx,
+             readout_depths) if together else readout_depths * t("coda", coda_positions, coda_ctx)
+    return t("prelude", L, causal) + depth * t("block", L, causal) + coda
 
 
 def decode_keys(workload: Workload, hw: HardwareSpec) -> float:
@@ -208,7 +213,8 @@ def predict(
     memory is then one device's. ``continuous_depth``: a batch's tokens with exits batched
     continuously, each sequence at its own depth (the plugin's exit mode on vLLM), not in step
     (``wfd``'s batch); that mode runs AR as a wave, so with ``engine`` AR with exits pays the
-    engine's time per tick and commits ahead as the plugin's drafting schedules do.
+    engine's time per tick and commits ahead as the plugin's drafting schedules do, and its
+    waves read a prompt out at all its readout depths in one call.
     """
     spec, hw = split(*resolve(model, hardware), tensor_parallel, link)
     wl = Workload.model_validate(workload or {})  # a Workload, or its fields as a dict
@@ -260,6 +266,7 @@ def predict(
         chosen[name] = schedule
         readouts = len({depth} | exit_reads | ({d} if schedule.drafts else set()))
         results[name] = _result(spec, hw, wl, depth, schedule, groups, alpha, totals, readouts,
+                                readouts_together=continuous_depth,
                                 mean_exit_depth=exits.mean_depth if exits else None,
                                 acceptance=seen if schedule.drafts else None)
     if wl.prompts is not None:
@@ -288,7 +295,7 @@ def _check_request(wl: Workload, depth: int, block_length: int | None,
 
 def _result(spec: LoopedModelSpec, hw: HardwareSpec, wl: Workload, depth: int,
             schedule: Schedule, groups: list[CallGroup], alpha, totals: dict, readouts: int,
-            **reported) -> ScheduleResult:
+            readouts_together: bool = False, **reported) -> ScheduleResult:
     """A schedule's prediction from its call groups (none where it was simulated) and totals per
     token (speedup filled in against AR's later), with the prefill and KV cache of its
     ``readouts`` coda readout depths, and what else is ``reported`` (its acceptance, the mean
@@ -302,7 +309,7 @@ def _result(spec: LoopedModelSpec, hw: HardwareSpec, wl: Workload, depth: int,
         tokens_per_s=wl.batch_size / latency, speedup_vs_ar=1.0,
         block_calls_per_token=block_calls, breakdown=Breakdown(**terms),
         roofline_fraction=float(totals["ideal_s"]) / latency, bound=_bound(terms),
-        prefill_s=prefill_time_s(spec, hw, wl, depth, readouts),
+        prefill_s=prefill_time_s(spec, hw, wl, depth, readouts, readouts_together),
         kv_bytes=kv_cache_bytes(spec, wl, depth=depth, readout_depths=readouts,
                                 lookahead=schedule.lookahead(depth),
                                 static=hw.graphs.cuda_graphs),

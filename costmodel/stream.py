@@ -126,8 +126,8 @@ class _Prefills:
     (placed: through the parts in order, their hidden states handed from device to device)."""
 
     def __init__(self, model, hw, depth: int, dtype: str, kv_sharing: int, readouts: int,
-                 placement: StreamPlacement | None = None):
-        self.args = model, hw, depth, readouts
+                 placement: StreamPlacement | None = None, together: bool = False):
+        self.args = model, hw, depth, readouts, together
         self.fields = {"dtype": dtype, "kv_sharing": kv_sharing, "new_tokens": 1}
         self.memo: dict[tuple[int, int], float] = {}
         self.placement = placement
@@ -135,9 +135,9 @@ class _Prefills:
     def __call__(self, prompts: list[int]) -> float:
         key = (len(prompts), round(np.mean(prompts)))
         if key not in self.memo:
-            model, hw, depth, readouts = self.args
+            model, hw, depth, readouts, together = self.args
             workload = Workload(context_length=key[1], batch_size=key[0], **self.fields)
-            self.memo[key] = prefill_time_s(model, hw, workload, depth, readouts) + (
+            self.memo[key] = prefill_time_s(model, hw, workload, depth, readouts, together) + (
                 self.placement.prefill_handoff_s(model, key[0] * key[1], self.fields["dtype"])
                 if self.placement is not None else 0.0)
         return self.memo[key]

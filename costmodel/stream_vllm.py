@@ -119,7 +119,9 @@ def serve_vllm_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedul
     elapsed = elapsed_times(model, hw, schedule, requests, acceptance=acceptance, depth=depth,
                             kv_sharing=kv_sharing, dtype=dtype, max_batch=max_batch,
                             engine=engine)
-    prefill = _Prefills(model, hw, depth, dtype, kv_sharing, 2 if schedule.drafts else 1)
+    # the plugin's waves read a drafting schedule's prompt out at d and R in one call
+    prefill = _Prefills(model, hw, depth, dtype, kv_sharing, 2 if schedule.drafts else 1,
+                        together=True)
     served = [{"arrival_s": r.arrival_s, "output_tokens": r.output_tokens} for r in requests]
     ready = [r.arrival_s + engine.request_s for r in requests]
     engine_line = _Scheduler(requests, ready, max_batch=max_batch, token_budget=token_budget,

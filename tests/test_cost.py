@@ -371,3 +371,26 @@ def test_a_cpu_call_after_another_parts_reads_its_weights_from_the_whole_models_
         assert call_cost(m, h, m.part("block"), "fp32", 1, 1, 64, 64,
                          after_other_part=True).time_s == pytest.approx(
             call_cost(m, h, m.part("block"), "fp32", 1, 1, 64, 64).time_s)
+
+
+@settings(max_examples=30, deadline=None)
+@given(model=st.sampled_from(MODELS), hw=st.sampled_from(HW), prompt=st.integers(1, 4096),
+       readouts=st.integers(1, 8), batch=st.integers(1, 8))
+def test_a_prompt_read_out_in_one_call_costs_no_more_than_a_call_a_depth(model, hw, prompt,
+                                                                         readouts, batch):
+    """The plugin's waves read a prompt out at all its readout depths in one coda call: the
+    same positions and keys as a call per depth, the weights read and the kernels launched once,
+    so never slower, and faster where weights and launches bound the coda; at one readout depth
+    the same call."""
+    from costmodel.predict import prefill_time_s
+    from costmodel.workload import Workload
+
+    spec, hardware = get_model(model), get_hardware(hw)
+    workload = Workload(context_length=prompt, new_tokens=1, batch_size=batch)
+    apart = prefill_time_s(spec, hardware, workload, 8, readouts)
+    together = prefill_time_s(spec, hardware, workload, 8, readouts, readouts_together=True)
+    assert together <= apart * (1 + 1e-12)
+    if readouts == 1:
+        assert together == apart
+    elif prompt * batch <= 16:  # a few positions: the coda's weights and launches paid once
+        assert together < apart

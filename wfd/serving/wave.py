@@ -97,19 +97,23 @@ class WaveDecoder:
         schedule.check(model.depth)
         self.waves: dict[str, Wave] = {}
         self.paged: PagedKV | None = None
+        # readouts to make: (wave, position, depth, state, whether the readout itself is kept)
+        self.deferred: list[tuple[Wave, int, int, torch.Tensor, bool]] = []
         self.scale = model.arch.head_dim ** -0.5
         # each readout depth's coda slot; the engine's exit rule, what a request's is checked by
         self.coda_slot = {r: i for i, r in enumerate(model.readout_depths)}
         self.engine_exits = EngineExits.of(model.config)
         self.exit_work = WaveExits(self)
         self.totals = {"verified": 0, "accepted": 0, "flushed_positions": 0, "block_calls": 0,
-                       "restarts": 0, "decoded_tokens": 0, "decoded_depths": 0}
+                       "readout_calls": 0, "restarts": 0, "decoded_tokens": 0,
+                       "decoded_depths": 0}
         install_hooks()
         INBOX[0] = engine_inbox()
 
     def counters(self) -> dict[str, int]:
-        """Drafts verified and accepted, positions flushed, block calls (ticks), and the tokens
-        committed after a prompt with the sum of their depths (exit depths, or R), so far."""
+        """Drafts verified and accepted, positions flushed, block calls (ticks) and readout
+        (coda) calls, and the tokens committed after a prompt with the sum of their depths (exit
+        depths, or R), so far."""
         return dict(self.totals)
 
     # -- the engine step -----------------------------------------------------------------------
@@ -264,6 +268,8 @@ class WaveDecoder:
                         and _kind(calls[id(w)]) == kind]
             if kind == "check":
                 self.exit_work.check([(w, calls[id(w)]) for w in together])
+            elif kind == "coda":
+                self.read_out([(w, calls[id(w)]) for w in together])
             else:
                 self.call(kind, [(w, calls[id(w)]) for w in together])
             ticks += kind == "block"
@@ -280,6 +286,8 @@ class WaveDecoder:
                 for wave in waves:
                     if calls[id(wave)] is not None and wave.committed > wave.scheduled:
                         wave.held, calls[id(wave)] = calls[id(wave)], None
+        if self.deferred:  # a prompt's readouts that no later readout of the step took along
+            self.read_out([])
 
     @staticmethod
     def stop_ahead(waves: list[Wave]) -> None:
@@ -343,7 +351,8 @@ class WaveDecoder:
 
     # -- calls ---------------------------------------------------------------------------------
     def call(self, kind: str, calls: list[tuple[Wave, Call]]) -> None:
-        """One call of a part over the rows of several waves (each its positions and depths)."""
+        """One prelude or block call over the rows of several waves (each its positions and
+        depths); readouts: ``read_out``."""
         model = self.model
         rows = [(wave, p) for wave, call in calls for p in call.positions]
         depths = [r for _, call in calls for r in call.depths]
@@ -360,22 +369,38 @@ class WaveDecoder:
                 if wave.exits is not None and entering:
                     wave.exits.enter(entering, [wave.states[p] for p in entering])
             return
+        self.totals["block_calls"] += 1
         states = torch.stack([wave.states[p] for wave, p in rows])
-        if kind == "block":
-            self.totals["block_calls"] += 1
-            layers = [[model.core_layer_index(r, j) for r in depths]
-                      for j in range(model.core_layers)]
-            e = torch.stack([wave.injections[p] for wave, p in rows])
-            new = model.step(states, e, where, self.stand_ins(rows, where, layers))
-            for i, (wave, p) in enumerate(rows):
-                wave.states[p] = new[i]
-            return
-        slots = [self.coda_slot[r] for r in depths]
-        layers = [[model.coda_layer_index(s, j) for s in slots]
-                  for j in range(model.arch.coda_layers)]
-        out = model.readout(states, where, caches=self.stand_ins(rows, where, layers))
+        layers = [[model.core_layer_index(r, j) for r in depths] for j in range(model.core_layers)]
+        e = torch.stack([wave.injections[p] for wave, p in rows])
+        new = model.step(states, e, where, self.stand_ins(rows, where, layers))
         for i, (wave, p) in enumerate(rows):
-            wave.readouts[p] = out[i]
+            wave.states[p] = new[i]
+
+    def read_out(self, calls: list[tuple[Wave, Call]]) -> None:
+        """Coda calls over the rows of several waves (none: the readouts still waiting). A
+        prompt's readouts below R make its coda KV at those depths, which only later positions'
+        readouts attend over: they wait, their states kept, and join the step's next readout,
+        so a prompt read out at every depth an exit may happen at (or at the draft depth and R)
+        is one coda call, not one per depth."""
+        model = self.model
+        for wave, call in calls:
+            waits = wave.fresh and call.positions[-1] < wave.prompt_length and max(
+                call.depths) < model.depth
+            self.deferred += [(wave, p, r, wave.states[p], not waits)
+                              for p, r in zip(call.positions, call.depths, strict=True)]
+        if calls and not any(kept for *_, kept in self.deferred):
+            return
+        rows, self.deferred = self.deferred, []
+        self.totals["readout_calls"] += 1
+        where = torch.tensor([p for _, p, *_ in rows])
+        layers = [[model.coda_layer_index(self.coda_slot[r], j) for _, _, r, *_ in rows]
+                  for j in range(model.arch.coda_layers)]
+        out = model.readout(torch.stack([state for *_, state, _ in rows]), where,
+                            caches=self.stand_ins([(w, p) for w, p, *_ in rows], where, layers))
+        for (wave, p, _, _, kept), readout in zip(rows, out, strict=True):
+            if kept:
+                wave.readouts[p] = readout
 
     def stand_ins(self, rows: list[tuple[Wave, int]], where: torch.Tensor,
                   layers: list[list[int]]) -> list[LayerAttention]:
