@@ -81,62 +81,79 @@ class ExitTracker:
               hazards: list[float] | None = None) -> set[int]:
         """The positions the rule exits at these depths, given their states (rows of
         ``states``) and latest readouts (``readouts``, one per position when the rule reads
-        them); the gate's hazards at ``states`` when the caller has them (several trackers'
-        computed at once)."""
-        rule, first = self.rule, self.rule.min_depth
-        if rule.name == "forced":  # timing: the drawn depths, whatever the model computes
-            return self._decide(positions, depths, [r == rule.depth_at(p) for p, r in zip(
-                positions, depths, strict=True)], forced=True)
-        if rule.name == "gate":  # every step's hazard counts, checked or not
-            if hazards is None:
-                hazards = self.model.exit_lambda(states).tolist()
-            values = []
-            for p, h in zip(positions, hazards, strict=True):
-                self.memory[p] *= 1.0 - h
-                values.append(1.0 - self.memory[p])
-            return self._decide(positions, depths, values)
-        checked = [i for i, r in enumerate(depths) if r >= first]
-        if not checked:
-            return set()
-        ps = [positions[i] for i in checked]
-        if rule.name == "latent-diff":
-            now = states[checked]
-            values = relative_change(now, torch.stack([self.memory[p] for p in ps])).tolist()
-            new_memory = list(now)
-        else:
-            current = log_probs(torch.stack([readouts[i] for i in checked]))
-            fresh = [depths[i] == first for i in checked]
-            if rule.name == "kl":
-                uniform = uniform_like(current[0])
-                previous = torch.stack([uniform if f else self.memory[p]
-                                        for p, f in zip(ps, fresh, strict=True)])
-                values = kl(previous, current).tolist()
-                new_memory = list(current)
-            elif rule.name == "entropy-diff":
-                now = entropy(current).tolist()
-                values = [abs(h - (ENTROPY_START if f else self.memory[p]))
-                          for p, h, f in zip(ps, now, fresh, strict=True)]
-                new_memory = now
-            else:  # argmax-stable
-                tops = current.argmax(-1).tolist()
-                new_memory, values = [], []
-                for p, top, f in zip(ps, tops, fresh, strict=True):
-                    last, streak = (-1, 0) if f else self.memory[p]
-                    streak = streak + 1 if top == last else 0
-                    new_memory.append((top, streak))
-                    values.append(streak)
-        for p, m in zip(ps, new_memory, strict=True):
-            self.memory[p] = m
-        return self._decide(ps, [depths[i] for i in checked], values)
+        them); the gate's hazards at ``states`` when the caller has them."""
+        fired = check_rows([(self, p) for p in positions], depths, states, readouts, hazards)
+        return {p for p, f in zip(positions, fired, strict=True) if f}
 
-    def _decide(self, positions, depths, values, forced: bool = False) -> set[int]:
-        out = set()
-        for p, r, v in zip(positions, depths, values, strict=True):
-            if r >= self.rule.min_depth and (v if forced else self.rule.fires(v)):
-                out.add(p)
-                self.exit_depths[p] = r
-                self.fired[p][-1] = r
-        return out
+
+def check_rows(rows: list[tuple[ExitTracker, int]], depths, states: torch.Tensor,
+               readouts: list, hazards: list[float] | None = None) -> list[bool]:
+    """Whether each row (a tracker and one of its positions, every tracker with the same rule:
+    several sequences' checks measured at once) exits at its depth, given the rows' states and
+    latest readouts; the gate's hazards at ``states`` when the caller has them. Each tracker
+    remembers what its rule needs and records its exits."""
+    rule = rows[0][0].rule if rows else None
+    if rule is None:
+        return []
+    first, fired = rule.min_depth, [False] * len(rows)
+    if rule.name == "forced":  # timing: the drawn depths, whatever the model computes
+        return _decide(rows, depths, range(len(rows)), [r == rule.depth_at(p) for (_, p), r in
+                                                        zip(rows, depths, strict=True)], fired)
+    if rule.name == "gate":  # every step's hazard counts, checked or not
+        if hazards is None:
+            hazards = rows[0][0].model.exit_lambda(states).tolist()
+        values = []
+        for (tracker, p), h in zip(rows, hazards, strict=True):
+            tracker.memory[p] *= 1.0 - h
+            values.append(1.0 - tracker.memory[p])
+        return _decide(rows, depths, range(len(rows)), values, fired)
+    checked = [i for i, r in enumerate(depths) if r >= first]
+    if not checked:
+        return fired
+    owners = [rows[i] for i in checked]
+    if rule.name == "latent-diff":
+        now = states[checked]
+        values = relative_change(now, torch.stack([t.memory[p] for t, p in owners])).tolist()
+        new_memory = list(now)
+    else:
+        current = log_probs(torch.stack([readouts[i] for i in checked]))
+        fresh = [depths[i] == first for i in checked]
+        if rule.name == "kl":
+            uniform = uniform_like(current[0])
+            previous = torch.stack([uniform if f else t.memory[p]
+                                    for (t, p), f in zip(owners, fresh, strict=True)])
+            values = kl(previous, current).tolist()
+            new_memory = list(current)
+        elif rule.name == "entropy-diff":
+            now = entropy(current).tolist()
+            values = [abs(h - (ENTROPY_START if f else t.memory[p]))
+                      for (t, p), h, f in zip(owners, now, fresh, strict=True)]
+            new_memory = now
+        else:  # argmax-stable
+            tops = current.argmax(-1).tolist()
+            new_memory, values = [], []
+            for (t, p), top, f in zip(owners, tops, fresh, strict=True):
+                last, streak = (-1, 0) if f else t.memory[p]
+                streak = streak + 1 if top == last else 0
+                new_memory.append((top, streak))
+                values.append(streak)
+    for (t, p), m in zip(owners, new_memory, strict=True):
+        t.memory[p] = m
+    return _decide(rows, depths, checked, values, fired)
+
+
+def _decide(rows, depths, indices, values, fired: list[bool]) -> list[bool]:
+    """``fired`` with the rows at ``indices`` whose rule fires on their ``values`` set, each
+    exit recorded in its tracker."""
+    for i, v in zip(indices, values, strict=True):
+        tracker, p = rows[i]
+        r = depths[i]
+        forced = tracker.rule.name == "forced"
+        if r >= tracker.rule.min_depth and (v if forced else tracker.rule.fires(v)):
+            fired[i] = True
+            tracker.exit_depths[p] = r
+            tracker.fired[p][-1] = r
+    return fired
 
 
 def depth_signals(states: dict[int, torch.Tensor], initial: torch.Tensor,

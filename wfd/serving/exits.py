@@ -22,6 +22,7 @@ from vllm.v1.sample.logits_processor import LogitsProcessor
 
 from costmodel.exits import ExitRule, ForcedExits
 from costmodel.slots import core_slot
+from wfd.exits import check_rows
 
 from .ahead import plain_greedy
 from .configs import check_exit_rule, served_rule
@@ -124,33 +125,40 @@ class WaveExits:
     def check(self, pending: list) -> None:
         """The checks waves are paused at (``(wave, Check)`` pairs): the logits of every
         checked readout (rules that read them) and the gate's hazards at every checked state
-        computed in one call each, then each wave's rule decides; its verdict is what the
-        wave's plan is sent next."""
+        computed in one call each, and the waves with the same rule measured together; each
+        wave's verdict is what its plan is sent next."""
         model = self.model
         rows = [(wave, p) for wave, event in pending for p in event.positions]
-        reads = [wave.exits.rule.reads_readouts for wave, _ in rows]
-        gates = [wave.exits.rule.name == "gate" for wave, _ in rows]
-        logits = model.compute_logits(torch.stack([
-            w.readouts[p] for (w, p), read in zip(rows, reads, strict=True) if read])) \
-            if any(reads) else None
+        rules = [wave.exits.rule for wave, _ in rows]
+        reads = [rule.reads_readouts for rule in rules]
+        logits = list(model.compute_logits(torch.stack([
+            w.readouts[p] for (w, p), read in zip(rows, reads, strict=True) if read]))) \
+            if any(reads) else []
+        gates = [rule.name == "gate" for rule in rules]
         hazards = model.exit_lambda(torch.stack([
             w.states[p] for (w, p), gate in zip(rows, gates, strict=True) if gate])).tolist() \
-            if any(gates) else None
-        read_at = gate_at = 0
-        exits = []
-        for wave, event in pending:
-            n, rule = len(event.positions), wave.exits.rule
-            readouts = [None] * n
-            own = None
-            if rule.reads_readouts:
-                readouts, read_at = list(logits[read_at:read_at + n]), read_at + n
-            if rule.name == "gate":
-                own, gate_at = hazards[gate_at:gate_at + n], gate_at + n
-            states = torch.stack([wave.states[p] for p in event.positions])
-            exited = wave.exits.check(event.positions, event.depths, states, readouts, own)
-            exits += [(wave, p, r) for p, r in zip(event.positions, event.depths, strict=True)
-                      if p in exited]
-            wave.reply = exited
+            if any(gates) else []
+        logits, hazards = iter(logits), iter(hazards)
+        readouts = [next(logits) if read else None for read in reads]
+        own = [next(hazards) if gate else None for gate in gates]
+        states = torch.stack([w.states[p] for w, p in rows])
+        depths = [r for _, event in pending for r in event.depths]
+        for wave, _ in pending:
+            wave.reply = set()
+        exits, measured = [], []
+        for rule in rules:
+            if any(rule == other for other in measured):
+                continue
+            measured.append(rule)
+            group = [i for i, other in enumerate(rules) if other == rule]
+            fired = check_rows([(rows[i][0].exits, rows[i][1]) for i in group],
+                               [depths[i] for i in group], states[group],
+                               [readouts[i] for i in group],
+                               [own[i] for i in group] if rule.name == "gate" else None)
+            for i in (i for i, f in zip(group, fired, strict=True) if f):
+                wave, p = rows[i]
+                wave.reply.add(p)
+                exits.append((wave, p, depths[i]))
         self.exit_kv(exits)
 
     def layers(self, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
