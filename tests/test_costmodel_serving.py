@@ -411,9 +411,8 @@ def prefill_of(tokens: int, schedule) -> float:
     from costmodel.predict import prefill_time_s
     from costmodel.workload import Workload
 
-    # the plugin's waves read a drafting schedule's prompt out at d and R in one call
     return prefill_time_s(MODEL, HARDWARE, Workload(context_length=tokens, new_tokens=1), 8,
-                          2 if schedule.drafts else 1, readouts_together=True)
+                          2 if schedule.drafts else 1, readouts_together=True)  # the plugin's
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
