@@ -83,3 +83,22 @@ def test_a_decode_given_the_run_object_equals_one_given_keywords():
     assert batch.results[0].tokens == by_object.tokens
     with pytest.raises(GenerationError, match="the model is in fp32"):
         generate(model, [3, 4, 5], options, dtype="bf16")
+
+
+def test_a_draft_depth_or_width_the_depth_cannot_have_is_refused_whatever_the_schedule():
+    """AR drafts nothing, yet a draft depth at or past R (or a width past it) is a mistake to
+    say, not to ignore; one it could have runs AR as asked."""
+    from conftest import tiny_model
+
+    from wfd import generate
+
+    model = tiny_model("huginn")
+    for schedule in ("ar", "dtv", "wfd"):
+        with pytest.raises(GenerationError, match=r"draft depth must be in 1\.\.3"):
+            generate(model, [3, 4, 5], schedule=schedule, max_new_tokens=2, depth=4,
+                     draft_depth=4)
+        with pytest.raises(GenerationError, match=r"width must be in 2\.\.4"):
+            generate(model, [3, 4, 5], schedule=schedule, max_new_tokens=2, depth=4, width=9)
+    plain = generate(model, [3, 4, 5], schedule="ar", max_new_tokens=2, depth=4)
+    assert generate(model, [3, 4, 5], schedule="ar", max_new_tokens=2, depth=4,
+                    draft_depth=2).tokens == plain.tokens
