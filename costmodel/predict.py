@@ -149,9 +149,9 @@ def prefill_time_s(model: LoopedModelSpec, hw: HardwareSpec, workload: Workload,
     # a coda with attention must fill its KV for every prompt position, once per readout depth
     coda_positions = L if model.coda_layers else 1
     coda_ctx = causal if model.coda_layers else L
-    together = readouts_together and readout_depths > 1
     coda = t("coda", readout_depths * coda_positions, readout_depths * coda_ctx,
-             readout_depths) if together else readout_depths * t("coda", coda_positions, coda_ctx)
+             readout_depths) if readouts_together else \
+        readout_depths * t("coda", coda_positions, coda_ctx)
     return t("prelude", L, causal) + depth * t("block", L, causal) + coda
 
 

@@ -92,13 +92,13 @@ def check_rows(rows: list[tuple[ExitTracker, int]], depths, states: torch.Tensor
     several sequences' checks measured at once) exits at its depth, given the rows' states and
     latest readouts; the gate's hazards at ``states`` when the caller has them. Each tracker
     remembers what its rule needs and records its exits."""
-    rule = rows[0][0].rule if rows else None
-    if rule is None:
+    if not rows:
         return []
+    rule = rows[0][0].rule
     first, fired = rule.min_depth, [False] * len(rows)
     if rule.name == "forced":  # timing: the drawn depths, whatever the model computes
-        return _decide(rows, depths, range(len(rows)), [r == rule.depth_at(p) for (_, p), r in
-                                                        zip(rows, depths, strict=True)], fired)
+        return _decide(rule, rows, depths, range(len(rows)), [
+            r == rule.depth_at(p) for (_, p), r in zip(rows, depths, strict=True)], fired)
     if rule.name == "gate":  # every step's hazard counts, checked or not
         if hazards is None:
             hazards = rows[0][0].model.exit_lambda(states).tolist()
@@ -106,7 +106,7 @@ def check_rows(rows: list[tuple[ExitTracker, int]], depths, states: torch.Tensor
         for (tracker, p), h in zip(rows, hazards, strict=True):
             tracker.memory[p] *= 1.0 - h
             values.append(1.0 - tracker.memory[p])
-        return _decide(rows, depths, range(len(rows)), values, fired)
+        return _decide(rule, rows, depths, range(len(rows)), values, fired)
     checked = [i for i, r in enumerate(depths) if r >= first]
     if not checked:
         return fired
@@ -139,17 +139,17 @@ def check_rows(rows: list[tuple[ExitTracker, int]], depths, states: torch.Tensor
                 values.append(streak)
     for (t, p), m in zip(owners, new_memory, strict=True):
         t.memory[p] = m
-    return _decide(rows, depths, checked, values, fired)
+    return _decide(rule, rows, depths, checked, values, fired)
 
 
-def _decide(rows, depths, indices, values, fired: list[bool]) -> list[bool]:
-    """``fired`` with the rows at ``indices`` whose rule fires on their ``values`` set, each
-    exit recorded in its tracker."""
+def _decide(rule, rows, depths, indices, values, fired: list[bool]) -> list[bool]:
+    """``fired`` with the rows at ``indices`` whose ``rule`` fires on their ``values`` set,
+    each exit recorded in its tracker."""
+    forced = rule.name == "forced"
     for i, v in zip(indices, values, strict=True):
         tracker, p = rows[i]
         r = depths[i]
-        forced = tracker.rule.name == "forced"
-        if r >= tracker.rule.min_depth and (v if forced else tracker.rule.fires(v)):
+        if r >= rule.min_depth and (v if forced else rule.fires(v)):
             fired[i] = True
             tracker.exit_depths[p] = r
             tracker.fired[p][-1] = r

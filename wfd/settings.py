@@ -30,14 +30,13 @@ def _named(options: RunOptions, model: nn.Module, depth: int) -> Schedule:
 
     try:
         kind = get(options.schedule)
-        given = options.width is not None or options.draft_depth is not None
-        if not kind.drafts and not given:
+        if not kind.drafts:
+            if options.width is not None or options.draft_depth is not None:
+                # it drafts nothing, but a draft depth R cannot have is refused, not ignored
+                resolve_draft_depth(model.config, depth, options.width, options.draft_depth)
             return kind()
-        # a schedule that does not draft runs none, but a draft depth R cannot have is refused
         draft_depth = resolve_draft_depth(model.config, depth, options.width,
                                           options.draft_depth)
-        if not kind.drafts:
-            return kind()
         return kind.of(draft_depth, options.block_length, options.width_cap)
     except ValidationError as exc:
         raise GenerationError(validation_message(exc)) from None

@@ -145,12 +145,11 @@ class WaveExits:
         depths = [r for _, event in pending for r in event.depths]
         for wave, _ in pending:
             wave.reply = set()
-        exits, measured = [], []
-        for rule in rules:
-            if any(rule == other for other in measured):
-                continue
-            measured.append(rule)
-            group = [i for i, other in enumerate(rules) if other == rule]
+        groups: dict[object, list[int]] = {}  # rule -> its rows (rules are frozen: hashable)
+        for i, rule in enumerate(rules):
+            groups.setdefault(rule, []).append(i)
+        exits = []
+        for rule, group in groups.items():
             fired = check_rows([(rows[i][0].exits, rows[i][1]) for i in group],
                                [depths[i] for i in group], states[group],
                                [readouts[i] for i in group],

@@ -97,8 +97,8 @@ class WaveDecoder:
         schedule.check(model.depth)
         self.waves: dict[str, Wave] = {}
         self.paged: PagedKV | None = None
-        # readouts to make: (wave, position, depth, state, whether the readout itself is kept)
-        self.deferred: list[tuple[Wave, int, int, torch.Tensor, bool]] = []
+        # a prompt's readouts below R still to make: (wave, position, depth, state)
+        self.deferred: list[tuple[Wave, int, int, torch.Tensor]] = []
         self.scale = model.arch.head_dim ** -0.5
         # each readout depth's coda slot; the engine's exit rule, what a request's is checked by
         self.coda_slot = {r: i for i, r in enumerate(model.readout_depths)}
@@ -384,23 +384,25 @@ class WaveDecoder:
         so a prompt read out at every depth an exit may happen at (or at the draft depth and R)
         is one coda call, not one per depth."""
         model = self.model
+        now = []
         for wave, call in calls:
             waits = wave.fresh and call.positions[-1] < wave.prompt_length and max(
                 call.depths) < model.depth
-            self.deferred += [(wave, p, r, wave.states[p], not waits)
-                              for p, r in zip(call.positions, call.depths, strict=True)]
-        if calls and not any(kept for *_, kept in self.deferred):
+            (self.deferred if waits else now).extend(
+                (wave, p, r, wave.states[p]) for p, r in zip(call.positions, call.depths,
+                                                              strict=True))
+        if calls and not now:
             return
-        rows, self.deferred = self.deferred, []
+        waited = len(self.deferred)  # rows whose readouts only write KV: not kept
+        rows, self.deferred = self.deferred + now, []
         self.totals["readout_calls"] += 1
-        where = torch.tensor([p for _, p, *_ in rows])
-        layers = [[model.coda_layer_index(self.coda_slot[r], j) for _, _, r, *_ in rows]
+        where = torch.tensor([p for _, p, _, _ in rows])
+        layers = [[model.coda_layer_index(self.coda_slot[r], j) for _, _, r, _ in rows]
                   for j in range(model.arch.coda_layers)]
-        out = model.readout(torch.stack([state for *_, state, _ in rows]), where,
-                            caches=self.stand_ins([(w, p) for w, p, *_ in rows], where, layers))
-        for (wave, p, _, _, kept), readout in zip(rows, out, strict=True):
-            if kept:
-                wave.readouts[p] = readout
+        out = model.readout(torch.stack([state for *_, state in rows]), where,
+                            caches=self.stand_ins([(w, p) for w, p, _, _ in rows], where, layers))
+        for (wave, p, _, _), readout in zip(rows[waited:], out[waited:], strict=True):
+            wave.readouts[p] = readout
 
     def stand_ins(self, rows: list[tuple[Wave, int]], where: torch.Tensor,
                   layers: list[list[int]]) -> list[LayerAttention]:
