@@ -337,6 +337,22 @@ def serve(model: Path, tmp_path: Path, options: list[str]) -> tuple[subprocess.P
             time.sleep(1)
 
 
+def arrival_flags(root: int) -> list[str]:
+    """The arrival flag (wfd.serving.hook) of each mapping of one in the processes under
+    ``root``."""
+    flags, pids = [], [root]
+    while pids:
+        pid = pids.pop()
+        try:
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                pids += [int(c) for c in (task / "children").read_text().split()]
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        flags += [line.split()[5] for line in maps.splitlines() if "wfd-arrivals-" in line]
+    return flags
+
+
 @pytest.mark.parametrize("mode", ["dtv", "wfd"])
 def test_vllm_serve_answers_completions_and_refuses_a_prompt_too_long(tmp_path, mode):
     """A shipped model with a tokenizer file of its byte vocabulary, served with vLLM's DtV (the
@@ -344,8 +360,10 @@ def test_vllm_serve_answers_completions_and_refuses_a_prompt_too_long(tmp_path, 
     vLLM's speculative counters on /metrics (WFD's: the tokens its waves commit ahead); a
     request with a logit bias refused (vLLM's speculative decoding takes none) while the server
     stays up (one family: the server is the same for both, whose plugins the tests above
-    check). WFD's serves exit rules per request (exit_rule "none"): one asking for kl gets AR's
-    tokens with that rule, one asking for the gate Huginn has not is refused (a 400)."""
+    check). WFD's engine core and its model map one arrival flag (a step under way ends for a
+    newcomer). WFD's serves exit rules per request (exit_rule
+    "none"): one asking for kl gets AR's tokens with that rule, one asking for the gate Huginn
+    has not is refused (a 400)."""
     name = "huginn-tiny"
     model = tmp_path / name
     model.mkdir()
@@ -373,7 +391,10 @@ def test_vllm_serve_answers_completions_and_refuses_a_prompt_too_long(tmp_path, 
         assert status == 400 and "256" in json.dumps(answer)  # vLLM's own error: the limit
         status, answer = post(f"{base}/v1/completions", {**request, "logit_bias": {"32": 5}})
         assert status == 400 and "logit_bias" in json.dumps(answer)  # speculative decoding's
-        if mode == "wfd":  # exits served per request: a rule the model has, and one it has not
+        if mode == "wfd":
+            flags = arrival_flags(server.pid)  # the engine core's and its model's: one flag
+            assert len(flags) >= 2 and len(set(flags)) == 1, flags
+            # exits served per request: a rule the model has, and one it has not
             status, answer = post(f"{base}/v1/completions",
                                   {**request, "vllm_xargs": {"exit": "kl:0.01"}})
             assert status == 200, answer

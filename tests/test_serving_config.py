@@ -157,36 +157,64 @@ def test_the_config_hook_refuses_in_one_line_and_gives_the_wave_whole_prompts():
     assert plain.cache_config.enable_prefix_caching  # AR keeps vLLM's defaults
 
 
-def test_a_wave_hears_of_requests_arriving_at_the_engine_it_is_built_in():
+def _worker_reads_arrivals(answers) -> None:
+    """A worker process of the engine core (the model's, on vLLM's CPU build): the flag mapped
+    as a wave maps it, read on each question."""
+    from wfd.serving import hook
+
+    hook.ARRIVALS[0] = hook.arrival_flag()
+    answers.send(hook.ARRIVALS[0] is not None)
+    while answers.recv():
+        answers.send(hook.arrived())
+
+
+def test_a_wave_hears_of_requests_arriving_at_the_engine_core_from_its_worker_process():
     """The plugin's waves stop running ahead when the server has a request waiting
-    (wfd.serving.hook.arrived): they find the engine core's input queue from the model's
-    constructor, which runs inside ``EngineCoreProc.__init__``; an engine in this process (no
-    server) has none."""
+    (wfd.serving.hook.arrived): the engine core raises a flag in shared memory while its input
+    queue holds a request, set up where the plugin is loaded inside its constructor, and a
+    process it starts (where vLLM's CPU build runs the model, even at one rank) maps the flag
+    by its parent's process id; the model of an engine core's own process (one rank on a GPU)
+    by its own. The flag's file is gone once the queue is used, its mappings kept."""
+    import multiprocessing
+    import os
     import queue
 
-    pytest.importorskip("vllm.v1.engine.core")
     from vllm.v1.engine.core import EngineCoreProc
 
     from wfd.serving import hook
 
     class Core(EngineCoreProc):
-        def __init__(self):  # what vLLM's does first, then the model is built
+        def __init__(self):  # what vLLM's does first; then it loads the plugins, ours
             self.input_queue = queue.Queue()
-            self.found = build_model()
+            hook.watch_arrivals()
+            self.own = hook.arrival_flag()  # a model built in this constructor
 
-    def build_model():
-        return hook.engine_inbox()
-
+    assert hook.arrival_flag() is None  # no engine core here or above
     core = Core()
-    assert core.found is core.input_queue
-    assert build_model() is None
-    hook.INBOX[0] = core.input_queue
+    assert core.own is not None and hook._flag_path(os.getpid()).exists()
+    ours, theirs = multiprocessing.get_context("fork").Pipe()
+    worker = multiprocessing.get_context("fork").Process(target=_worker_reads_arrivals,
+                                                         args=(theirs,))
+    worker.start()
+
+    def arrived() -> bool:
+        ours.send(True)
+        return ours.recv()
+
     try:
-        assert not hook.arrived()
+        assert ours.recv()  # mapped
+        assert not arrived()
         core.input_queue.put_nowait(("ADD", None))
-        assert hook.arrived()
+        assert not hook._flag_path(os.getpid()).exists()
+        assert arrived() and core.own[0] == 1
+        core.input_queue.put_nowait(("ADD", None))
+        core.input_queue.get_nowait()
+        assert arrived()  # one still waits
+        core.input_queue.get_nowait()
+        assert not arrived()
     finally:
-        hook.INBOX[0] = None
+        ours.send(False)
+        worker.join(timeout=60)
 
 
 def test_a_prompt_s_rows_attend_as_one_request_and_a_wave_s_rows_one_each():

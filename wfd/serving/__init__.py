@@ -30,10 +30,11 @@ def register() -> None:
     from vllm.transformers_utils import config as vllm_config
 
     from .configs import CONFIGS
-    from .hook import ScheduleHook
+    from .hook import ScheduleHook, watch_arrivals
 
     for model_type, config_class in CONFIGS.items():
         vllm_config._CONFIG_REGISTRY[model_type] = config_class
     for architecture, path in ARCHITECTURES.items():
         ModelRegistry.register_model(architecture, path)
         MODELS_CONFIG_MAP[architecture] = ScheduleHook
+    watch_arrivals()

@@ -5,8 +5,12 @@ step's requests (``wfd.serving.wave``), with the engine core's queue of arriving
 
 from __future__ import annotations
 
-import queue
+import atexit
+import mmap
+import os
 import sys
+import tempfile
+from pathlib import Path
 
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
@@ -22,23 +26,109 @@ BOUNDS: dict[str, tuple[int, int]] = {}
 # a wave starts
 REQUESTS: list[dict | None] = [None]
 FORGOTTEN: set[str] = set()
-# the engine core's queue of requests arriving from the server (None in-process, where every
-# request is added between steps, and on a worker of its own process: tensor parallel)
-INBOX: list[queue.Queue | None] = [None]
+# the flag the engine core raises while requests from the server wait in its input queue
+# (``watch_arrivals``), mapped where the waves run (``arrival_flag``); None where no engine core
+# fills a queue (an engine in the caller's process adds requests between steps) or with tensor
+# parallel ranks, which must end a step at the same call
+ARRIVALS: list[mmap.mmap | None] = [None]
 
 
-def engine_inbox() -> queue.Queue | None:
-    """The input queue of the engine core being built around the caller (the model is made in
-    ``EngineCoreProc.__init__``, on its thread), where the server's requests land mid-step."""
+def _flag_path(pid: int) -> Path:
+    """The arrival flag of the engine core process ``pid``: a byte in shared memory, since
+    vLLM's CPU build runs the model in a worker process of the engine core's (its
+    multiprocessing executor), even at one rank."""
+    shared = Path("/dev/shm")
+    return (shared if shared.is_dir() else Path(tempfile.gettempdir())) / f"wfd-arrivals-{pid}"
+
+
+def _open_flag(pid: int, create: bool) -> mmap.mmap | None:
+    try:
+        fd = os.open(_flag_path(pid), os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
+    except FileNotFoundError:
+        return None
+    try:
+        if os.fstat(fd).st_size < 1:
+            os.ftruncate(fd, 1)
+        return mmap.mmap(fd, 1)
+    finally:
+        os.close(fd)
+
+
+def _engine_core_building():
+    """The engine core process object whose constructor runs up the caller's stack, if any."""
     from vllm.v1.engine.core import EngineCoreProc
 
     frame = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")
         if isinstance(owner, EngineCoreProc):
-            return owner.input_queue
+            return owner
         frame = frame.f_back
     return None
+
+
+def flag_arrivals(core) -> None:
+    """The flag of this process raised while ``core``'s input queue (where the server's
+    requests land, mid-step too) holds anything, lowered when it is emptied: its put and get,
+    which run under the queue's lock, wrapped on this queue alone. Its file goes at the first
+    of them: by then the engine core's workers, started in its constructor, have mapped it.
+    Once per queue."""
+    inbox = core.input_queue
+    if getattr(inbox, "_wfd_flag", None) is not None:
+        return
+    flag, path = _open_flag(os.getpid(), create=True), _flag_path(os.getpid())
+    atexit.register(path.unlink, missing_ok=True)  # an engine that never took a request
+    put, get, named = inbox._put, inbox._get, [True]
+
+    def unname() -> None:
+        if named[0]:
+            path.unlink(missing_ok=True)
+            named[0] = False
+
+    def _put(item):
+        unname()
+        put(item)
+        flag[0] = 1
+
+    def _get():
+        unname()
+        item = get()
+        if not inbox._qsize():
+            flag[0] = 0
+        return item
+
+    inbox._put, inbox._get, inbox._wfd_flag = _put, _get, flag
+
+
+def watch_arrivals() -> None:
+    """Flag the arrivals of every engine core process built here: one under construction now
+    (the plugin is loaded inside its constructor, before its workers start, where its process
+    was spawned) and any built later (here, or in a process forked from here). Once per
+    process."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    core = _engine_core_building()
+    if core is not None and hasattr(core, "input_queue"):
+        flag_arrivals(core)
+    if getattr(EngineCoreProc, "_wfd_arrivals", False):
+        return
+    build = EngineCoreProc.__init__
+
+    def __init__(self, *args, **kwargs):
+        _open_flag(os.getpid(), create=True)  # before its workers start, which map it
+        build(self, *args, **kwargs)
+        flag_arrivals(self)
+
+    EngineCoreProc.__init__ = __init__
+    EngineCoreProc._wfd_arrivals = True
+
+
+def arrival_flag() -> mmap.mmap | None:
+    """The flag of the engine core the caller's model is built for: its own process's where
+    the model is built inside the engine core's constructor, else its parent's (a worker
+    process the engine core started); None where there is no such flag."""
+    return _open_flag(os.getpid() if _engine_core_building() is not None else os.getppid(),
+                      create=False)
 
 
 def install_hooks() -> None:
@@ -69,8 +159,8 @@ def install_hooks() -> None:
 
 def arrived() -> bool:
     """Whether a request (or another message from the server) waits for the step to end."""
-    inbox = INBOX[0]
-    return inbox is not None and not inbox.empty()
+    flag = ARRIVALS[0]
+    return flag is not None and flag[0] != 0
 
 
 class ScheduleHook(VerifyAndUpdateConfig):

@@ -38,7 +38,7 @@ from costmodel.plans import Bonus, Call, Check, Draft, Rollback, Verify
 from wfd.exits import ExitTracker
 
 from .exits import EngineExits, WaveExits, request_rule
-from .hook import BATCH, BOUNDS, FORGOTTEN, INBOX, REQUESTS, arrived, engine_inbox, install_hooks
+from .hook import ARRIVALS, BATCH, BOUNDS, FORGOTTEN, REQUESTS, arrival_flag, arrived, install_hooks
 from .wave_kv import CallKV, LayerAttention, PagedKV
 
 
@@ -108,7 +108,10 @@ class WaveDecoder:
                        "readout_calls": 0, "restarts": 0, "decoded_tokens": 0,
                        "decoded_depths": 0}
         install_hooks()
-        INBOX[0] = engine_inbox()
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        # ranks that each heard of an arrival at a call of their own would part ways
+        ARRIVALS[0] = arrival_flag() if get_tensor_model_parallel_world_size() == 1 else None
 
     def counters(self) -> dict[str, int]:
         """Drafts verified and accepted, positions flushed, block calls (ticks) and readout
