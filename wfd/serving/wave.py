@@ -39,7 +39,7 @@ from wfd.exits import ExitTracker
 
 from .exits import EngineExits, WaveExits, request_rule
 from .hook import ARRIVALS, BATCH, BOUNDS, FORGOTTEN, REQUESTS, arrival_flag, arrived, install_hooks
-from .wave_kv import CallKV, LayerAttention, PagedKV
+from .wave_kv import CallKV, LayerAttention, PagedKV, runs_of
 
 
 def counters(model) -> dict[str, int]:
@@ -97,6 +97,8 @@ class WaveDecoder:
         schedule.check(model.depth)
         self.waves: dict[str, Wave] = {}
         self.paged: PagedKV | None = None
+        # the last call's rows and what their attention needs, for the step's next (stand_ins)
+        self.last_call: tuple[tuple, CallKV] | None = None
         # a prompt's readouts below R still to make: (wave, position, depth, state)
         self.deferred: list[tuple[Wave, int, int, torch.Tensor]] = []
         self.scale = model.arch.head_dim ** -0.5
@@ -125,6 +127,7 @@ class WaveDecoder:
         """Every request's rows of this step: a prompt starts a wave, decoded tokens go on with
         one; each row's hidden state is its readout at R (the last row's is what vLLM samples
         the next token from; the others' verify the tokens committed ahead)."""
+        self.last_call = None  # new blocks come between steps
         for req in FORGOTTEN:
             self.waves.pop(req, None)
         FORGOTTEN.clear()
@@ -414,9 +417,20 @@ class WaveDecoder:
         without attention (Ouro's prelude, its embedding)."""
         if not layers:
             return []
-        some = self.model.caches[0]
-        call = CallKV(self.paged_kv(), rows, where, some.num_heads, some.num_kv_heads,
-                      some.head_size, self.scale, some.isa, layers)
+        runs = runs_of(rows, layers)
+        key = ([(id(wave), p) for wave, p in rows], runs)
+        # the step's last call's, where this one has its rows in runs of the same shape (a
+        # prompt's calls at every depth, a tick's block calls): their slots and the kernel's
+        # metadata are the same, and the block tables change only between steps; not where
+        # some key of theirs has since gone to a side buffer (the kernel cannot read it)
+        if self.last_call is not None and self.last_call[0] == key and not any(
+                wave.ahead for wave, _ in rows):
+            call = self.last_call[1]
+        else:
+            some = self.model.caches[0]
+            call = CallKV(self.paged_kv(), rows, where, some.num_heads, some.num_kv_heads,
+                          some.head_size, self.scale, some.isa, runs)
+            self.last_call = (key, call) if call.kernel else None
         return [call.layer(own) for own in layers]
 
     def rollback(self, wave: Wave, length: int) -> None:
