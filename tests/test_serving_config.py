@@ -217,6 +217,31 @@ def test_a_wave_hears_of_requests_arriving_at_the_engine_core_from_its_worker_pr
         worker.join(timeout=60)
 
 
+def test_an_engine_core_without_shared_memory_serves_with_no_arrival_flag(tmp_path,
+                                                                          monkeypatch):
+    """Where the flag's file cannot be made (no shared memory to write to), the engine core's
+    queue is left as vLLM made it and the waves hear of no arrival."""
+    import queue
+
+    from vllm.v1.engine.core import EngineCoreProc
+
+    from wfd.serving import hook
+
+    missing = tmp_path / "none"
+    monkeypatch.setattr(hook, "_flag_path", lambda pid: missing / f"wfd-arrivals-{pid}")
+
+    class Core(EngineCoreProc):
+        def __init__(self):
+            self.input_queue = queue.Queue()
+            hook.watch_arrivals()
+            self.own = hook.arrival_flag()
+
+    core = Core()
+    assert core.own is None and "_put" not in vars(core.input_queue)
+    core.input_queue.put_nowait(("ADD", None))
+    assert core.input_queue.get_nowait() == ("ADD", None)
+
+
 def test_a_prompt_s_rows_attend_as_one_request_and_a_wave_s_rows_one_each():
     """``runs_of``: consecutive positions of one wave in one layer (a prompt, a verification)
     make one request of vLLM's kernel; a wave's rows at different depths, another wave's rows,

@@ -44,7 +44,7 @@ def _flag_path(pid: int) -> Path:
 def _open_flag(pid: int, create: bool) -> mmap.mmap | None:
     try:
         fd = os.open(_flag_path(pid), os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
-    except FileNotFoundError:
+    except OSError:  # none (a worker of no engine core), or no shared memory to write to
         return None
     try:
         if os.fstat(fd).st_size < 1:
@@ -77,6 +77,9 @@ def flag_arrivals(core) -> None:
     if getattr(inbox, "_wfd_flag", None) is not None:
         return
     flag, path = _open_flag(os.getpid(), create=True), _flag_path(os.getpid())
+    if flag is None:  # the waves hear of no arrival: steps end as they would without requests
+        return
+    flag[0] = int(not inbox.empty())  # not a dead engine core's, whose process id this had
     atexit.register(path.unlink, missing_ok=True)  # an engine that never took a request
     put, get, named = inbox._put, inbox._get, [True]
 
