@@ -157,6 +157,25 @@ def test_the_config_hook_refuses_in_one_line_and_gives_the_wave_whole_prompts():
     assert plain.cache_config.enable_prefix_caching  # AR keeps vLLM's defaults
 
 
+def engine_core_loading_the_plugin():
+    """A stand-in for vLLM's engine core process object, built as vLLM builds one: its input
+    queue first, then the plugins loaded (ours watches its arrivals), then the model (``own``:
+    the flag a model built in its constructor maps)."""
+    import queue
+
+    from vllm.v1.engine.core import EngineCoreProc
+
+    from wfd.serving import hook
+
+    class Core(EngineCoreProc):
+        def __init__(self):
+            self.input_queue = queue.Queue()
+            hook.watch_arrivals()
+            self.own = hook.arrival_flag()
+
+    return Core()
+
+
 def _worker_reads_arrivals(answers) -> None:
     """A worker process of the engine core (the model's, on vLLM's CPU build): the flag mapped
     as a wave maps it, read on each question."""
@@ -177,20 +196,11 @@ def test_a_wave_hears_of_requests_arriving_at_the_engine_core_from_its_worker_pr
     by its own. The flag's file is gone once the queue is used, its mappings kept."""
     import multiprocessing
     import os
-    import queue
-
-    from vllm.v1.engine.core import EngineCoreProc
 
     from wfd.serving import hook
 
-    class Core(EngineCoreProc):
-        def __init__(self):  # what vLLM's does first; then it loads the plugins, ours
-            self.input_queue = queue.Queue()
-            hook.watch_arrivals()
-            self.own = hook.arrival_flag()  # a model built in this constructor
-
     assert hook.arrival_flag() is None  # no engine core here or above
-    core = Core()
+    core = engine_core_loading_the_plugin()
     assert core.own is not None and hook._flag_path(os.getpid()).exists()
     ours, theirs = multiprocessing.get_context("fork").Pipe()
     worker = multiprocessing.get_context("fork").Process(target=_worker_reads_arrivals,
@@ -221,22 +231,11 @@ def test_an_engine_core_without_shared_memory_serves_with_no_arrival_flag(tmp_pa
                                                                           monkeypatch):
     """Where the flag's file cannot be made (no shared memory to write to), the engine core's
     queue is left as vLLM made it and the waves hear of no arrival."""
-    import queue
-
-    from vllm.v1.engine.core import EngineCoreProc
-
     from wfd.serving import hook
 
     missing = tmp_path / "none"
     monkeypatch.setattr(hook, "_flag_path", lambda pid: missing / f"wfd-arrivals-{pid}")
-
-    class Core(EngineCoreProc):
-        def __init__(self):
-            self.input_queue = queue.Queue()
-            hook.watch_arrivals()
-            self.own = hook.arrival_flag()
-
-    core = Core()
+    core = engine_core_loading_the_plugin()
     assert core.own is None and "_put" not in vars(core.input_queue)
     core.input_queue.put_nowait(("ADD", None))
     assert core.input_queue.get_nowait() == ("ADD", None)

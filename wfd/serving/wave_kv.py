@@ -96,7 +96,7 @@ class CallKV:
 
     def __init__(self, paged: PagedKV, rows: list, where: torch.Tensor, heads: int,
                  kv_heads: int, head_dim: int, scale: float, isa: str,
-                 runs: list[tuple[int, int]] | None = None):
+                 runs: list[tuple[int, int]]):
         self.paged, self.rows, self.where = paged, rows, where
         self.heads, self.kv_heads, self.head_dim, self.scale, self.isa = (
             heads, kv_heads, head_dim, scale, isa)
@@ -118,7 +118,6 @@ class CallKV:
             # each run of rows (one wave's consecutive positions in one layer: a prompt, a
             # verification; ``runs_of``) one request of the kernel, its queries the run's,
             # causal
-            runs = runs or [(i, i + 1) for i in range(n)]
             self.firsts = torch.tensor([start for start, _ in runs])
             self.seq_lens = (self.where[[end - 1 for _, end in runs]] + 1).to(torch.int32)
             self.starts = torch.tensor([0] + [end for _, end in runs], dtype=torch.int32)
