@@ -5,6 +5,7 @@ same streams: are the simulated latencies the served ones?
         [--requests 40] [--prompt-tokens 16-64] [--output-tokens 32] [--max-batch 8]
         [--schedule ar] [--commit-ahead 8] [--fidelity steps|calls] [--token-budget 2048]
         [--seed 0] [--out FILE.json]
+    python bench/serving_load.py --profile PROFILE.json --resimulate FILE.json
 
 Starts `vllm serve` (the plugin, eager, fp32) on a copy of the shipped tiny model with its byte
 tokenizer, and for each rate sends the stream `costmodel serving` draws for it (Poisson
@@ -21,13 +22,18 @@ CPU build, and the plugin's WFD and DtV take whole prompts within it), or call b
 `--fidelity calls` (a newcomer's prefill whole, between rounds: its TPOT ran 6-23% long against
 the AR server and 2.1x long against the plugin's WFD at 8/s, docs/results/).
 
-The engine's own time (per step, per sequence in a step, per request on its way in), which the
-per-call cost does not hold, is measured first and apart from the streams, from lone requests
-of the mean lengths and a full batch of them arriving together (`engine_overheads`), and given
-to the simulations (`costmodel serving --step-overhead --sequence-overhead
+The engine's own time, which the per-call cost does not hold, is measured first and apart from
+the streams, from lone requests of the mean lengths and a full batch of them arriving together
+(`engine_overheads`), and given to the simulations: AR's per step and per sequence in a step,
+a drafting schedule's per tick and per wave in a tick (the plugin's waves do their bookkeeping
+a tick at a time, so their time follows the ticks, not the steps), and per request on its way
+in (`costmodel serving --step-overhead --sequence-overhead --tick-overhead --wave-overhead
 --request-overhead`); so is its wake, the extra time of a request that finds the server idle
 (`wake_after_idle`: lone requests after 0.5, 1, 2 and 4 s idle; `--wake-overhead`), which is
-what makes the tail of TTFT at low rates. Needs the serve-cpu extra. A
+what makes the tail of TTFT at low rates. `--resimulate` takes an earlier run's `--out` file
+(which keeps those measurements and each request as served) and simulates its streams again,
+with no server: a change to the cost model compared on the same measurements, free of the
+machine's noise between runs. Needs the serve-cpu extra. A
 profile of this machine: `costmodel calibrate --model huginn --quick`.
 """
 
@@ -52,7 +58,6 @@ import numpy as np
 
 from costmodel.clitools import script_main
 from costmodel.engines import EngineOverheads, IdleWake, for_engine
-from costmodel.predict import predict
 from costmodel.presets import get_model
 from costmodel.profile import load_profile
 from costmodel.requests import Lengths, Request, request_stream
@@ -202,60 +207,119 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=2048,
                         help="the tokens a step of the server's takes (its "
                              "max_num_batched_tokens; the CPU build's default: 2048)")
+    parser.add_argument("--resimulate", type=Path, metavar="RUN.json",
+                        help="no server: simulate again the streams of an earlier run's --out "
+                             "file beside its measurements (after a change to the cost model)")
     args = parser.parse_args()
+    if args.resimulate:
+        return resimulate(json.loads(args.resimulate.read_text()), args)
     prompt, output = stream_lengths(args)
     spec = get_model(args.model)
     profile = load_profile(args.profile)
     hw = for_engine("vllm", profile.hardware, spec)
     overrides = None if args.schedule == "ar" else {"schedule": args.schedule,
                                                     "commit_ahead": args.commit_ahead}
+    options = simulation_options(args, profile.dtype)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = served_folder(args.model, Path(tmp))
         server, base = start_server(folder, args.max_batch, overrides, Path(tmp) / "server.log")
         try:
             send(base, str(folder), [65] * 8, 4)  # warm the engine up
-            options = {"max_batch": args.max_batch, "dtype": profile.dtype,
-                       "names": [args.schedule], "seed": args.seed,
-                       "fidelity": args.fidelity,
-                       "token_budget": args.token_budget if args.fidelity == "steps" else None}
-            engine = engine_overheads(lambda requests, seed: load(base, str(folder), requests,
-                                                                  seed),
-                                      spec, hw, prompt, output, options, args.commit_ahead)
+
+            def serve(requests, seed):
+                return load(base, str(folder), requests, seed)
+            fit = engine_measurements(serve, prompt, output, args.max_batch)
+            engine = fit_engine(fit, spec, hw, prompt, output, options, args.commit_ahead)
             if args.wake:
-                lone = lone_request(prompt, output, lambda requests, seed: load(
-                    base, str(folder), requests, seed))
-                engine = engine.model_copy(update={"wake": wake_after_idle(lone)})
-            print(f"the engine's own time: {engine.step_s * 1e3:.2f} ms a step, "
-                  f"{engine.per_sequence_s * 1e3:.2f} ms a sequence in it, "
-                  f"{engine.request_s * 1e3:.2f} ms a request" + wake_text(engine), flush=True)
+                engine = engine.model_copy(update={
+                    "wake": wake_after_idle(lone_request(prompt, output, serve))})
+            print(engine_text(engine), flush=True)
             for rate in args.rates:
                 stream = request_stream(rate, args.requests, prompt, output, seed=args.seed)
-                served = load(base, str(folder), stream, args.seed)
-                measured = summarize_served(served)
-                simulated = predict_serving(spec, hw, stream, engine=engine, keep_served=True,
-                                            **options)[args.schedule]
-                rows.append({"rate_per_s": rate, "measured": measured,
-                             "simulated": simulated.model_dump(mode="json"),
-                             "requests": side_by_side(stream, served, simulated.served)})
-                print(line(rate, measured, rows[-1]["simulated"]), flush=True)
+                rows.append(simulated_row(rate, stream, serve(stream, args.seed), spec, hw,
+                                          engine, options))
         finally:
             server.terminate()
             server.wait(timeout=60)
     if args.out:
-        args.out.write_text(json.dumps({"model": args.model, "schedule": args.schedule,
-                                        "profile": str(args.profile),
-                                        "engine": engine.model_dump(),
-                                        "rows": rows}, indent=2))
+        args.out.write_text(json.dumps({
+            "model": args.model, "schedule": args.schedule, "profile": str(args.profile),
+            "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
+            "max_batch": args.max_batch, "commit_ahead": args.commit_ahead,
+            "engine_measured": fit, "engine": engine.model_dump(), "rows": rows}, indent=2))
+
+
+def simulation_options(args, dtype: str) -> dict:
+    return {"max_batch": args.max_batch, "dtype": dtype, "names": [args.schedule],
+            "seed": args.seed, "fidelity": args.fidelity,
+            "token_budget": args.token_budget if args.fidelity == "steps" else None}
+
+
+def engine_text(engine: EngineOverheads) -> str:
+    ticks = (f"{engine.tick_s * 1e3:.2f} ms a tick, {engine.wave_tick_s * 1e3:.2f} ms a wave in "
+             "it, " if engine.tick_s or engine.wave_tick_s else "")
+    return (f"the engine's own time: {engine.step_s * 1e3:.2f} ms a step, "
+            f"{engine.per_sequence_s * 1e3:.2f} ms a sequence in it, {ticks}"
+            f"{engine.request_s * 1e3:.2f} ms a request" + wake_text(engine))
+
+
+def simulated_row(rate: float, stream: list[Request], served: list[Served], spec, hw,
+                  engine: EngineOverheads, options: dict) -> dict:
+    """A rate's stream as served and as simulated, side by side (its line printed)."""
+    measured = summarize_served(served)
+    simulated = predict_serving(spec, hw, stream, engine=engine, keep_served=True,
+                                **options)[options["names"][0]]
+    row = {"rate_per_s": rate, "measured": measured,
+           "simulated": simulated.model_dump(mode="json"),
+           "requests": side_by_side(stream, served, simulated.served)}
+    print(line(rate, measured, row["simulated"]), flush=True)
+    return row
+
+
+def resimulate(run: dict, args) -> None:
+    """An earlier run's streams (``run``: its --out file) simulated again with this tree's cost
+    model and ``args.profile``, the engine's own time fitted again to the measurements the run
+    kept, its wake as measured."""
+    args.model, args.schedule, args.max_batch = run["model"], run["schedule"], run["max_batch"]
+    args.prompt_tokens, args.output_tokens = run["prompt_tokens"], run["output_tokens"]
+    prompt, output = stream_lengths(args)
+    spec = get_model(args.model)
+    profile = load_profile(args.profile)
+    hw = for_engine("vllm", profile.hardware, spec)
+    options = simulation_options(args, profile.dtype)
+    engine = EngineOverheads.model_validate({**fit_engine(
+        run["engine_measured"], spec, hw, prompt, output, options, run["commit_ahead"]
+    ).model_dump(), "wake": run["engine"]["wake"]})
+    print(engine_text(engine), flush=True)
+    rows = []
+    for row in run["rows"]:
+        stream = [Request(arrival_s=r["arrival_s"], prompt_tokens=r["prompt_tokens"],
+                          output_tokens=r["output_tokens"]) for r in row["requests"]]
+        served = [Served(arrival_s=r["arrival_s"], first_token_s=r["arrival_s"] + r["ttft_s"][0],
+                         finish_s=r["arrival_s"] + r["ttft_s"][0]
+                         + r["tpot_s"][0] * (r["output_tokens"] - 1),
+                         output_tokens=r["output_tokens"]) for r in row["requests"]]
+        rows.append(simulated_row(row["rate_per_s"], stream, served, spec, hw, engine,
+                                  options))
+    if args.out:
+        args.out.write_text(json.dumps({**run, "profile": str(args.profile),
+                                        "engine": engine.model_dump(), "rows": rows}, indent=2))
 
 
 def engine_overheads(measure, spec, hw, prompt: Lengths, output: Lengths, options: dict,
                      commit_ahead: int, repeats: int = 3) -> EngineOverheads:
     """An engine's own time beside its calls (``measure(requests, seed)``: the requests as it
-    served them), from requests of the mean lengths: lone ones, one after another, and a full
-    batch arriving together. Their median TPOTs less the simulated ones give the time per step
-    and per sequence in a step (two equations, two unknowns); the lone ones' TTFT less the
-    simulated one (with those) the time per request on its way in."""
+    served them): ``fit_engine`` to ``engine_measurements``."""
+    measured = engine_measurements(measure, prompt, output, options["max_batch"], repeats)
+    return fit_engine(measured, spec, hw, prompt, output, options, commit_ahead)
+
+
+def engine_measurements(measure, prompt: Lengths, output: Lengths, batch: int,
+                        repeats: int = 3) -> dict[str, float]:
+    """Requests of the mean lengths as served (``measure(requests, seed)``): lone ones, one
+    after another, and ``batch`` of them arriving together; their median TPOTs and the lone
+    ones' median TTFT."""
     def measured(together: int) -> tuple[float, float]:
         requests = [Request(arrival_s=0.0, prompt_tokens=round(prompt.mean),
                             output_tokens=round(output.mean))] * together
@@ -263,30 +327,38 @@ def engine_overheads(measure, spec, hw, prompt: Lengths, output: Lengths, option
         return (float(np.median([s.tpot_s for run in runs for s in run])),
                 float(np.median([s.ttft_s for run in runs for s in run])))
 
+    (lone, lone_ttft), (full, _) = measured(1), measured(batch)
+    return {"lone_tpot_s": lone, "lone_ttft_s": lone_ttft, "full_tpot_s": full}
+
+
+def fit_engine(measured: dict[str, float], spec, hw, prompt: Lengths, output: Lengths,
+               options: dict, commit_ahead: int) -> EngineOverheads:
+    """The engine's own time that makes the simulation's lone and full-batch TPOTs and lone
+    TTFT the ``measured`` ones (``engine_measurements``): two terms from the two TPOTs, none
+    below zero, through the simulation's own response to each (its times are linear in them);
+    then the time per request from the lone TTFT. AR's terms are its time per step and per
+    sequence in a step; a drafting schedule's, per tick and per wave in a tick: the plugin's
+    waves do their bookkeeping a tick at a time, so their time follows the ticks, not the steps
+    (which end early for a newcomer, or after R block calls beside other requests)."""
     def simulated(together: int, engine: EngineOverheads) -> tuple[float, float]:
         requests = [Request(arrival_s=0.0, prompt_tokens=round(prompt.mean),
                             output_tokens=round(output.mean))] * together
         result = predict_serving(spec, hw, requests, engine=engine, **options)
         return result[options["names"][0]].tpot_s.p50, result[options["names"][0]].ttft_s.p50
 
-    batch, name = options["max_batch"], options["names"][0]
-    (lone, lone_ttft), (full, _) = measured(1), measured(batch)
-    bare = EngineOverheads(commit_ahead=commit_ahead)
-    # a token's share of the engine's time: the step's and its sequence's, over the tokens a
-    # step commits of each sequence (a drafting schedule's: those it commits ahead and one, or
-    # with several sequences R block calls' worth: its ticks per token as the model counts them)
-    drafts = name != "ar"
-    ticks = predict(spec, hw, {"context_length": round(prompt.mean),
-                               "new_tokens": round(output.mean), "batch_size": batch,
-                               "dtype": options["dtype"]}
-                    ).schedules[name].block_calls_per_token if drafts else 0.0
-    extra_lone = (lone - simulated(1, bare)[0]) * bare.tokens_per_step(drafts)
-    extra_full = (full - simulated(batch, bare)[0]) * bare.tokens_per_step(
-        drafts, batch, ticks, spec.default_depth)
-    per_sequence = max(0.0, (extra_full - extra_lone) / (batch - 1)) if batch > 1 else 0.0
-    steps = bare.model_copy(update={"step_s": max(0.0, extra_lone - per_sequence),
-                                    "per_sequence_s": per_sequence})
-    request = max(0.0, lone_ttft - simulated(1, steps)[1])
+    from scipy.optimize import nnls
+
+    terms = ("step_s", "per_sequence_s") if options["names"][0] == "ar" else (
+        "tick_s", "wave_tick_s")
+    bare, unit = EngineOverheads(commit_ahead=commit_ahead), 1e-3
+    batches = (1, options["max_batch"])
+    base = [simulated(n, bare)[0] for n in batches]
+    response = [[(simulated(n, bare.model_copy(update={term: unit}))[0] - b) / unit
+                 for term in terms] for n, b in zip(batches, base, strict=True)]
+    values, _ = nnls(np.array(response), np.array(
+        [measured["lone_tpot_s"] - base[0], measured["full_tpot_s"] - base[1]]))
+    steps = bare.model_copy(update={t: float(v) for t, v in zip(terms, values, strict=True)})
+    request = max(0.0, measured["lone_ttft_s"] - simulated(1, steps)[1])
     return steps.model_copy(update={"request_s": request})
 
 

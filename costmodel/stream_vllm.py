@@ -15,6 +15,13 @@ chunks alone, their prefill. A chunk is priced as a prompt of its length: the ke
 chunks before it, which its attention also reads, are left out. Between arrivals, finishes and
 the step at which the KV would run out, a batch that only decodes jumps ahead as
 ``costmodel.stream`` does.
+
+The plugin's waves (a drafting schedule) end a step at their next token for a request that
+arrives (its arrival flag) or for a prompt in the step (its prefill's R block calls shared
+with their calls), so a newcomer waits for a token, as behind AR. But a WFD wave's first step
+after its prompt fills its pipeline: R block calls (``Schedule.fill_ticks``) to its first
+readout at R, one token committed in them, a step no newcomer shortens; it is priced as the
+tokens those calls make in the steady state.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .engines import EngineOverheads
+from .groups import block_calls_per_token
 from .hardware import HardwareSpec
 from .model import LoopedModelSpec
 from .requests import Request
@@ -40,6 +48,7 @@ class _Sequence:
     context: int  # tokens whose KV it holds
     left: int  # output tokens still to commit
     started: bool = False  # its first token out
+    filling: bool = False  # a wave whose pipeline fills in its next step
 
 
 class _Scheduler:
@@ -89,17 +98,23 @@ class _Scheduler:
             line.appendleft(s)
         return decoding, chunks
 
-    def advance(self, decoding, chunks, steps: int, now: float, served: list[dict]) -> None:
-        """The step's tokens committed (a finished prefill's readout commits one) at ``now``,
-        and the sequences with none left finished."""
-        for s in decoding:
-            s.left -= steps
-            s.context += steps
+    def advance(self, decoding, chunks, steps: int, now: float, served: list[dict],
+                fills: bool) -> None:
+        """The step's tokens committed at ``now``: ``steps`` of each decoding sequence's (one
+        of a wave filling its pipeline, or in a step with chunks), one of a finished prefill's
+        (its readout; a wave then fills, where ``fills``); and the sequences with none left
+        finished."""
+        for s in decoding:  # beside a prompt a wave stops at its next token
+            made = 1 if s.filling or chunks else min(steps, s.left)
+            s.left -= made
+            s.context += made
+            s.filling = False
         for s, n in chunks:
             s.prefill_left -= n
             s.context += n
             if not s.prefill_left:
                 s.left -= 1
+                s.filling = fills
                 if not s.started:
                     s.started = True
                     served[s.index]["first_token_s"] = now
@@ -128,6 +143,7 @@ def serve_vllm_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedul
                              kv_budget=kv_budget, kv_per_token=kv_per_token,
                              ahead=schedule.lookahead(depth))
     line, running = engine_line.line, engine_line.running
+    fill = _fill(model, schedule, acceptance, depth, kv_sharing)
     now, busy, weighed = 0.0, 0.0, 0.0
     while line or running:
         decoding, chunks = engine_line.schedule(now)
@@ -139,25 +155,39 @@ def serve_vllm_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedul
             now = engine.awake_at(now, ready[line[0].index])
             continue
         steps, took = _steps(decoding, chunks, line, ready, now, elapsed, engine_line.held(),
-                             kv_budget, kv_per_token, max_batch, len(running), prefill)
+                             kv_budget, kv_per_token, max_batch, len(running), prefill, fill)
         busy, weighed = busy + took, weighed + took * (len(decoding) + len(chunks))
         now += took
-        engine_line.advance(decoding, chunks, steps, now, served)
+        engine_line.advance(decoding, chunks, steps, now, served, fill > 0)
     return served, weighed / busy if busy else 0.0, engine_line.preemptions
 
 
+def _fill(model, schedule: Schedule, acceptance: float, depth: int, kv_sharing: int) -> int:
+    """Tokens whose time a wave's pipeline filling takes, R block calls' worth at the schedule's
+    steady block calls per token (none for AR or DtV, whose every round commits)."""
+    if not schedule.fill_ticks(depth):
+        return 0
+    ticks = float(block_calls_per_token(schedule.call_groups(depth, kv_sharing),
+                                        np.asarray(acceptance)))
+    return max(1, round(schedule.fill_ticks(depth) / ticks))
+
+
 def _steps(decoding, chunks, line, ready, now, elapsed, held, kv_budget, kv_per_token,
-           max_batch, running, prefill) -> tuple[int, float]:
-    """(steps to take, their time): one step with chunks; decoding alone, up to the next
-    finish, the next arrival that could start, or the step at which the KV would run out."""
+           max_batch, running, prefill, fill: int) -> tuple[int, float]:
+    """(steps to take, their time): with chunks, or a wave filling its pipeline, one step (a
+    token of each decoding sequence's, a filling wave's R block calls); decoding alone, up to
+    the next finish, the next arrival that could start, or the step at which the KV would run
+    out."""
     b = len(decoding)
     context = round(np.mean([s.context for s in decoding])) if b else 0
     times = elapsed[b - 1] if b else None
-    if chunks:
-        chunk = prefill([n for _, n in chunks])
-        if not b:
-            return 1, chunk
-        return 1, float(times[context + 1] - times[context]) + max(0.0, chunk - prefill([1]))
+    if chunks and not b:
+        return 1, prefill([n for _, n in chunks])
+    if chunks or any(s.filling for s in decoding):
+        steps = min(len(times) - 1 - context, fill if any(s.filling for s in decoding) else 1)
+        took = float(times[context + steps] - times[context])
+        return steps, took + (max(0.0, prefill([n for _, n in chunks]) - prefill([1]))
+                              if chunks else 0.0)
     most = min(min(s.left for s in decoding), max(1, (kv_budget - held) // (b * kv_per_token)))
     arrives = line and running < max_batch and ready[line[0].index] > now
     return decoding_run(times, context, most, ready[line[0].index] - now if arrives else None)

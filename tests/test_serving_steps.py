@@ -8,10 +8,12 @@ import pytest
 from conftest import run_cli
 
 from costmodel.engines import EngineOverheads, IdleWake
+from costmodel.groups import block_calls_per_token
 from costmodel.presets import resolve
 from costmodel.requests import Lengths, Request, request_stream
 from costmodel.schedules import AR, WFD, DtV
 from costmodel.serving import predict_serving, serve
+from costmodel.stream import step_times
 
 MODEL, HARDWARE = resolve("huginn-tiny", "a6000")
 SCHEDULES = [AR(), DtV(draft_depth=2, block_length=3), WFD(draft_depth=2)]
@@ -142,19 +144,52 @@ def prefill_of(tokens: int, schedule) -> float:
                           2 if schedule.drafts else 1, readouts_together=True)  # the plugin's
 
 
+def filling(schedule) -> int:
+    """Tokens' time a wave's first step after its prompt takes, as vLLM schedules the plugin's
+    waves (R block calls to a WFD wave's first readout at R, at acceptance 0.7 and R 8)."""
+    if schedule.name != "wfd":
+        return 1
+    ticks = float(block_calls_per_token(schedule.call_groups(8), np.asarray(0.7)))
+    return round(8 / ticks)
+
+
+def times_at(schedule, batch: int = 1) -> np.ndarray:
+    """A step's time at ``batch`` and each context (R 8, acceptance 0.7, bf16)."""
+    return step_times(MODEL, HARDWARE, schedule, alpha=0.7, depth=8, kv_sharing=0,
+                      dtype="bf16", max_batch=batch, longest=200,
+                      engine=EngineOverheads())[batch - 1]
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
 def test_a_lone_prompt_is_prefilled_in_chunks_of_the_token_budget(schedule):
     """A prompt of 150 tokens under a budget of 64 a step: three steps of chunks (64, 64, 22),
-    its first token at the end of the third; then a token a step as without the budget."""
+    its first token at the end of the third; then a token a step (a WFD wave's first step its
+    pipeline filling: R block calls for its one token)."""
     request = Request(arrival_s=0.0, prompt_tokens=150, output_tokens=6)
     served, _ = serve(MODEL, HARDWARE, schedule, [request], max_batch=2, acceptance=0.7,
                       depth=8, fidelity="steps", token_budget=64)
-    whole, _ = serve(MODEL, HARDWARE, schedule, [request], max_batch=2, acceptance=0.7,
-                     depth=8, fidelity="steps")
     assert served[0].ttft_s == pytest.approx(
         2 * prefill_of(64, schedule) + prefill_of(22, schedule), rel=1e-9)
+    times = times_at(schedule)
+    assert filling(WFD(draft_depth=2)) > 1
     assert served[0].finish_s - served[0].first_token_s == pytest.approx(
-        whole[0].finish_s - whole[0].first_token_s, rel=1e-9)
+        times[150:150 + filling(schedule)].sum() + times[151:155].sum(), rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
+def test_a_newcomer_beside_a_filling_wave_waits_for_its_r_block_calls(schedule):
+    """As vLLM schedules: a request arriving while another's prompt is prefilled is prefilled in
+    the next step, beside the other's first decoding step. A WFD wave's first step fills its
+    pipeline (R block calls to its first readout at R), so the newcomer's first token comes
+    after R block calls' worth of the other's tokens; beside AR or DtV, after one token; plus
+    its own prefill less the pass over the weights the two share."""
+    requests = [Request(arrival_s=0.0, prompt_tokens=32, output_tokens=64),
+                Request(arrival_s=1e-6, prompt_tokens=32, output_tokens=8)]
+    served, _ = serve(MODEL, HARDWARE, schedule, requests, max_batch=2, acceptance=0.7,
+                      depth=8, fidelity="steps", token_budget=2048)
+    assert served[1].first_token_s == pytest.approx(
+        prefill_of(32, schedule) + times_at(schedule)[32:32 + filling(schedule)].sum()
+        + prefill_of(32, schedule) - prefill_of(1, schedule), rel=1e-9)
 
 
 def test_kv_taken_as_tokens_come_runs_out_and_preempts_the_newest():
@@ -191,3 +226,69 @@ def test_the_command_schedules_as_vllm_and_counts_preemptions(capsys):
                              "ar", "--json")
     assert code in (0, None), err
     assert json.loads(out)["schedules"]["ar"]["preemptions"] > 0
+
+
+def load_bench():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import serving_load
+
+    return serving_load
+
+
+@pytest.mark.parametrize("schedule, terms", [
+    ("ar", {"step_s": 0.003, "per_sequence_s": 0.0005}),
+    ("wfd", {"tick_s": 0.0007, "wave_tick_s": 0.0003})])
+def test_the_load_bench_recovers_an_engine_s_own_time_from_what_it_measures(schedule, terms):
+    """bench/serving_load.py's fit, given the lone and full-batch TPOTs and the lone TTFT that
+    an engine with known own time makes (simulated, vLLM's scheduling), finds that time again:
+    AR's per step and per sequence in a step, WFD's per tick and per wave in a tick."""
+    bench = load_bench()
+    prompt, output = Lengths.parse("16-64", "p"), Lengths.parse("32", "o")
+    options = {"max_batch": 4, "dtype": "bf16", "names": [schedule], "seed": 0,
+               "fidelity": "steps", "token_budget": 2048}
+    known = EngineOverheads(request_s=0.004, **terms)
+
+    def served(together: int) -> list:
+        requests = [Request(arrival_s=0.0, prompt_tokens=40, output_tokens=32)] * together
+        return predict_serving(MODEL, HARDWARE, requests, engine=known, keep_served=True,
+                               **options)[schedule].served
+
+    measured = bench.engine_measurements(lambda requests, seed: served(len(requests)),
+                                         prompt, output, 4, repeats=1)
+    fitted = bench.fit_engine(measured, MODEL, HARDWARE, prompt, output, options, 8)
+    for field in (*terms, "request_s"):
+        assert getattr(fitted, field) == pytest.approx(getattr(known, field), rel=0.02), field
+    assert all(getattr(fitted, f) == 0 for f in ("step_s", "per_sequence_s", "tick_s",
+                                                 "wave_tick_s") if f not in terms)
+
+
+def test_the_load_bench_simulates_a_saved_run_again_without_a_server(tmp_path, monkeypatch,
+                                                                      capsys):
+    """`bench/serving_load.py --resimulate RUN.json`: a saved run's streams simulated again
+    beside the measurements it kept, the engine's own time fitted again, its wake as saved."""
+    import sys
+
+    from costmodel.store import PROFILES_DIR
+
+    bench = load_bench()
+    served = [{"arrival_s": t, "prompt_tokens": 40, "output_tokens": 32, "ttft_s": [0.03, 0.0],
+               "tpot_s": [0.006, 0.0]} for t in (0.0, 0.2, 0.3, 1.5)]
+    run = {"model": "huginn-tiny", "schedule": "wfd", "max_batch": 4, "commit_ahead": 8,
+           "prompt_tokens": "16-64", "output_tokens": "32",
+           "engine_measured": {"lone_tpot_s": 0.005, "lone_ttft_s": 0.03, "full_tpot_s": 0.008},
+           "engine": {"wake": [{"idle_s": 1.0, "extra_s": 0.004}]},
+           "rows": [{"rate_per_s": 2.0, "requests": served}]}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    monkeypatch.setattr(sys, "argv", [
+        "serving_load.py", "--profile", str(PROFILES_DIR / "cpu-huginn-fp32-quick.json"),
+        "--resimulate", str(tmp_path / "run.json"), "--out", str(tmp_path / "again.json")])
+    bench.main()
+    printed = capsys.readouterr().out
+    assert "ms a tick" in printed and "4.0 ms after 1 s" in printed
+    assert "rate  2.00/s  TTFT p50    30.0 vs" in printed
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert again["engine"]["tick_s"] > 0 and len(again["rows"][0]["requests"]) == 4
+    assert again["rows"][0]["measured"]["tpot_s"]["p50"] == pytest.approx(0.006)

@@ -87,6 +87,12 @@ class Schedule(Spec):
         """The most positions one of its block calls holds, per sequence."""
         return 1
 
+    def fill_ticks(self, depth: int) -> int:
+        """Block calls a wave makes after its prompt before its first readout at R, over which
+        it commits nothing (a pipeline filling: WFD's R); 0 where every round commits as the
+        steady state does."""
+        return 0
+
     def check(self, depth: int) -> None:
         """Refuse parameters that do not fit R (a ValueError)."""
 

@@ -174,6 +174,9 @@ class WFD(Drafting):
     def positions_per_call(self, depth: int) -> int:
         return self.width(depth)
 
+    def fill_ticks(self, depth: int) -> int:  # the first position after the prompt, 0 to R
+        return depth
+
     def call_groups(self, depth: int, kv_sharing: int = 0) -> list[CallGroup]:
         """Each tick's calls over the first R ticks and one steady period, weighted by
         renewal-reward (the module's docstring)."""
