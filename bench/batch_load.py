@@ -27,13 +27,13 @@ import statistics
 import numpy as np
 from serving_load import (
     engine_overheads,
+    engine_text,
     lone_request,
     side_by_side,
     stream_arguments,
     stream_lengths,
     wake_after_idle,
     wake_option,
-    wake_text,
 )
 
 from costmodel.clitools import script_main
@@ -92,9 +92,7 @@ def main() -> None:
         lone = lone_request(prompt, output, lambda requests, seed: decoded(
             model, requests, args.schedule, args.max_batch, seed)[0])
         engine = engine.model_copy(update={"wake": wake_after_idle(lone)})
-    print(f"the batch path's own time: {engine.step_s * 1e3:.2f} ms a step, "
-          f"{engine.per_sequence_s * 1e3:.2f} ms a sequence in it, "
-          f"{engine.request_s * 1e3:.2f} ms a request" + wake_text(engine), flush=True)
+    print(engine_text(engine).replace("the engine's", "the batch path's"), flush=True)
     rows = []
     for rate in args.rates:
         stream = request_stream(rate, args.requests, prompt, output, seed=args.seed)
