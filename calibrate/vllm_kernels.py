@@ -130,7 +130,7 @@ def family_kernels(preset: str) -> dict[str, dict[str, int]]:
     from vllm import LLM, SamplingParams
 
     from wfd.checkpoint import save
-    from wfd.serving.offline import shut_down
+    from wfd.serving.offline import settle_heap, shut_down
 
     from .operations import narrow_model
 
@@ -138,6 +138,7 @@ def family_kernels(preset: str) -> dict[str, dict[str, int]]:
     cfg = narrow.config
     with tempfile.TemporaryDirectory() as tmp:
         save(narrow, tmp)
+        settle_heap()
         llm = LLM(model=tmp, dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
                   max_model_len=64)
         params = SamplingParams(temperature=0, max_tokens=2, detokenize=False, ignore_eos=True)
@@ -146,7 +147,7 @@ def family_kernels(preset: str) -> dict[str, dict[str, int]]:
             llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)
 
         (counted,) = llm.apply_model(lambda model: count_forward(model, step))
-        shut_down(llm)  # its memory given back before the next family's engine starts
+        shut_down(llm)  # before the next family's engine starts
     layers = {"block": cfg.core_layers * cfg.depth}  # the core layers' calls in a step
     per_layer = {kind: n // layers["block"] for kind, n in counted["block:layer"].items()}
     table = {"layer": {k: per_layer.get(k, 0) for k in ("matmul", "attention", "other", "view")}}

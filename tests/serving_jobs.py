@@ -101,8 +101,9 @@ def abort_mid_wave(folder: str, prompts: list[list[int]], new_tokens: int
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
-    from wfd.serving.offline import shut_down
+    from wfd.serving.offline import settle_heap, shut_down
 
+    settle_heap()
     llm = LLM(model=folder, dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
               max_num_seqs=4, hf_overrides={"schedule": "wfd", "draft_depth": 2})
     engine, done, steps = llm.llm_engine, {}, 0

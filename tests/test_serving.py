@@ -3,7 +3,7 @@ the shipped tiny models and on random checkpoints of both families, one request 
 eight together, at two depths and with shared KV slots, and over two tensor-parallel ranks; DtV
 through vLLM's speculative decoding, the checkpoint drafting for itself (on one rank and two);
 `vllm serve` with DtV and WFD end to end. Each test starts engines of its own, in the test
-worker's engine process, one after another (vLLM imported once: about 2 s an engine of one
+worker's engine process, one after another (vLLM imported once: about 1-2 s an engine of one
 rank, 9 s one of two, whose ranks start processes of their own); a server, in processes of its
 own (about 17 s)."""
 

@@ -6,7 +6,7 @@ processes, so it runs here under ``__main__``:
     python -m wfd.serving.offline --jobs   # lines "JOB.json OUT.json" on standard input
 
 With ``--jobs`` the jobs run one after another in this process, each engine shut down before
-the next starts (vLLM imported once: a job then costs its engine's start, about 2 s for a tiny
+the next starts (vLLM imported once: a job then costs its engine's start, 1-2 s for a tiny
 model, not the 8-10 s of a process of its own); each line is answered on standard output by
 ``wfd.serving.offline: done OUT.json`` once OUT is written. Its engine cores run in this
 process (a job of several ranks starts its workers in processes of their own, as vLLM does). A
@@ -61,6 +61,7 @@ def run_job(job: dict) -> dict:
                    **job.get("speculative_options", {})} if k else None
     counted = speculative or job.get("kv_blocks") or wave  # the output gives vLLM's counters
     started = time.perf_counter()
+    settle_heap()
     llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"),
               enforce_eager=job.get("eager", True),
               skip_tokenizer_init=True, max_model_len=job.get("max_model_len"),
@@ -101,16 +102,22 @@ def run_job(job: dict) -> dict:
 
 
 def shut_down(llm) -> None:
-    """The engine stopped and its memory (weights, KV cache) given back, so that another can
-    start in this process."""
+    """The engine stopped (vLLM's own clean-up: its process groups gone), so that another can
+    start in this process; its memory (weights, KV cache) is given back once the caller lets go
+    of it, by the next collection (``settle_heap``, before the next engine)."""
+    llm.llm_engine.engine_core.shutdown()
+
+
+def settle_heap() -> None:
+    """Before an engine starts in this process: the engines before it collected (their memory
+    given back), and what is left, mostly the modules vLLM and torch import, frozen out of later
+    collections. vLLM collects the whole heap several times as it loads and stops a model, each
+    time walking those modules' objects again (about 0.4 s a walk on this project's 2-core VM);
+    frozen, they are skipped until vLLM's clean-up unfreezes them as the engine stops."""
     import gc
 
-    from vllm.distributed import cleanup_dist_env_and_memory
-
-    llm.llm_engine.engine_core.shutdown()
-    del llm
     gc.collect()
-    cleanup_dist_env_and_memory()
+    gc.freeze()
 
 
 def wave_counters(llm) -> dict[str, int]:
