@@ -26,8 +26,9 @@ The engine's own time, which the per-call cost does not hold, is measured first 
 the streams, from lone requests of the mean lengths and a full batch of them arriving together
 (`engine_overheads`), and given to the simulations: AR's per step and per sequence in a step,
 a drafting schedule's per tick and per wave in a tick (the plugin's waves do their bookkeeping
-a tick at a time, so their time follows the ticks, not the steps), and per request on its way
-in (`costmodel serving --step-overhead --sequence-overhead --tick-overhead --wave-overhead
+a tick at a time) and vLLM's per step, from lone requests whose waves commit nothing ahead as
+well (a step a token, where a lone wave's step otherwise commits up to 9), and per request on
+its way in (`costmodel serving --step-overhead --sequence-overhead --tick-overhead --wave-overhead
 --request-overhead`); so is its wake, the extra time of a request that finds the server idle
 (`wake_after_idle`: lone requests after 0.5, 1, 2 and 4 s idle; `--wake-overhead`), which is
 what makes the tail of TTFT at low rates. `--resimulate` takes an earlier run's `--out` file
@@ -94,11 +95,14 @@ def start_server(folder: Path, max_batch: int, overrides: dict | None, log: Path
     sys.exit("error: the server did not come up in 300 s")
 
 
-def send(base: str, model: str, prompt: list[int], tokens: int) -> tuple[float, float, int]:
-    """One streamed request: (first chunk's time, last chunk's time, tokens received)."""
+def send(base: str, model: str, prompt: list[int], tokens: int, extra: dict | None = None
+         ) -> tuple[float, float, int]:
+    """One streamed request (``extra``: its extra arguments for the plugin, vLLM's
+    ``vllm_xargs``): (first chunk's time, last chunk's time, tokens received)."""
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": tokens,
                        "temperature": 0, "ignore_eos": True, "stream": True,
-                       "return_token_ids": True}).encode()
+                       "return_token_ids": True, **({"vllm_xargs": extra} if extra else {})
+                       }).encode()
     request = urllib.request.Request(f"{base}/v1/completions", body,
                                      {"Content-Type": "application/json"})
     first = last = None
@@ -117,14 +121,15 @@ def send(base: str, model: str, prompt: list[int], tokens: int) -> tuple[float, 
     return first, last, received
 
 
-def load(base: str, model: str, requests, seed: int) -> list[Served]:
+def load(base: str, model: str, requests, seed: int, extra: dict | None = None
+         ) -> list[Served]:
     """The stream sent open-loop: each request on its own thread at its arrival time."""
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(32, 127, r.prompt_tokens).tolist() for r in requests]
     results: list[tuple[float, float, int] | None] = [None] * len(requests)
 
     def one(i: int) -> None:
-        results[i] = send(base, model, prompts[i], requests[i].output_tokens)
+        results[i] = send(base, model, prompts[i], requests[i].output_tokens, extra)
 
     start = time.perf_counter()
     threads = []
@@ -227,9 +232,10 @@ def main() -> None:
         try:
             send(base, str(folder), [65] * 8, 4)  # warm the engine up
 
-            def serve(requests, seed):
-                return load(base, str(folder), requests, seed)
-            fit = engine_measurements(serve, prompt, output, args.max_batch)
+            def serve(requests, seed, extra=None):
+                return load(base, str(folder), requests, seed, extra)
+            fit = engine_measurements(serve, prompt, output, args.max_batch,
+                                      step_by_step=args.schedule != "ar")
             engine = fit_engine(fit, spec, hw, prompt, output, options, args.commit_ahead)
             if args.wake:
                 engine = engine.model_copy(update={
@@ -316,30 +322,33 @@ def engine_overheads(measure, spec, hw, prompt: Lengths, output: Lengths, option
 
 
 def engine_measurements(measure, prompt: Lengths, output: Lengths, batch: int,
-                        repeats: int = 3) -> dict[str, float]:
+                        repeats: int = 3, step_by_step: bool = False) -> dict[str, float]:
     """Requests of the mean lengths as served (``measure(requests, seed)``): lone ones, one
     after another, and ``batch`` of them arriving together; their median TPOTs and the lone
-    ones' median TTFT."""
-    def measured(together: int) -> tuple[float, float]:
+    ones' median TTFT. ``step_by_step``: also lone ones whose waves commit nothing ahead
+    (``measure(requests, seed, {"commit_ahead": 0})``), a step a token."""
+    def measured(together: int, *extra) -> tuple[float, float]:
         requests = [Request(arrival_s=0.0, prompt_tokens=round(prompt.mean),
                             output_tokens=round(output.mean))] * together
-        runs = [measure(requests, seed) for seed in range(repeats)]
+        runs = [measure(requests, seed, *extra) for seed in range(repeats)]
         return (float(np.median([s.tpot_s for run in runs for s in run])),
                 float(np.median([s.ttft_s for run in runs for s in run])))
 
     (lone, lone_ttft), (full, _) = measured(1), measured(batch)
-    return {"lone_tpot_s": lone, "lone_ttft_s": lone_ttft, "full_tpot_s": full}
+    stepped = {"lone_step_tpot_s": measured(1, {"commit_ahead": 0})[0]} if step_by_step else {}
+    return {"lone_tpot_s": lone, "lone_ttft_s": lone_ttft, "full_tpot_s": full, **stepped}
 
 
 def fit_engine(measured: dict[str, float], spec, hw, prompt: Lengths, output: Lengths,
                options: dict, commit_ahead: int) -> EngineOverheads:
-    """The engine's own time that makes the simulation's lone and full-batch TPOTs and lone
-    TTFT the ``measured`` ones (``engine_measurements``): two terms from the two TPOTs, none
-    below zero, through the simulation's own response to each (its times are linear in them);
-    then the time per request from the lone TTFT. AR's terms are its time per step and per
-    sequence in a step; a drafting schedule's, per tick and per wave in a tick: the plugin's
-    waves do their bookkeeping a tick at a time, so their time follows the ticks, not the steps
-    (which end early for a newcomer, or after R block calls beside other requests)."""
+    """The engine's own time that makes the simulation's TPOTs and lone TTFT the ``measured``
+    ones (``engine_measurements``): a term per TPOT, none below zero, through the simulation's
+    own response to each (its times are linear in them); then the time per request from the
+    lone TTFT. AR's terms are its time per step and per sequence in a step. A drafting
+    schedule's are per tick and per wave in a tick (the plugin's waves do their bookkeeping a
+    tick at a time) and, where lone waves were measured committing nothing ahead, vLLM's own
+    time per step: a lone wave's step commits up to ``commit_ahead`` + 1 tokens, one beside
+    other requests ends after R block calls, so the steps come more often per token there."""
     def simulated(together: int, engine: EngineOverheads) -> tuple[float, float]:
         requests = [Request(arrival_s=0.0, prompt_tokens=round(prompt.mean),
                             output_tokens=round(output.mean))] * together
@@ -348,15 +357,21 @@ def fit_engine(measured: dict[str, float], spec, hw, prompt: Lengths, output: Le
 
     from scipy.optimize import nnls
 
-    terms = ("step_s", "per_sequence_s") if options["names"][0] == "ar" else (
-        "tick_s", "wave_tick_s")
     bare, unit = EngineOverheads(commit_ahead=commit_ahead), 1e-3
-    batches = (1, options["max_batch"])
-    base = [simulated(n, bare)[0] for n in batches]
-    response = [[(simulated(n, bare.model_copy(update={term: unit}))[0] - b) / unit
-                 for term in terms] for n, b in zip(batches, base, strict=True)]
+    # (measurement, requests together, the engine as it served them)
+    rows = [("lone_tpot_s", 1, bare), ("full_tpot_s", options["max_batch"], bare)]
+    if options["names"][0] == "ar":
+        terms = ("step_s", "per_sequence_s")
+    elif "lone_step_tpot_s" in measured:
+        terms = ("step_s", "tick_s", "wave_tick_s")
+        rows.append(("lone_step_tpot_s", 1, bare.model_copy(update={"commit_ahead": 0})))
+    else:
+        terms = ("tick_s", "wave_tick_s")
+    base = [simulated(n, engine)[0] for _, n, engine in rows]
+    response = [[(simulated(n, engine.model_copy(update={term: unit}))[0] - b) / unit
+                 for term in terms] for (_, n, engine), b in zip(rows, base, strict=True)]
     values, _ = nnls(np.array(response), np.array(
-        [measured["lone_tpot_s"] - base[0], measured["full_tpot_s"] - base[1]]))
+        [measured[name] - b for (name, _, _), b in zip(rows, base, strict=True)]))
     steps = bare.model_copy(update={t: float(v) for t, v in zip(terms, values, strict=True)})
     request = max(0.0, measured["lone_ttft_s"] - simulated(1, steps)[1])
     return steps.model_copy(update={"request_s": request})

@@ -240,24 +240,26 @@ def load_bench():
 
 @pytest.mark.parametrize("schedule, terms", [
     ("ar", {"step_s": 0.003, "per_sequence_s": 0.0005}),
-    ("wfd", {"tick_s": 0.0007, "wave_tick_s": 0.0003})])
+    ("wfd", {"tick_s": 0.0007, "wave_tick_s": 0.0003}),
+    ("wfd", {"step_s": 0.002, "tick_s": 0.0007, "wave_tick_s": 0.0003})])
 def test_the_load_bench_recovers_an_engine_s_own_time_from_what_it_measures(schedule, terms):
     """bench/serving_load.py's fit, given the lone and full-batch TPOTs and the lone TTFT that
     an engine with known own time makes (simulated, vLLM's scheduling), finds that time again:
-    AR's per step and per sequence in a step, WFD's per tick and per wave in a tick."""
+    AR's per step and per sequence in a step, WFD's per tick and per wave in a tick, and with
+    lone waves measured committing nothing ahead, its time per step too."""
     bench = load_bench()
     prompt, output = Lengths.parse("16-64", "p"), Lengths.parse("32", "o")
     options = {"max_batch": 4, "dtype": "bf16", "names": [schedule], "seed": 0,
                "fidelity": "steps", "token_budget": 2048}
     known = EngineOverheads(request_s=0.004, **terms)
 
-    def served(together: int) -> list:
-        requests = [Request(arrival_s=0.0, prompt_tokens=40, output_tokens=32)] * together
-        return predict_serving(MODEL, HARDWARE, requests, engine=known, keep_served=True,
+    def served(requests: list, seed: int, extra: dict | None = None) -> list:
+        engine = known.model_copy(update=extra or {})  # {"commit_ahead": 0}: a step a token
+        return predict_serving(MODEL, HARDWARE, requests, engine=engine, keep_served=True,
                                **options)[schedule].served
 
-    measured = bench.engine_measurements(lambda requests, seed: served(len(requests)),
-                                         prompt, output, 4, repeats=1)
+    measured = bench.engine_measurements(served, prompt, output, 4, repeats=1,
+                                         step_by_step="step_s" in terms and schedule != "ar")
     fitted = bench.fit_engine(measured, MODEL, HARDWARE, prompt, output, options, 8)
     for field in (*terms, "request_s"):
         assert getattr(fitted, field) == pytest.approx(getattr(known, field), rel=0.02), field
