@@ -13,14 +13,10 @@ arrivals, the same seed, random printable prompts of the drawn lengths) open-loo
 at its arrival time on a thread of its own, streamed (`/v1/completions`, greedy, ignore_eos),
 its first and last chunks timed as they arrive. TTFT is arrival to the first chunk (the
 prefill's token), TPOT the rest over the tokens after the first. The same streams are then
-simulated (`costmodel.serving`, `--engine vllm`: vLLM's kernel counts, eager on a CPU) with the
-profile's hardware, and the medians, p99s and throughput printed side by side (a p99 of fewer
-than 100 requests is about their slowest one; `--out` keeps each request's times, measured and
-simulated): step by step
-as vLLM schedules (`costmodel.stream_vllm`, with the server's token budget: 2,048 a step on the
-CPU build, and the plugin's WFD and DtV take whole prompts within it), or call by call with
-`--fidelity calls` (a newcomer's prefill whole, between rounds: its TPOT ran 6-23% long against
-the AR server and 2.1x long against the plugin's WFD at 8/s, docs/results/).
+simulated (`costmodel.serving`, `--engine vllm`) with the profile's hardware, step by step as
+vLLM schedules (the server's token budget, 2,048 on the CPU build), or call by call with
+`--fidelity calls`, and the medians, p99s and throughput printed side by side (a p99 of fewer
+than 100 requests is about their slowest one; `--out` keeps each request's times).
 
 The engine's own time, which the per-call cost does not hold, is measured first and apart from
 the streams, from lone requests of the mean lengths and a full batch of them arriving together
@@ -31,11 +27,9 @@ well (a step a token, where a lone wave's step otherwise commits up to 9), and p
 its way in (`costmodel serving --step-overhead --sequence-overhead --tick-overhead --wave-overhead
 --request-overhead`); so is its wake, the extra time of a request that finds the server idle
 (`wake_after_idle`: lone requests after 0.5, 1, 2 and 4 s idle; `--wake-overhead`), which is
-what makes the tail of TTFT at low rates. `--resimulate` takes an earlier run's `--out` file
-(which keeps those measurements and each request as served) and simulates its streams again,
-with no server: a change to the cost model compared on the same measurements, free of the
-machine's noise between runs. Needs the serve-cpu extra. A
-profile of this machine: `costmodel calibrate --model huginn --quick`.
+what makes the tail of TTFT at low rates. `--resimulate` simulates an earlier run's `--out`
+file again with no server: a change to the cost model compared on the same measurements. Needs
+the serve-cpu extra. A profile of this machine: `costmodel calibrate --model huginn --quick`.
 """
 
 from __future__ import annotations
@@ -217,7 +211,7 @@ def main() -> None:
                              "file beside its measurements (after a change to the cost model)")
     args = parser.parse_args()
     if args.resimulate:
-        return resimulate(json.loads(args.resimulate.read_text()), args)
+        return resimulate(saved_run(args.resimulate), args)
     prompt, output = stream_lengths(args)
     spec = get_model(args.model)
     profile = load_profile(args.profile)
@@ -253,6 +247,7 @@ def main() -> None:
             "model": args.model, "schedule": args.schedule, "profile": str(args.profile),
             "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
             "max_batch": args.max_batch, "commit_ahead": args.commit_ahead,
+            "fidelity": args.fidelity, "token_budget": args.token_budget, "seed": args.seed,
             "engine_measured": fit, "engine": engine.model_dump(), "rows": rows}, indent=2))
 
 
@@ -283,12 +278,33 @@ def simulated_row(rate: float, stream: list[Request], served: list[Served], spec
     return row
 
 
+RUN_FIELDS = ("model", "schedule", "max_batch", "prompt_tokens", "output_tokens", "commit_ahead",
+              "engine_measured", "engine", "rows")
+
+
+def saved_run(path: Path) -> dict:
+    """A run's --out file, with what ``resimulate`` needs (a ValueError in one line if not)."""
+    try:
+        run = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not a run's --out file: {exc.msg} at line {exc.lineno}"
+                         ) from None
+    missing = [field for field in RUN_FIELDS if field not in run] if isinstance(run, dict) \
+        else list(RUN_FIELDS)
+    if missing:
+        raise ValueError(f"{path} lacks {', '.join(missing)}: only a run of this bench's "
+                         "version keeps what simulating it again needs; run it again")
+    return run
+
+
 def resimulate(run: dict, args) -> None:
     """An earlier run's streams (``run``: its --out file) simulated again with this tree's cost
     model and ``args.profile``, the engine's own time fitted again to the measurements the run
     kept, its wake as measured."""
     args.model, args.schedule, args.max_batch = run["model"], run["schedule"], run["max_batch"]
     args.prompt_tokens, args.output_tokens = run["prompt_tokens"], run["output_tokens"]
+    for setting in ("fidelity", "token_budget", "seed"):  # as the run simulated it
+        setattr(args, setting, run.get(setting, getattr(args, setting)))
     prompt, output = stream_lengths(args)
     spec = get_model(args.model)
     profile = load_profile(args.profile)

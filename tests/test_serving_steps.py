@@ -294,3 +294,17 @@ def test_the_load_bench_simulates_a_saved_run_again_without_a_server(tmp_path, m
     again = json.loads((tmp_path / "again.json").read_text())
     assert again["engine"]["tick_s"] > 0 and len(again["rows"][0]["requests"]) == 4
     assert again["rows"][0]["measured"]["tpot_s"]["p50"] == pytest.approx(0.006)
+    # a run saved by an older bench, or no run at all: one line, exit 2
+    import runpy
+
+    (tmp_path / "old.json").write_text(json.dumps({k: v for k, v in run.items()
+                                                   if k != "engine_measured"}))
+    (tmp_path / "torn.json").write_text('{"model": ')
+    for name, said in (("old.json", "lacks engine_measured"), ("torn.json", "not a run's")):
+        monkeypatch.setattr(sys, "argv", [
+            "serving_load.py", "--profile", str(PROFILES_DIR / "cpu-huginn-fp32-quick.json"),
+            "--resimulate", str(tmp_path / name)])
+        with pytest.raises(SystemExit) as done:
+            runpy.run_path(bench.__file__, run_name="__main__")
+        err = capsys.readouterr().err.strip().splitlines()
+        assert done.value.code == 2 and len(err) == 1 and said in err[0], err
