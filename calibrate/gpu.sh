@@ -22,7 +22,8 @@
 # Steps, each under `timeout`: STEP_SECONDS at most, and never past BUDGET_SECONDS from the
 # start (a step that would start after it is skipped and named; the archive is still made).
 # Stage by stage, each for every family in FAMILIES, so a run cut short keeps the first stages:
-# 1. calibrate/gpu_smoke.py: versions, the attention kernels, the modes against a full forward.
+# 1. SMOKE=1 (default): calibrate/gpu_smoke.py: versions, the attention kernels, the modes
+#    against a full forward (SMOKE=0 leaves it out: a rerun on the same machine).
 # 2. BENCH=1: bench/decode_speed.py times AR, DtV and WFD at the real size in BENCH_MODES
 #    (default on CUDA: eager and graphs), context BENCH_CONTEXT (1,024), BENCH_TOKENS new
 #    tokens (256), forced acceptance 0.9, draft depth 4 (Huginn) or 1 (Ouro):
@@ -111,8 +112,10 @@ else
   MODES=${MODES:-eager}; BENCH_MODES=${BENCH_MODES:-eager}; BATCH=${BATCH:-0}
 fi
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
-step "smoke" - "$PY" calibrate/gpu_smoke.py --device "$DEVICE" --dtype "$DTYPE" \
-  --json "$RESULTS/smoke.json"
+if [ "${SMOKE:-1}" = "1" ]; then
+  step "smoke" - "$PY" calibrate/gpu_smoke.py --device "$DEVICE" --dtype "$DTYPE" \
+    --json "$RESULTS/smoke.json"
+fi
 FAMILIES=${FAMILIES:-huginn ouro}
 models() {  # models FAMILY: "fit-models holdout-model bench-model"
   if [ "$SIZES" = "real" ]; then
