@@ -92,7 +92,7 @@ def main() -> None:
         lone = lone_request(prompt, output, lambda requests, seed: decoded(
             model, requests, args.schedule, args.max_batch, seed)[0])
         engine = engine.model_copy(update={"wake": wake_after_idle(lone)})
-    print(engine_text(engine).replace("the engine's", "the batch path's"), flush=True)
+    print(engine_text(engine, "the batch path's"), flush=True)
     rows = []
     for rate in args.rates:
         stream = request_stream(rate, args.requests, prompt, output, seed=args.seed)

@@ -142,14 +142,18 @@ def load(base: str, model: str, requests, seed: int, extra: dict | None = None
     return served
 
 
+def mean_requests(prompt: Lengths, output: Lengths, together: int = 1) -> list[Request]:
+    """``together`` requests of the mean lengths, arriving at once."""
+    return [Request(arrival_s=0.0, prompt_tokens=round(prompt.mean),
+                    output_tokens=round(output.mean))] * together
+
+
 def lone_request(prompt: Lengths, output: Lengths,
                  serve: Callable[[list[Request], int], list[Served]]) -> Callable[[], float]:
     """A lone request of the mean lengths served by ``serve`` (requests and a seed for their
     prompts: as served), its TTFT; each call's prompt another (no prefix cached)."""
-    request = Request(arrival_s=0.0, prompt_tokens=round(prompt.mean),
-                      output_tokens=round(output.mean))
     seeds = itertools.count(1000)
-    return lambda: serve([request], next(seeds))[0].ttft_s
+    return lambda: serve(mean_requests(prompt, output), next(seeds))[0].ttft_s
 
 
 def wake_option(parser: argparse.ArgumentParser) -> None:
@@ -257,10 +261,10 @@ def simulation_options(args, dtype: str) -> dict:
             "token_budget": args.token_budget if args.fidelity == "steps" else None}
 
 
-def engine_text(engine: EngineOverheads) -> str:
+def engine_text(engine: EngineOverheads, whose: str = "the engine's") -> str:
     ticks = (f"{engine.tick_s * 1e3:.2f} ms a tick, {engine.wave_tick_s * 1e3:.2f} ms a wave in "
              "it, " if engine.tick_s or engine.wave_tick_s else "")
-    return (f"the engine's own time: {engine.step_s * 1e3:.2f} ms a step, "
+    return (f"{whose} own time: {engine.step_s * 1e3:.2f} ms a step, "
             f"{engine.per_sequence_s * 1e3:.2f} ms a sequence in it, {ticks}"
             f"{engine.request_s * 1e3:.2f} ms a request" + wake_text(engine))
 
@@ -344,8 +348,7 @@ def engine_measurements(measure, prompt: Lengths, output: Lengths, batch: int,
     ones' median TTFT. ``step_by_step``: also lone ones whose waves commit nothing ahead
     (``measure(requests, seed, {"commit_ahead": 0})``), a step a token."""
     def measured(together: int, *extra) -> tuple[float, float]:
-        requests = [Request(arrival_s=0.0, prompt_tokens=round(prompt.mean),
-                            output_tokens=round(output.mean))] * together
+        requests = mean_requests(prompt, output, together)
         runs = [measure(requests, seed, *extra) for seed in range(repeats)]
         return (float(np.median([s.tpot_s for run in runs for s in run])),
                 float(np.median([s.ttft_s for run in runs for s in run])))
@@ -366,9 +369,8 @@ def fit_engine(measured: dict[str, float], spec, hw, prompt: Lengths, output: Le
     time per step: a lone wave's step commits up to ``commit_ahead`` + 1 tokens, one beside
     other requests ends after R block calls, so the steps come more often per token there."""
     def simulated(together: int, engine: EngineOverheads) -> tuple[float, float]:
-        requests = [Request(arrival_s=0.0, prompt_tokens=round(prompt.mean),
-                            output_tokens=round(output.mean))] * together
-        result = predict_serving(spec, hw, requests, engine=engine, **options)
+        result = predict_serving(spec, hw, mean_requests(prompt, output, together),
+                                 engine=engine, **options)
         return result[options["names"][0]].tpot_s.p50, result[options["names"][0]].ttft_s.p50
 
     from scipy.optimize import nnls

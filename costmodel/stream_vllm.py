@@ -183,8 +183,9 @@ def _steps(decoding, chunks, line, ready, now, elapsed, held, kv_budget, kv_per_
     times = elapsed[b - 1] if b else None
     if chunks and not b:
         return 1, prefill([n for _, n in chunks])
-    if chunks or any(s.filling for s in decoding):
-        steps = min(len(times) - 1 - context, fill if any(s.filling for s in decoding) else 1)
+    filling = any(s.filling for s in decoding)
+    if chunks or filling:
+        steps = min(len(times) - 1 - context, fill if filling else 1)
         took = float(times[context + steps] - times[context])
         return steps, took + (max(0.0, prefill([n for _, n in chunks]) - prefill([1]))
                               if chunks else 0.0)
