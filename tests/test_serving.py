@@ -334,7 +334,7 @@ def serve(model: Path, tmp_path: Path, options: list[str]) -> tuple[subprocess.P
             with urllib.request.urlopen(f"{base}/health", timeout=5):
                 return server, base
         except (urllib.error.URLError, ConnectionError):
-            time.sleep(1)
+            time.sleep(0.2)
 
 
 def arrival_flags(root: int) -> list[str]:

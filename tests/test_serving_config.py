@@ -1,17 +1,24 @@
 """The plugin's options as its config reads them (no engine): the schedules it runs and what it
 refuses, each in one line (wfd.serving.configs, wfd.serving.wave)."""
 
+import importlib.util
+
 import pytest
 
-pytest.importorskip("vllm")
+# vLLM is imported by the first test that needs it, not at collection: a test worker that runs
+# none of these does without its seconds of imports
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vLLM is not installed: the plugin's tests need the serve-cpu extra (README)")
 
-from wfd.serving.configs import RavenConfig  # noqa: E402
 
-
-def config(**options) -> RavenConfig:
+def config(**options):
+    """The plugin's config (``wfd.serving.configs.RavenConfig``) of huginn-tiny with
+    ``options``."""
     import json
 
     from wfd.checkpoint import SHIPPED_DIR
+    from wfd.serving.configs import RavenConfig
 
     raw = json.loads((SHIPPED_DIR / "huginn-tiny" / "config.json").read_text())
     return RavenConfig(**{**raw, **options})
