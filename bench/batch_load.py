@@ -25,16 +25,8 @@ import json
 import statistics
 
 import numpy as np
-from serving_load import (
-    engine_overheads,
-    engine_text,
-    lone_request,
-    side_by_side,
-    stream_arguments,
-    stream_lengths,
-    wake_after_idle,
-    wake_option,
-)
+from engine_fit import engine_overheads, engine_text, lone_request, wake_after_idle
+from serving_load import side_by_side, stream_arguments, stream_lengths, wake_option
 
 from costmodel.clitools import script_main
 from costmodel.presets import get_model

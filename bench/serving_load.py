@@ -23,19 +23,21 @@ the streams, from lone requests of the mean lengths and a full batch of them arr
 (`engine_overheads`), and given to the simulations: AR's per step and per sequence in a step,
 a drafting schedule's per tick and per wave in a tick (the plugin's waves do their bookkeeping
 a tick at a time) and vLLM's per step, from lone requests whose waves commit nothing ahead as
-well (a step a token, where a lone wave's step otherwise commits up to 9), and per request on
-its way in (`costmodel serving --step-overhead --sequence-overhead --tick-overhead --wave-overhead
---request-overhead`); so is its wake, the extra time of a request that finds the server idle
-(`wake_after_idle`: lone requests after 0.5, 1, 2 and 4 s idle; `--wake-overhead`), which is
-what makes the tail of TTFT at low rates. `--resimulate` simulates an earlier run's `--out`
-file again with no server: a change to the cost model compared on the same measurements. Needs
-the serve-cpu extra. A profile of this machine: `costmodel calibrate --model huginn --quick`.
+well (a step a token, where a lone wave's step otherwise commits up to 9); and the lone
+requests' TTFT split by vLLM's own account of them on /metrics (queued and prefilling) into its
+time on a prompt's step, busy, and per request on its way in and out, not (`engine_fit.py`;
+`costmodel serving --step-overhead --sequence-overhead --tick-overhead --wave-overhead
+--prompt-overhead --request-overhead`); so is its wake, the extra time of a request that
+finds the server idle (`wake_after_idle`: lone requests after 0.5, 1, 2 and 4 s idle;
+`--wake-overhead`), which is what makes the tail of TTFT at low rates. `--resimulate`
+simulates an earlier run's `--out` file again with no server: a change to the cost model
+compared on the same measurements. Needs the serve-cpu extra. A profile of this machine:
+`costmodel calibrate --model huginn --quick`.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import shutil
@@ -46,13 +48,19 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from engine_fit import (
+    engine_measurements,
+    engine_text,
+    fit_engine,
+    lone_request,
+    wake_after_idle,
+)
 
 from costmodel.clitools import script_main
-from costmodel.engines import EngineOverheads, IdleWake, for_engine
+from costmodel.engines import EngineOverheads, for_engine
 from costmodel.presets import get_model
 from costmodel.profile import load_profile
 from costmodel.requests import Lengths, Request, request_stream
@@ -115,6 +123,21 @@ def send(base: str, model: str, prompt: list[int], tokens: int, extra: dict | No
     return first, last, received
 
 
+def engine_clock(base: str) -> tuple[float, int]:
+    """vLLM's own account of the requests it finished, from the server's /metrics: their
+    seconds waiting in its queue and prefilling (scheduled to first token), summed, and their
+    number; the rest of a TTFT is the request's way in and its first token's out."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
+        lines = response.read().decode().splitlines()
+
+    def value(name: str) -> float:
+        return sum(float(line.split()[-1]) for line in lines
+                   if line.startswith(name + "{") or line.startswith(name + " "))
+
+    seconds = sum(value(f"vllm:request_{part}_time_seconds_sum") for part in ("queue", "prefill"))
+    return seconds, round(value("vllm:request_prefill_time_seconds_count"))
+
+
 def load(base: str, model: str, requests, seed: int, extra: dict | None = None
          ) -> list[Served]:
     """The stream sent open-loop: each request on its own thread at its arrival time."""
@@ -140,20 +163,6 @@ def load(base: str, model: str, requests, seed: int, extra: dict | None = None
         served.append(Served(arrival_s=r.arrival_s, first_token_s=first - start,
                              finish_s=last - start, output_tokens=r.output_tokens))
     return served
-
-
-def mean_requests(prompt: Lengths, output: Lengths, together: int = 1) -> list[Request]:
-    """``together`` requests of the mean lengths, arriving at once."""
-    return [Request(arrival_s=0.0, prompt_tokens=round(prompt.mean),
-                    output_tokens=round(output.mean))] * together
-
-
-def lone_request(prompt: Lengths, output: Lengths,
-                 serve: Callable[[list[Request], int], list[Served]]) -> Callable[[], float]:
-    """A lone request of the mean lengths served by ``serve`` (requests and a seed for their
-    prompts: as served), its TTFT; each call's prompt another (no prefix cached)."""
-    seeds = itertools.count(1000)
-    return lambda: serve(mean_requests(prompt, output), next(seeds))[0].ttft_s
 
 
 def wake_option(parser: argparse.ArgumentParser) -> None:
@@ -233,7 +242,8 @@ def main() -> None:
             def serve(requests, seed, extra=None):
                 return load(base, str(folder), requests, seed, extra)
             fit = engine_measurements(serve, prompt, output, args.max_batch,
-                                      step_by_step=args.schedule != "ar")
+                                      step_by_step=args.schedule != "ar",
+                                      engine_clock=lambda: engine_clock(base))
             engine = fit_engine(fit, spec, hw, prompt, output, options, args.commit_ahead)
             if args.wake:
                 engine = engine.model_copy(update={
@@ -259,14 +269,6 @@ def simulation_options(args, dtype: str) -> dict:
     return {"max_batch": args.max_batch, "dtype": dtype, "names": [args.schedule],
             "seed": args.seed, "fidelity": args.fidelity,
             "token_budget": args.token_budget if args.fidelity == "steps" else None}
-
-
-def engine_text(engine: EngineOverheads, whose: str = "the engine's") -> str:
-    ticks = (f"{engine.tick_s * 1e3:.2f} ms a tick, {engine.wave_tick_s * 1e3:.2f} ms a wave in "
-             "it, " if engine.tick_s or engine.wave_tick_s else "")
-    return (f"{whose} own time: {engine.step_s * 1e3:.2f} ms a step, "
-            f"{engine.per_sequence_s * 1e3:.2f} ms a sequence in it, {ticks}"
-            f"{engine.request_s * 1e3:.2f} ms a request" + wake_text(engine))
 
 
 def simulated_row(rate: float, stream: list[Request], served: list[Served], spec, hw,
@@ -333,68 +335,6 @@ def resimulate(run: dict, args) -> None:
                                         "engine": engine.model_dump(), "rows": rows}, indent=2))
 
 
-def engine_overheads(measure, spec, hw, prompt: Lengths, output: Lengths, options: dict,
-                     commit_ahead: int, repeats: int = 3) -> EngineOverheads:
-    """An engine's own time beside its calls (``measure(requests, seed)``: the requests as it
-    served them): ``fit_engine`` to ``engine_measurements``."""
-    measured = engine_measurements(measure, prompt, output, options["max_batch"], repeats)
-    return fit_engine(measured, spec, hw, prompt, output, options, commit_ahead)
-
-
-def engine_measurements(measure, prompt: Lengths, output: Lengths, batch: int,
-                        repeats: int = 3, step_by_step: bool = False) -> dict[str, float]:
-    """Requests of the mean lengths as served (``measure(requests, seed)``): lone ones, one
-    after another, and ``batch`` of them arriving together; their median TPOTs and the lone
-    ones' median TTFT. ``step_by_step``: also lone ones whose waves commit nothing ahead
-    (``measure(requests, seed, {"commit_ahead": 0})``), a step a token."""
-    def measured(together: int, *extra) -> tuple[float, float]:
-        requests = mean_requests(prompt, output, together)
-        runs = [measure(requests, seed, *extra) for seed in range(repeats)]
-        return (float(np.median([s.tpot_s for run in runs for s in run])),
-                float(np.median([s.ttft_s for run in runs for s in run])))
-
-    (lone, lone_ttft), (full, _) = measured(1), measured(batch)
-    stepped = {"lone_step_tpot_s": measured(1, {"commit_ahead": 0})[0]} if step_by_step else {}
-    return {"lone_tpot_s": lone, "lone_ttft_s": lone_ttft, "full_tpot_s": full, **stepped}
-
-
-def fit_engine(measured: dict[str, float], spec, hw, prompt: Lengths, output: Lengths,
-               options: dict, commit_ahead: int) -> EngineOverheads:
-    """The engine's own time that makes the simulation's TPOTs and lone TTFT the ``measured``
-    ones (``engine_measurements``): a term per TPOT, none below zero, through the simulation's
-    own response to each (its times are linear in them); then the time per request from the
-    lone TTFT. AR's terms are its time per step and per sequence in a step. A drafting
-    schedule's are per tick and per wave in a tick (the plugin's waves do their bookkeeping a
-    tick at a time) and, where lone waves were measured committing nothing ahead, vLLM's own
-    time per step: a lone wave's step commits up to ``commit_ahead`` + 1 tokens, one beside
-    other requests ends after R block calls, so the steps come more often per token there."""
-    def simulated(together: int, engine: EngineOverheads) -> tuple[float, float]:
-        result = predict_serving(spec, hw, mean_requests(prompt, output, together),
-                                 engine=engine, **options)
-        return result[options["names"][0]].tpot_s.p50, result[options["names"][0]].ttft_s.p50
-
-    from scipy.optimize import nnls
-
-    bare, unit = EngineOverheads(commit_ahead=commit_ahead), 1e-3
-    # (measurement, requests together, the engine as it served them)
-    rows = [("lone_tpot_s", 1, bare), ("full_tpot_s", options["max_batch"], bare)]
-    if options["names"][0] == "ar":
-        terms = ("step_s", "per_sequence_s")
-    elif "lone_step_tpot_s" in measured:
-        terms = ("step_s", "tick_s", "wave_tick_s")
-        rows.append(("lone_step_tpot_s", 1, bare.model_copy(update={"commit_ahead": 0})))
-    else:
-        terms = ("tick_s", "wave_tick_s")
-    base = [simulated(n, engine)[0] for _, n, engine in rows]
-    response = [[(simulated(n, engine.model_copy(update={term: unit}))[0] - b) / unit
-                 for term in terms] for (_, n, engine), b in zip(rows, base, strict=True)]
-    values, _ = nnls(np.array(response), np.array(
-        [measured[name] - b for (name, _, _), b in zip(rows, base, strict=True)]))
-    steps = bare.model_copy(update={t: float(v) for t, v in zip(terms, values, strict=True)})
-    request = max(0.0, measured["lone_ttft_s"] - simulated(1, steps)[1])
-    return steps.model_copy(update={"request_s": request})
-
-
 def side_by_side(stream: list[Request], measured: list[Served], simulated: list[Served]
                  ) -> list[dict]:
     """Each request's arrival and lengths, and its TTFT and TPOT as measured and as simulated
@@ -403,27 +343,6 @@ def side_by_side(stream: list[Request], measured: list[Served], simulated: list[
              "output_tokens": r.output_tokens, "ttft_s": [m.ttft_s, s.ttft_s],
              "tpot_s": [m.tpot_s, s.tpot_s]}
             for r, m, s in zip(stream, measured, simulated, strict=True)]
-
-
-def wake_after_idle(lone_ttft: Callable[[], float],
-                    idles: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0), repeats: int = 3
-                    ) -> tuple[IdleWake, ...]:
-    """An engine's extra TTFT for a lone request (``lone_ttft()``: one served, its TTFT) sent
-    after it idled for each of ``idles`` seconds, over one sent right after the last (medians
-    of ``repeats``): its wake, which the simulation adds to a request that finds it idle."""
-    def after(idle: float) -> float:
-        time.sleep(idle)
-        return lone_ttft()
-
-    busy = float(np.median([after(0.0) for _ in range(2 * repeats)]))
-    return tuple(IdleWake(idle_s=idle, extra_s=max(0.0, float(np.median(
-        [after(idle) for _ in range(repeats)])) - busy)) for idle in idles)
-
-
-def wake_text(engine: EngineOverheads) -> str:
-    """The wake measured, as a line's end."""
-    wakes = ", ".join(f"{w.extra_s * 1e3:.1f} ms after {w.idle_s:g} s" for w in engine.wake)
-    return f"; waking from idle: {wakes}" if wakes else ""
 
 
 def summarize_served(served: list[Served]) -> dict:

@@ -54,7 +54,8 @@ CommitAheadOption = Annotated[int, typer.Option(
 
 
 def engine_overheads(step: str, sequence: str, request: str = "0s", tick: str = "0s",
-                     wave: str = "0s", commit_ahead: int = 8, wake: str | None = None):
+                     wave: str = "0s", commit_ahead: int = 8, wake: str | None = None,
+                     prompt: str = "0s"):
     """The engine's own time the options give (None where all are zero)."""
     from .engines import EngineOverheads
 
@@ -62,7 +63,8 @@ def engine_overheads(step: str, sequence: str, request: str = "0s", tick: str = 
         raise UserError(f"--commit-ahead must be at least 0, got {commit_ahead}")
     engine = EngineOverheads(step_s=parse_duration(step),
                              per_sequence_s=parse_duration(sequence),
-                             request_s=parse_duration(request), tick_s=parse_duration(tick),
+                             request_s=parse_duration(request), prompt_s=parse_duration(prompt),
+                             tick_s=parse_duration(tick),
                              wave_tick_s=parse_duration(wave),
                              commit_ahead=commit_ahead, wake=parse_wake(wake))
     return engine if engine != EngineOverheads(commit_ahead=commit_ahead) else None

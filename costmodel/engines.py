@@ -64,21 +64,24 @@ class IdleWake(Spec):
 class EngineOverheads(Spec):
     """The engine's own time, beside its model's calls (which the cost model prices): per step
     (scheduling, preparing inputs, sampling), per sequence in a step (its sampling and output:
-    detokenizing, streaming), and per request on its way in (parsing, tokenizing, handing it to
-    the engine). An AR step commits one token of every running sequence; a drafting schedule's
-    step (the plugin's WFD and DtV) up to ``commit_ahead`` + 1, its waves committing greedy
-    tokens ahead of vLLM's sampler (``wfd/serving/ahead.py``), and its waves pay ``tick_s`` per
-    tick (a block call with the prelude and coda calls beside it) and ``wave_tick_s`` per wave
-    in it: the plugin's bookkeeping and the kernels' metadata, which a calibration of ``wfd``'s
-    decoder does not hold.
-    ``bench/serving_load.py`` measures vLLM's step, sequence and request times from lone and
-    concurrent requests, ``bench/vllm_peer.py`` the step and tick times of the plugin; ``predict``
-    adds a step's share to each token, ``serving`` also a request's to its first, and to a
-    request that finds the engine idle its ``wake`` (``wake_s``)."""
+    detokenizing, streaming), per step that prefills prompts (``prompt_s``: their inputs and
+    metadata; the plugin's readouts of them through its Python: the engine is busy for it), and per
+    request on its way in and out (``request_s``: parsing, tokenizing, handing it to the engine, its
+    first token back to the client: the engine is not). An AR step commits one token of every
+    running sequence; a drafting schedule's step (the plugin's WFD and DtV) up to ``commit_ahead``
+    + 1, its waves committing greedy tokens ahead of vLLM's sampler (``wfd/serving/ahead.py``), and
+    its waves pay ``tick_s`` per tick (a block call with the prelude and coda calls beside it) and
+    ``wave_tick_s`` per wave in it: the plugin's bookkeeping and the kernels' metadata, which a
+    calibration of ``wfd``'s decoder does not hold. ``bench/serving_load.py`` measures vLLM's step,
+    sequence and request times from lone and concurrent requests, ``bench/vllm_peer.py`` the step
+    and tick times of the plugin; ``predict`` adds a step's share to each token, ``serving`` also a
+    request's to its first, and to the step of a request that finds the engine idle its ``wake``
+    (``wake_after``)."""
 
     step_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
     per_sequence_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
     request_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    prompt_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
     tick_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
     wave_tick_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
     commit_ahead: Annotated[int, Field(ge=0)] = 8
@@ -100,10 +103,12 @@ class EngineOverheads(Spec):
         return float(np.interp(idle_s, [0.0, *(w.idle_s for w in self.wake)],
                                [0.0, *(w.extra_s for w in self.wake)]))
 
-    def awake_at(self, idle_since_s: float, arrives_s: float) -> float:
-        """When the engine, idle since ``idle_since_s``, takes in a request arriving at
-        ``arrives_s``: then, or later by its wake where it idled."""
-        return arrives_s + self.wake_s(arrives_s - idle_since_s)
+    def wake_after(self, idle_since_s: float, arrives_s: float) -> float:
+        """The wake a request arriving at ``arrives_s`` meets in an engine idle since
+        ``idle_since_s``. The engine takes the request in at once and its first step runs the
+        slower by this (cold caches, a sleeping thread), so a request arriving during that step
+        waits for the next one, as on the server."""
+        return self.wake_s(arrives_s - idle_since_s)
 
     def tokens_per_step(self, drafts: bool, sequences: int = 1, ticks_per_token: float = 0.0,
                         depth: int = 0) -> float:

@@ -113,11 +113,13 @@ class _Clock:
         self.pending: list[tuple[CallRecord, int, float]] = []
         self.marks: list[tuple[int, Callable[[float], None]]] = []
         self.previous: str | None = None
+        self.woke = 0.0  # the wake the next call pays, after an idle
 
     def add(self, record: CallRecord, sequences: int, engine_s: float = 0.0) -> None:
         """A call over ``sequences`` sequences, and ``engine_s`` of the engine's own time with
         it."""
-        self.pending.append((record, sequences, engine_s))
+        self.pending.append((record, sequences, engine_s + self.woke))
+        self.woke = 0.0
 
     def extend_last(self, engine_s: float) -> None:
         """``engine_s`` more of the engine's time with the last call added."""
@@ -150,10 +152,11 @@ class _Clock:
         return self.now
 
     def idle_until(self, time: float, engine: EngineOverheads) -> None:
-        """Nothing to do until ``time``; then the engine's wake from that idle."""
+        """Nothing to do until ``time``; then the engine's wake from that idle, paid by the
+        call that follows."""
         self.settle()
         if time > self.now:  # after a pause a call stands alone
-            self.now, self.previous = engine.awake_at(self.now, time), None
+            self.woke, self.now, self.previous = engine.wake_after(self.now, time), time, None
 
 
 FIDELITIES = ("calls", "steps")
@@ -293,7 +296,7 @@ class _Stream:
             slots=call_slots(kind, depths, self.kv_sharing), sequences=regions, wall_s=0.0),
             len(lanes), tokens * self.engine_per_token(len(lanes))
             + (self.engine.per_tick_s(len(lanes)) if kind == "block" and self.schedule.drafts
-               else 0.0))
+               else 0.0) + (self.engine.prompt_s if prefill and tokens else 0.0))
         self.last_call_lanes = len(lanes)
         if prefill:  # the last prefill call's end is the first token's time
             for lane in lanes:

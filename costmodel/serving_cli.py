@@ -151,7 +151,11 @@ def serving_cmd(
     step_overhead: StepOverheadOption = "0s",
     sequence_overhead: SequenceOverheadOption = "0s",
     request_overhead: Annotated[str, typer.Option(
-        help="its time per request on the way in (parsing, tokenizing), e.g. 10ms")] = "0s",
+        help="its time per request on the way in and its first token's out (parsing, "
+             "tokenizing, streaming), the engine free meanwhile, e.g. 5ms")] = "0s",
+    prompt_overhead: Annotated[str, typer.Option(
+        help="its time per step that prefills prompts, beyond a step's (their inputs; the "
+             "plugin's readouts), the engine busy, e.g. 8ms")] = "0s",
     tick_overhead: TickOverheadOption = "0s",
     wave_overhead: WaveOverheadOption = "0s",
     commit_ahead: CommitAheadOption = 8,
@@ -201,7 +205,7 @@ def serving_cmd(
                "link": chosen_link(hw, link, link_bandwidth, link_latency) if placement else None,
                "engine": engine_overheads(step_overhead, sequence_overhead, request_overhead,
                                          tick_overhead, wave_overhead, commit_ahead,
-                                         wake_overhead)}
+                                         wake_overhead, prompt_overhead)}
     runs = []
     with spinner(f"serving {requests} requests at {len(sweep)} rate(s)", disable=as_json):
         for r in sweep:
@@ -236,7 +240,8 @@ def serving_cmd(
                f"({source}), at most {max_batch} together")
     if engine == "vllm" and options["engine"] is None:
         typer.echo("note: the engine's own time (scheduling, sampling, output) is not counted: "
-                   "give --step-overhead, --sequence-overhead and --request-overhead "
+                   "give --step-overhead, --sequence-overhead, --prompt-overhead and "
+                   "--request-overhead "
                    "(bench/serving_load.py measures vLLM's)", err=True)
 
 

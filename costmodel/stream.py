@@ -123,14 +123,25 @@ def decoding_run(line: np.ndarray, context: int, most: int, wait: float | None =
 
 class _Prefills:
     """The time a group of newcomers' prompts take, prefilled together at their mean length
-    (placed: through the parts in order, their hidden states handed from device to device)."""
+    (placed: through the parts in order, their hidden states handed from device to device),
+    and a step's of them with the engine's own time (``step``)."""
 
     def __init__(self, model, hw, depth: int, dtype: str, kv_sharing: int, readouts: int,
-                 placement: StreamPlacement | None = None, together: bool = False):
+                 placement: StreamPlacement | None = None, together: bool = False,
+                 engine: EngineOverheads | None = None):
         self.args = model, hw, depth, readouts, together
         self.fields = {"dtype": dtype, "kv_sharing": kv_sharing, "new_tokens": 1}
         self.memo: dict[tuple[int, int], float] = {}
         self.placement = placement
+        self.engine = engine or EngineOverheads()
+
+    def step(self, prompts: list[int], decoding: bool = False) -> float:
+        """A step's time for ``prompts``: alone, their prefill, the engine's step and its time
+        for prompts; beside decoding sequences (whose step is priced apart and pays the
+        engine's step), their prefill past the one token's those share and the prompts' time."""
+        if decoding:
+            return max(0.0, self(prompts) - self([1])) + self.engine.prompt_s
+        return self(prompts) + self.engine.step_s + self.engine.prompt_s
 
     def __call__(self, prompts: list[int]) -> float:
         key = (len(prompts), round(np.mean(prompts)))
@@ -156,11 +167,11 @@ def serve_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
                             engine=engine, placement=placement)
     per_round = max(1, round(schedule.tokens_per_round(acceptance)))  # a round's tokens
     readouts = 2 if schedule.drafts else 1
-    prefill = _Prefills(model, hw, depth, dtype, kv_sharing, readouts, placement)
+    prefill = _Prefills(model, hw, depth, dtype, kv_sharing, readouts, placement, engine=engine)
     served = [{"arrival_s": r.arrival_s, "output_tokens": r.output_tokens} for r in requests]
     ready = [r.arrival_s + engine.request_s for r in requests]
     running: dict[int, list[int]] = {}  # request -> [tokens still to commit, its context]
-    now, reserved, waiting, busy, weighed = 0.0, 0, 0, 0.0, 0.0
+    now, reserved, waiting, busy, weighed, woke = 0.0, 0, 0, 0.0, 0.0, 0.0
 
     def startable(taken: int) -> bool:  # the next in line has arrived, with a place and KV
         return (waiting < len(requests) and taken < max_batch and ready[waiting] <= now
@@ -173,7 +184,8 @@ def serve_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
             reserved += kv_per_request[waiting]
             waiting += 1
         if newcomers:
-            took = prefill([requests[i].prompt_tokens for i in newcomers])
+            took = prefill.step([requests[i].prompt_tokens for i in newcomers]) + woke
+            woke = 0.0  # the first step after an idle runs the slower
             busy, weighed, now = busy + took, weighed + took * len(newcomers), now + took
             for i in newcomers:
                 served[i]["first_token_s"] = now
@@ -185,7 +197,7 @@ def serve_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
             if waiting < len(requests) and not newcomers:
                 if ready[waiting] <= now:  # nothing runs, and the next one's KV cannot fit
                     raise ValueError(f"request {waiting} needs more KV than the engine has")
-                now = engine.awake_at(now, ready[waiting])
+                woke, now = engine.wake_after(now, ready[waiting]), ready[waiting]
             continue
         # decode until a sequence finishes, or past the next arrival that could start
         b = len(running)

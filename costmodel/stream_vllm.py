@@ -11,17 +11,19 @@ head of the line, to prefill its prompt and the tokens it had made again (vLLM's
 
 A step costs its decoding sequences' step (``costmodel.stream.step_times``) plus its chunks'
 prefill less the one pass over the weights the two share (a prefill of one token); a step of
-chunks alone, their prefill. A chunk is priced as a prompt of its length: the keys of the
+chunks alone, their prefill and the engine's step; either, the engine's time on prompts
+(``EngineOverheads.prompt_s``). A chunk is priced as a prompt of its length: the keys of the
 chunks before it, which its attention also reads, are left out. Between arrivals, finishes and
 the step at which the KV would run out, a batch that only decodes jumps ahead as
 ``costmodel.stream`` does.
 
-The plugin's waves (a drafting schedule) end a step at their next token for a request that
+The plugin's waves (a drafting schedule) end a step at their next commit for a request that
 arrives (its arrival flag) or for a prompt in the step (its prefill's R block calls shared
-with their calls), so a newcomer waits for a token, as behind AR. But a WFD wave's first step
-after its prompt fills its pipeline: R block calls (``Schedule.fill_ticks``) to its first
-readout at R, one token committed in them, a step no newcomer shortens; it is priced as the
-tokens those calls make in the steady state.
+with their calls), so a newcomer waits about a token, as behind AR. But a wave's first step
+after its prompt commits nothing until its pipeline fills (``Schedule.fill_ticks``): a WFD
+wave's R block calls to its first readout at R, one token committed in them; a DtV wave's first
+round, its accepted drafts and bonus token committed at its end. No newcomer shortens that
+step; it is priced as the tokens those block calls make in the steady state.
 """
 
 from __future__ import annotations
@@ -99,13 +101,13 @@ class _Scheduler:
         return decoding, chunks
 
     def advance(self, decoding, chunks, steps: int, now: float, served: list[dict],
-                fills: bool) -> None:
+                fills: bool, round_tokens: int = 1) -> None:
         """The step's tokens committed at ``now``: ``steps`` of each decoding sequence's (one
-        of a wave filling its pipeline, or in a step with chunks), one of a finished prefill's
-        (its readout; a wave then fills, where ``fills``); and the sequences with none left
-        finished."""
+        in a step with chunks; a wave filling its pipeline, its first round's
+        ``round_tokens``), one of a finished prefill's (its readout; a wave then fills, where
+        ``fills``); and the sequences with none left finished."""
         for s in decoding:  # beside a prompt a wave stops at its next token
-            made = 1 if s.filling or chunks else min(steps, s.left)
+            made = min(round_tokens if s.filling else 1 if chunks else steps, s.left)
             s.left -= made
             s.context += made
             s.filling = False
@@ -136,7 +138,7 @@ def serve_vllm_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedul
                             engine=engine)
     # the plugin's waves read a drafting schedule's prompt out at d and R in one call
     prefill = _Prefills(model, hw, depth, dtype, kv_sharing, 2 if schedule.drafts else 1,
-                        together=True)
+                        together=True, engine=engine)
     served = [{"arrival_s": r.arrival_s, "output_tokens": r.output_tokens} for r in requests]
     ready = [r.arrival_s + engine.request_s for r in requests]
     engine_line = _Scheduler(requests, ready, max_batch=max_batch, token_budget=token_budget,
@@ -144,7 +146,8 @@ def serve_vllm_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedul
                              ahead=schedule.lookahead(depth))
     line, running = engine_line.line, engine_line.running
     fill = _fill(model, schedule, acceptance, depth, kv_sharing)
-    now, busy, weighed = 0.0, 0.0, 0.0
+    round_tokens = max(1, round(schedule.tokens_per_round(acceptance)))  # a DtV round's
+    now, busy, weighed, woke = 0.0, 0.0, 0.0, 0.0
     while line or running:
         decoding, chunks = engine_line.schedule(now)
         if not decoding and not chunks:
@@ -152,13 +155,14 @@ def serve_vllm_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedul
                 continue
             if ready[line[0].index] <= now:
                 raise ValueError(f"request {line[0].index} needs more KV than the engine has")
-            now = engine.awake_at(now, ready[line[0].index])
+            woke, now = engine.wake_after(now, ready[line[0].index]), ready[line[0].index]
             continue
         steps, took = _steps(decoding, chunks, line, ready, now, elapsed, engine_line.held(),
                              kv_budget, kv_per_token, max_batch, len(running), prefill, fill)
+        took, woke = took + woke, 0.0  # the first step after an idle runs the slower
         busy, weighed = busy + took, weighed + took * (len(decoding) + len(chunks))
         now += took
-        engine_line.advance(decoding, chunks, steps, now, served, fill > 0)
+        engine_line.advance(decoding, chunks, steps, now, served, fill > 0, round_tokens)
     return served, weighed / busy if busy else 0.0, engine_line.preemptions
 
 
@@ -175,19 +179,19 @@ def _fill(model, schedule: Schedule, acceptance: float, depth: int, kv_sharing: 
 def _steps(decoding, chunks, line, ready, now, elapsed, held, kv_budget, kv_per_token,
            max_batch, running, prefill, fill: int) -> tuple[int, float]:
     """(steps to take, their time): with chunks, or a wave filling its pipeline, one step (a
-    token of each decoding sequence's, a filling wave's R block calls); decoding alone, up to
-    the next finish, the next arrival that could start, or the step at which the KV would run
-    out."""
+    token of each decoding sequence's; a filling wave's first block calls, ``fill`` tokens'
+    time); decoding alone, up to the next finish, the next arrival that could start, or the
+    step at which the KV would run out."""
     b = len(decoding)
     context = round(np.mean([s.context for s in decoding])) if b else 0
     times = elapsed[b - 1] if b else None
     if chunks and not b:
-        return 1, prefill([n for _, n in chunks])
+        return 1, prefill.step([n for _, n in chunks])
     filling = any(s.filling for s in decoding)
     if chunks or filling:
         steps = min(len(times) - 1 - context, fill if filling else 1)
         took = float(times[context + steps] - times[context])
-        return steps, took + (max(0.0, prefill([n for _, n in chunks]) - prefill([1]))
+        return steps, took + (prefill.step([n for _, n in chunks], decoding=True)
                               if chunks else 0.0)
     most = min(min(s.left for s in decoding), max(1, (kv_budget - held) // (b * kv_per_token)))
     arrives = line and running < max_batch and ready[line[0].index] > now

@@ -22,15 +22,15 @@ SCHEDULES = [AR(), DtV(draft_depth=2, block_length=3), WFD(draft_depth=2)]
 # -- step by step (costmodel.stream) ------------------------------------------------------------
 
 def test_a_lone_request_stepped_takes_its_prefill_then_a_step_per_token():
-    """One request: its first token after its prompt's prefill (predict's, at batch 1), each
-    other token after a step priced at batch 1 and its context, the engine's request time
-    before it all."""
+    """One request: its first token after its prompt's step (predict's prefill at batch 1,
+    with the engine's step and its time for a prompt), each other token after a step priced at
+    batch 1 and its context, the engine's request time before it all."""
     from costmodel.predict import prefill_time_s
     from costmodel.stream import step_times
     from costmodel.workload import Workload
 
     request = Request(arrival_s=1.0, prompt_tokens=40, output_tokens=9)
-    engine = EngineOverheads(request_s=0.004, step_s=0.001)
+    engine = EngineOverheads(request_s=0.004, step_s=0.001, prompt_s=0.002)
     for schedule in SCHEDULES:
         served, mean_batch = serve(MODEL, HARDWARE, schedule, [request], max_batch=4,
                                    acceptance=0.7, depth=8, engine=engine, fidelity="steps")
@@ -39,7 +39,7 @@ def test_a_lone_request_stepped_takes_its_prefill_then_a_step_per_token():
                                  8, readouts)
         times = step_times(MODEL, HARDWARE, schedule, alpha=0.7, depth=8, kv_sharing=0,
                            dtype="bf16", max_batch=4, longest=49, engine=engine)
-        assert served[0].ttft_s == pytest.approx(0.004 + prefill, rel=1e-9)
+        assert served[0].ttft_s == pytest.approx(0.004 + prefill + 0.001 + 0.002, rel=1e-9)
         assert served[0].finish_s - served[0].first_token_s == pytest.approx(
             times[0, 41:49].sum(), rel=1e-9)
         assert mean_batch == pytest.approx(1.0)
@@ -73,6 +73,43 @@ def test_a_request_that_finds_the_engine_idle_waits_for_it_to_wake(fidelity, bud
     assert woken[1].ttft_s - bare[1].ttft_s == pytest.approx(
         engine.wake_s(3.0 - bare[0].finish_s))
     assert woken[1].tpot_s == pytest.approx(bare[1].tpot_s)
+
+
+@pytest.mark.parametrize("fidelity, budget", [("calls", None), ("steps", None),
+                                              ("steps", 2048)])
+def test_the_wake_lengthens_the_first_step_and_a_request_arriving_in_it_waits(fidelity, budget):
+    """The engine takes a request in as it arrives and its first step after an idle runs the
+    slower by the wake, as on the server: a request arriving 1 ms later, during that step,
+    does not join it but waits for it to end (it joined the step when the wake delayed its
+    start)."""
+    engine = EngineOverheads(wake=[IdleWake(idle_s=1.0, extra_s=0.030)])
+    requests = [Request(arrival_s=0.0, prompt_tokens=32, output_tokens=4),
+                Request(arrival_s=3.0, prompt_tokens=32, output_tokens=4),
+                Request(arrival_s=3.001, prompt_tokens=32, output_tokens=4)]
+    served, _ = serve(MODEL, HARDWARE, AR(), requests, engine=engine, max_batch=4,
+                      acceptance=0.7, depth=8, fidelity=fidelity, token_budget=budget)
+    bare, _ = serve(MODEL, HARDWARE, AR(), requests[:2], max_batch=4, acceptance=0.7,
+                    depth=8, fidelity=fidelity, token_budget=budget)
+    assert served[1].ttft_s == pytest.approx(bare[1].ttft_s + 0.030)
+    assert served[2].first_token_s > served[1].first_token_s + 1e-4
+
+
+@pytest.mark.parametrize("fidelity, budget", [("calls", None), ("steps", None),
+                                              ("steps", 2048)])
+def test_the_engine_is_busy_for_its_time_on_a_prompt_not_for_a_request_s(fidelity, budget):
+    """A lone request's TTFT is the same whether the engine's 10 ms are its time on the prompt
+    (``prompt_s``) or the request's way in (``request_s``); a request arriving 1 ms later waits
+    the longer by them in the first case only, the engine busy with the first one's prompt."""
+    requests = [Request(arrival_s=0.0, prompt_tokens=32, output_tokens=8),
+                Request(arrival_s=0.001, prompt_tokens=32, output_tokens=8)]
+    kw = {"max_batch": 4, "acceptance": 0.7, "depth": 8, "fidelity": fidelity,
+          "token_budget": budget}
+    busy, _ = serve(MODEL, HARDWARE, AR(), requests, engine=EngineOverheads(prompt_s=0.010),
+                    **kw)
+    away, _ = serve(MODEL, HARDWARE, AR(), requests, engine=EngineOverheads(request_s=0.010),
+                    **kw)
+    assert busy[0].ttft_s == pytest.approx(away[0].ttft_s)
+    assert busy[1].ttft_s - away[1].ttft_s == pytest.approx(0.010, rel=0.05)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
@@ -146,11 +183,12 @@ def prefill_of(tokens: int, schedule) -> float:
 
 def filling(schedule) -> int:
     """Tokens' time a wave's first step after its prompt takes, as vLLM schedules the plugin's
-    waves (R block calls to a WFD wave's first readout at R, at acceptance 0.7 and R 8)."""
-    if schedule.name != "wfd":
+    waves (R block calls to a WFD wave's first readout at R; a DtV wave's first round; at
+    acceptance 0.7 and R 8): AR's one."""
+    if not schedule.fill_ticks(8):
         return 1
     ticks = float(block_calls_per_token(schedule.call_groups(8), np.asarray(0.7)))
-    return round(8 / ticks)
+    return round(schedule.fill_ticks(8) / ticks)
 
 
 def times_at(schedule, batch: int = 1) -> np.ndarray:
@@ -164,7 +202,8 @@ def times_at(schedule, batch: int = 1) -> np.ndarray:
 def test_a_lone_prompt_is_prefilled_in_chunks_of_the_token_budget(schedule):
     """A prompt of 150 tokens under a budget of 64 a step: three steps of chunks (64, 64, 22),
     its first token at the end of the third; then a token a step (a WFD wave's first step its
-    pipeline filling: R block calls for its one token)."""
+    pipeline filling: R block calls for its one token; a DtV wave's its first round, for the
+    round's tokens)."""
     request = Request(arrival_s=0.0, prompt_tokens=150, output_tokens=6)
     served, _ = serve(MODEL, HARDWARE, schedule, [request], max_batch=2, acceptance=0.7,
                       depth=8, fidelity="steps", token_budget=64)
@@ -172,8 +211,9 @@ def test_a_lone_prompt_is_prefilled_in_chunks_of_the_token_budget(schedule):
         2 * prefill_of(64, schedule) + prefill_of(22, schedule), rel=1e-9)
     times = times_at(schedule)
     assert filling(WFD(draft_depth=2)) > 1
+    first = round(schedule.tokens_per_round(0.7))  # the filling step's tokens
     assert served[0].finish_s - served[0].first_token_s == pytest.approx(
-        times[150:150 + filling(schedule)].sum() + times[151:155].sum(), rel=1e-9)
+        times[150:150 + filling(schedule)].sum() + times[150 + first:155].sum(), rel=1e-9)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
@@ -181,12 +221,14 @@ def test_a_newcomer_beside_a_filling_wave_waits_for_its_r_block_calls(schedule):
     """As vLLM schedules: a request arriving while another's prompt is prefilled is prefilled in
     the next step, beside the other's first decoding step. A WFD wave's first step fills its
     pipeline (R block calls to its first readout at R), so the newcomer's first token comes
-    after R block calls' worth of the other's tokens; beside AR or DtV, after one token; plus
-    its own prefill less the pass over the weights the two share."""
+    after R block calls' worth of the other's tokens; a DtV wave's, after its first round's
+    (its tokens commit at the round's end); beside AR, after one token; plus its own prefill
+    less the pass over the weights the two share."""
     requests = [Request(arrival_s=0.0, prompt_tokens=32, output_tokens=64),
                 Request(arrival_s=1e-6, prompt_tokens=32, output_tokens=8)]
     served, _ = serve(MODEL, HARDWARE, schedule, requests, max_batch=2, acceptance=0.7,
                       depth=8, fidelity="steps", token_budget=2048)
+    assert filling(schedule) > 1 or schedule.name == "ar"
     assert served[1].first_token_s == pytest.approx(
         prefill_of(32, schedule) + times_at(schedule)[32:32 + filling(schedule)].sum()
         + prefill_of(32, schedule) - prefill_of(1, schedule), rel=1e-9)
@@ -246,22 +288,29 @@ def test_the_load_bench_recovers_an_engine_s_own_time_from_what_it_measures(sche
     """bench/serving_load.py's fit, given the lone and full-batch TPOTs and the lone TTFT that
     an engine with known own time makes (simulated, vLLM's scheduling), finds that time again:
     AR's per step and per sequence in a step, WFD's per tick and per wave in a tick, and with
-    lone waves measured committing nothing ahead, its time per step too."""
+    lone waves measured committing nothing ahead, its time per step too; and with the engine's
+    own account of the lone requests (vLLM's queue and prefill times), its time on a prompt
+    apart from the request's way in and out."""
     bench = load_bench()
     prompt, output = Lengths.parse("16-64", "p"), Lengths.parse("32", "o")
     options = {"max_batch": 4, "dtype": "bf16", "names": [schedule], "seed": 0,
                "fidelity": "steps", "token_budget": 2048}
-    known = EngineOverheads(request_s=0.004, **terms)
+    known = EngineOverheads(request_s=0.004, prompt_s=0.006, **terms)
+    engine_had = [0.0, 0]  # seconds, requests: the engine's account of those it finished
 
     def served(requests: list, seed: int, extra: dict | None = None) -> list:
         engine = known.model_copy(update=extra or {})  # {"commit_ahead": 0}: a step a token
-        return predict_serving(MODEL, HARDWARE, requests, engine=engine, keep_served=True,
+        done = predict_serving(MODEL, HARDWARE, requests, engine=engine, keep_served=True,
                                **options)[schedule].served
+        engine_had[0] += sum(s.ttft_s - known.request_s for s in done)
+        engine_had[1] += len(done)
+        return done
 
     measured = bench.engine_measurements(served, prompt, output, 4, repeats=1,
-                                         step_by_step="step_s" in terms and schedule != "ar")
+                                         step_by_step="step_s" in terms and schedule != "ar",
+                                         engine_clock=lambda: tuple(engine_had))
     fitted = bench.fit_engine(measured, MODEL, HARDWARE, prompt, output, options, 8)
-    for field in (*terms, "request_s"):
+    for field in (*terms, "request_s", "prompt_s"):
         assert getattr(fitted, field) == pytest.approx(getattr(known, field), rel=0.02), field
     assert all(getattr(fitted, f) == 0 for f in ("step_s", "per_sequence_s", "tick_s",
                                                  "wave_tick_s") if f not in terms)

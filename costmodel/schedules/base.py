@@ -88,9 +88,10 @@ class Schedule(Spec):
         return 1
 
     def fill_ticks(self, depth: int) -> int:
-        """Block calls a wave makes after its prompt before its first readout at R, over which
-        it commits nothing (a pipeline filling: WFD's R); 0 where every round commits as the
-        steady state does."""
+        """Block calls a wave makes after its prompt before its first commit, over which it
+        commits nothing (a pipeline filling: WFD's R to its first readout at R; a DtV round's,
+        whose tokens commit at its end; ``tokens_per_round`` of them): a step of the plugin's
+        no newcomer shortens. 0 where every step commits as the steady state does (AR)."""
         return 0
 
     def check(self, depth: int) -> None:

@@ -126,6 +126,11 @@ class DtV(Drafting):
     def tokens_per_round(self, alpha: float) -> float:
         return float(expected_tokens_per_round(alpha, self.block_length))
 
+    def fill_ticks(self, depth: int) -> int:
+        """A first round's block calls (``call_groups``'), at whose end its tokens commit."""
+        d = self.draft_depth
+        return (self.block_length + 1) * d + depth - d
+
     def positions_per_call(self, depth: int) -> int:
         return self.block_length + 1
 

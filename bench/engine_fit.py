@@ -1,0 +1,153 @@
+"""The engine's own time beside its model's calls, measured from what it serves and fitted to
+the simulation: vLLM's (bench/serving_load.py, on the plugin's server) or this project's batch
+path (bench/batch_load.py).
+
+What is measured (``engine_measurements``): requests of the mean lengths served alone, one
+after another, and a full batch of them arriving together, their median TPOTs and the lone
+ones' median TTFT; for a drafting schedule also lone requests whose waves commit nothing ahead
+(a step a token); and where the engine reports its own time on a request (vLLM's queue and
+prefill times on /metrics), how much of the lone TTFT is the way in and out, the engine free.
+What is fitted (``fit_engine``): the terms of ``costmodel.engines.EngineOverheads`` that make
+the simulation's figures the measured ones, through the simulation's own response to each.
+The wake after an idle (``wake_after_idle``) is measured apart.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from costmodel.engines import EngineOverheads, IdleWake
+from costmodel.requests import Lengths, Request
+from costmodel.serving import Served, predict_serving
+
+
+def mean_requests(prompt: Lengths, output: Lengths, together: int = 1) -> list[Request]:
+    """``together`` requests of the mean lengths, arriving at once."""
+    return [Request(arrival_s=0.0, prompt_tokens=round(prompt.mean),
+                    output_tokens=round(output.mean))] * together
+
+
+def lone_request(prompt: Lengths, output: Lengths,
+                 serve: Callable[[list[Request], int], list[Served]]) -> Callable[[], float]:
+    """A lone request of the mean lengths served by ``serve`` (requests and a seed for their
+    prompts: as served), its TTFT; each call's prompt another (no prefix cached)."""
+    seeds = itertools.count(1000)
+    return lambda: serve(mean_requests(prompt, output), next(seeds))[0].ttft_s
+
+
+def engine_text(engine: EngineOverheads, whose: str = "the engine's") -> str:
+    ticks = (f"{engine.tick_s * 1e3:.2f} ms a tick, {engine.wave_tick_s * 1e3:.2f} ms a wave in "
+             "it, " if engine.tick_s or engine.wave_tick_s else "")
+    return (f"{whose} own time: {engine.step_s * 1e3:.2f} ms a step, "
+            f"{engine.per_sequence_s * 1e3:.2f} ms a sequence in it, {ticks}"
+            + (f"{engine.prompt_s * 1e3:.2f} ms a prompt's step, " if engine.prompt_s else "")
+            + f"{engine.request_s * 1e3:.2f} ms a request" + wake_text(engine))
+
+
+def engine_overheads(measure, spec, hw, prompt: Lengths, output: Lengths, options: dict,
+                     commit_ahead: int, repeats: int = 3) -> EngineOverheads:
+    """An engine's own time beside its calls (``measure(requests, seed)``: the requests as it
+    served them): ``fit_engine`` to ``engine_measurements``."""
+    measured = engine_measurements(measure, prompt, output, options["max_batch"], repeats)
+    return fit_engine(measured, spec, hw, prompt, output, options, commit_ahead)
+
+
+def engine_measurements(measure, prompt: Lengths, output: Lengths, batch: int,
+                        repeats: int = 3, step_by_step: bool = False,
+                        engine_clock: Callable[[], tuple[float, int]] | None = None
+                        ) -> dict[str, float]:
+    """Requests of the mean lengths as served (``measure(requests, seed)``): lone ones, one
+    after another, and ``batch`` of them arriving together; their median TPOTs and the lone
+    ones' median TTFT. ``step_by_step``: also lone ones whose waves commit nothing ahead
+    (``measure(requests, seed, {"commit_ahead": 0})``), a step a token. ``engine_clock``: the
+    engine's own account of the requests it finished (seconds queued and prefilling, summed,
+    and how many), from which the lone ones' mean time on the way in and out, the engine not
+    yet or no longer on them (``lone_way_s``)."""
+    def measured(together: int, *extra) -> tuple[float, float]:
+        requests = mean_requests(prompt, output, together)
+        runs = [measure(requests, seed, *extra) for seed in range(repeats)]
+        served.extend(s for run in runs for s in run)
+        return (float(np.median([s.tpot_s for run in runs for s in run])),
+                float(np.median([s.ttft_s for run in runs for s in run])))
+
+    served: list[Served] = []
+    before = engine_clock() if engine_clock else None
+    lone, lone_ttft = measured(1)
+    way = {}
+    if before is not None:
+        (after_s, after_n), (before_s, before_n) = engine_clock(), before
+        if after_n - before_n == len(served):  # the engine's count is the lone ones'
+            way = {"lone_way_s": max(0.0, float(np.mean([s.ttft_s for s in served]))
+                                     - (after_s - before_s) / len(served))}
+    full, _ = measured(batch)
+    stepped = {"lone_step_tpot_s": measured(1, {"commit_ahead": 0})[0]} if step_by_step else {}
+    return {"lone_tpot_s": lone, "lone_ttft_s": lone_ttft, "full_tpot_s": full, **stepped,
+            **way}
+
+
+def fit_engine(measured: dict[str, float], spec, hw, prompt: Lengths, output: Lengths,
+               options: dict, commit_ahead: int) -> EngineOverheads:
+    """The engine's own time that makes the simulation's TPOTs and lone TTFT the ``measured`` ones
+    (``engine_measurements``): a term per TPOT, none below zero, through the simulation's own
+    response to each (its times are linear in them); then from the lone TTFT the time per request
+    or, where the engine said how long it had the lone ones (``lone_way_s``: the rest of their
+    TTFT), that as the time per request and what the simulation's lone TTFT still lacks as the
+    engine's time on a prompt, busy. AR's terms are its time per step and per sequence in a step. A
+    drafting schedule's are per tick and per wave in a tick (the plugin's waves do their bookkeeping
+    a tick at a time) and, where lone waves were measured committing nothing ahead, vLLM's own time
+    per step: a lone wave's step commits up to ``commit_ahead`` + 1 tokens, one beside other
+    requests ends after R block calls, so the steps come more often per token there."""
+    def simulated(together: int, engine: EngineOverheads) -> tuple[float, float]:
+        result = predict_serving(spec, hw, mean_requests(prompt, output, together),
+                                 engine=engine, **options)
+        return result[options["names"][0]].tpot_s.p50, result[options["names"][0]].ttft_s.p50
+
+    from scipy.optimize import nnls
+
+    bare, unit = EngineOverheads(commit_ahead=commit_ahead), 1e-3
+    # (measurement, requests together, the engine as it served them)
+    rows = [("lone_tpot_s", 1, bare), ("full_tpot_s", options["max_batch"], bare)]
+    if options["names"][0] == "ar":
+        terms = ("step_s", "per_sequence_s")
+    elif "lone_step_tpot_s" in measured:
+        terms = ("step_s", "tick_s", "wave_tick_s")
+        rows.append(("lone_step_tpot_s", 1, bare.model_copy(update={"commit_ahead": 0})))
+    else:
+        terms = ("tick_s", "wave_tick_s")
+    base = [simulated(n, engine)[0] for _, n, engine in rows]
+    response = [[(simulated(n, engine.model_copy(update={term: unit}))[0] - b) / unit
+                 for term in terms] for (_, n, engine), b in zip(rows, base, strict=True)]
+    values, _ = nnls(np.array(response), np.array(
+        [measured[name] - b for (name, _, _), b in zip(rows, base, strict=True)]))
+    steps = bare.model_copy(update={t: float(v) for t, v in zip(terms, values, strict=True)})
+    if "lone_way_s" in measured:  # the rest of the lone TTFT is the engine's, on the prompt
+        way = measured["lone_way_s"]
+        prompt_s = max(0.0, measured["lone_ttft_s"] - way - simulated(1, steps)[1])
+        return steps.model_copy(update={"request_s": way, "prompt_s": prompt_s})
+    request = max(0.0, measured["lone_ttft_s"] - simulated(1, steps)[1])
+    return steps.model_copy(update={"request_s": request})
+
+
+def wake_after_idle(lone_ttft: Callable[[], float],
+                    idles: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0), repeats: int = 3
+                    ) -> tuple[IdleWake, ...]:
+    """An engine's extra TTFT for a lone request (``lone_ttft()``: one served, its TTFT) sent
+    after it idled for each of ``idles`` seconds, over one sent right after the last (medians
+    of ``repeats``): its wake, which the simulation adds to a request that finds it idle."""
+    def after(idle: float) -> float:
+        time.sleep(idle)
+        return lone_ttft()
+
+    busy = float(np.median([after(0.0) for _ in range(2 * repeats)]))
+    return tuple(IdleWake(idle_s=idle, extra_s=max(0.0, float(np.median(
+        [after(idle) for _ in range(repeats)])) - busy)) for idle in idles)
+
+
+def wake_text(engine: EngineOverheads) -> str:
+    """The wake measured, as a line's end."""
+    wakes = ", ".join(f"{w.extra_s * 1e3:.1f} ms after {w.idle_s:g} s" for w in engine.wake)
+    return f"; waking from idle: {wakes}" if wakes else ""
