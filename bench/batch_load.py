@@ -79,7 +79,7 @@ def main() -> None:
                "seed": args.seed}
     engine = engine_overheads(
         lambda requests, seed: decoded(model, requests, args.schedule, args.max_batch, seed)[0],
-        spec, profile.hardware, prompt, output, options, commit_ahead=0)
+        spec, profile.hardware, prompt, output, options, commit_ahead=0, in_process=True)
     if args.wake:
         lone = lone_request(prompt, output, lambda requests, seed: decoded(
             model, requests, args.schedule, args.max_batch, seed)[0])

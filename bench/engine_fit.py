@@ -49,10 +49,15 @@ def engine_text(engine: EngineOverheads, whose: str = "the engine's") -> str:
 
 
 def engine_overheads(measure, spec, hw, prompt: Lengths, output: Lengths, options: dict,
-                     commit_ahead: int, repeats: int = 3) -> EngineOverheads:
+                     commit_ahead: int, repeats: int = 3, in_process: bool = False
+                     ) -> EngineOverheads:
     """An engine's own time beside its calls (``measure(requests, seed)``: the requests as it
-    served them): ``fit_engine`` to ``engine_measurements``."""
+    served them): ``fit_engine`` to ``engine_measurements``. ``in_process``: the engine is the
+    caller's (this project's batch path), a request has no way in or out, and what a lone
+    TTFT holds beyond the calls is all the engine's time on the prompt."""
     measured = engine_measurements(measure, prompt, output, options["max_batch"], repeats)
+    if in_process:
+        measured["lone_way_s"] = 0.0
     return fit_engine(measured, spec, hw, prompt, output, options, commit_ahead)
 
 
