@@ -68,15 +68,15 @@ class EngineOverheads(Spec):
     metadata; the plugin's readouts of them through its Python: the engine is busy for it), and per
     request on its way in and out (``request_s``: parsing, tokenizing, handing it to the engine, its
     first token back to the client: the engine is not). An AR step commits one token of every
-    running sequence; a drafting schedule's step (the plugin's WFD and DtV) up to ``commit_ahead +
-    1``, its waves committing greedy tokens ahead of vLLM's sampler (``wfd/serving/ahead.py``), and
-    its waves pay ``tick_s`` per tick (a block call with the prelude and coda calls beside it) and
-    ``wave_tick_s`` per wave in it: the plugin's bookkeeping and the kernels' metadata, which a
-    calibration of ``wfd``'s decoder does not hold. ``bench/serving_load.py`` measures vLLM's step,
-    sequence, prompt and request times from lone and concurrent requests, ``bench/vllm_peer.py`` the
-    step and tick times of the plugin; ``predict`` adds a step's share to each token, ``serving``
-    also a request's to its first, and to the step of a request that finds the engine idle its
-    ``wake`` (``wake_after``)."""
+    running sequence; a drafting schedule's step (the plugin's WFD and DtV) up to
+    ``commit_ahead + 1``, its waves committing greedy tokens ahead of vLLM's sampler
+    (``wfd/serving/ahead.py``), and its waves pay ``tick_s`` per tick (a block call with the prelude
+    and coda calls beside it) and ``wave_tick_s`` per wave in it: the plugin's bookkeeping and the
+    kernels' metadata, which a calibration of ``wfd``'s decoder does not hold.
+    ``bench/serving_load.py`` measures vLLM's step, sequence, prompt and request times from lone and
+    concurrent requests, ``bench/vllm_peer.py`` the step and tick times of the plugin; ``predict``
+    adds a step's share to each token, ``serving`` also a request's to its first, and to the step of
+    a request that finds the engine idle its ``wake`` (``wake_after``)."""
 
     step_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
     per_sequence_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
