@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 import torch
@@ -11,6 +12,12 @@ from wfd.config import ModelConfig
 # same through VLLM_CPU_OMP_THREADS_BIND=nobind in tests/test_serving.py)
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The suite starts a few hundred CLI processes. Where the environment turns bytecode caching
+# off (PYTHONDONTWRITEBYTECODE, as on this project's VMs) each compiled the project's modules
+# again, about 0.15 s a costmodel process: they keep their bytecode beside the sources instead
+# (__pycache__, ignored by git), as Python does by default
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 
 
