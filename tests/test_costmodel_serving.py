@@ -273,6 +273,24 @@ def test_predict_adds_the_engine_s_time_to_every_token_as_overhead(capsys):
     assert code == 2 and "duration must be positive" in err, err
 
 
+def test_serving_takes_the_engine_s_time_on_prompts_and_on_the_way(capsys):
+    """`serving --prompt-overhead --request-overhead`: a lone request's TTFT pays both (the
+    first in its prompt's step, the second before the engine has it); a bad duration is one
+    line."""
+    args = ["serving", "--model", "huginn-tiny", "--requests", "1", "--output-tokens", "4",
+            "--schedule", "ar", "--fidelity", "steps", "--json"]
+
+    def ttft(*extra: str) -> float:
+        code, out, err = run_cli(capsys, *args, *extra)
+        assert code == 0, err
+        return json.loads(out)["schedules"]["ar"]["ttft_s"]["p50"]
+
+    assert ttft("--prompt-overhead", "10ms", "--request-overhead", "5ms") == pytest.approx(
+        ttft() + 0.015)
+    code, _, err = run_cli(capsys, *args, "--prompt-overhead", "-1ms")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "positive" in err, err
+
+
 def test_a_sweep_of_rates_gives_a_table_each_and_a_figure(capsys, tmp_path):
     figure = tmp_path / "latency.png"
     code, out, err = run_cli(capsys, "serving", "--model", "huginn-tiny", "--requests", "12",
