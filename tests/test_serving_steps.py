@@ -316,6 +316,22 @@ def test_the_load_bench_recovers_an_engine_s_own_time_from_what_it_measures(sche
                                                  "wave_tick_s") if f not in terms)
 
 
+def test_the_load_bench_splits_no_ttft_where_the_engine_accounts_for_none():
+    """An engine whose own account counts none of the lone requests (metrics gone, or another
+    engine's): no way in and out is measured, and the fit keeps the whole missing TTFT per
+    request."""
+    bench = load_bench()
+    prompt, output = Lengths.parse("32", "p"), Lengths.parse("8", "o")
+
+    def served(requests: list, seed: int, extra: dict | None = None) -> list:
+        return predict_serving(MODEL, HARDWARE, requests, engine=EngineOverheads(request_s=0.01),
+                               keep_served=True, max_batch=2, names=["ar"])["ar"].served
+
+    measured = bench.engine_measurements(served, prompt, output, 2, repeats=1,
+                                         engine_clock=lambda: (0.0, 0))
+    assert "lone_way_s" not in measured
+
+
 def test_the_load_bench_simulates_a_saved_run_again_without_a_server(tmp_path, monkeypatch,
                                                                       capsys):
     """`bench/serving_load.py --resimulate RUN.json`: a saved run's streams simulated again
