@@ -72,26 +72,27 @@ def engine_measurements(measure, prompt: Lengths, output: Lengths, batch: int,
     engine's own account of the requests it finished (seconds queued and prefilling, summed,
     and how many), from which the lone ones' mean time on the way in and out, the engine not
     yet or no longer on them (``lone_way_s``)."""
-    def measured(together: int, *extra) -> tuple[float, float]:
+    def served(together: int, *extra) -> list[Served]:
         requests = mean_requests(prompt, output, together)
-        runs = [measure(requests, seed, *extra) for seed in range(repeats)]
-        served.extend(s for run in runs for s in run)
-        return (float(np.median([s.tpot_s for run in runs for s in run])),
-                float(np.median([s.ttft_s for run in runs for s in run])))
+        return [s for seed in range(repeats) for s in measure(requests, seed, *extra)]
 
-    served: list[Served] = []
+    def median_tpot(requests: list[Served]) -> float:
+        return float(np.median([s.tpot_s for s in requests]))
+
     before = engine_clock() if engine_clock else None
-    lone, lone_ttft = measured(1)
+    lone = served(1)
     way = {}
     if before is not None:
         (after_s, after_n), (before_s, before_n) = engine_clock(), before
-        if after_n - before_n == len(served):  # the engine's count is the lone ones'
-            way = {"lone_way_s": max(0.0, float(np.mean([s.ttft_s for s in served]))
-                                     - (after_s - before_s) / len(served))}
-    full, _ = measured(batch)
-    stepped = {"lone_step_tpot_s": measured(1, {"commit_ahead": 0})[0]} if step_by_step else {}
-    return {"lone_tpot_s": lone, "lone_ttft_s": lone_ttft, "full_tpot_s": full, **stepped,
-            **way}
+        if after_n - before_n == len(lone):  # the engine's count is the lone ones'
+            way = {"lone_way_s": max(0.0, float(np.mean([s.ttft_s for s in lone]))
+                                     - (after_s - before_s) / len(lone))}
+    full = median_tpot(served(batch))
+    stepped = ({"lone_step_tpot_s": median_tpot(served(1, {"commit_ahead": 0}))}
+               if step_by_step else {})
+    return {"lone_tpot_s": median_tpot(lone),
+            "lone_ttft_s": float(np.median([s.ttft_s for s in lone])), "full_tpot_s": full,
+            **stepped, **way}
 
 
 def fit_engine(measured: dict[str, float], spec, hw, prompt: Lengths, output: Lengths,

@@ -121,6 +121,12 @@ def decoding_run(line: np.ndarray, context: int, most: int, wait: float | None =
     return steps, float(line[context + steps] - line[context])
 
 
+def round_tokens(schedule: Schedule, acceptance: float) -> int:
+    """The whole tokens a sequence commits in one of its rounds (AR's one, a DtV round's
+    accepted drafts and bonus token, a WFD tick's share rounded up to one)."""
+    return max(1, round(schedule.tokens_per_round(acceptance)))
+
+
 class _Prefills:
     """The time a group of newcomers' prompts take, prefilled together at their mean length
     (placed: through the parts in order, their hidden states handed from device to device),
@@ -165,7 +171,7 @@ def serve_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
     elapsed = elapsed_times(model, hw, schedule, requests, acceptance=acceptance, depth=depth,
                             kv_sharing=kv_sharing, dtype=dtype, max_batch=max_batch,
                             engine=engine, placement=placement)
-    per_round = max(1, round(schedule.tokens_per_round(acceptance)))  # a round's tokens
+    per_round = round_tokens(schedule, acceptance)
     readouts = 2 if schedule.drafts else 1
     prefill = _Prefills(model, hw, depth, dtype, kv_sharing, readouts, placement, engine=engine)
     served = [{"arrival_s": r.arrival_s, "output_tokens": r.output_tokens} for r in requests]

@@ -40,7 +40,7 @@ from .hardware import HardwareSpec
 from .model import LoopedModelSpec
 from .requests import Request
 from .schedules.base import Schedule
-from .stream import _Prefills, decoding_run, elapsed_times
+from .stream import _Prefills, decoding_run, elapsed_times, round_tokens
 
 
 @dataclass
@@ -57,8 +57,12 @@ class _Scheduler:
     """The line, the running sequences (in the order they were admitted) and their KV."""
 
     def __init__(self, requests: Sequence[Request], ready: list[float], *, max_batch: int,
-                 token_budget: int, kv_budget: int, kv_per_token: int, ahead: int):
+                 token_budget: int, kv_budget: int, kv_per_token: int, ahead: int,
+                 filled_tokens: int = 0):
         self.requests, self.ready = requests, ready
+        # the tokens a wave's first step after its prompt commits (its pipeline filled); 0
+        # where its first step is as any other (AR)
+        self.filled_tokens = filled_tokens
         self.max_batch, self.token_budget = max_batch, token_budget
         self.kv_budget, self.kv_per_token, self.ahead = kv_budget, kv_per_token, ahead
         self.line: deque[_Sequence] = deque(_Sequence(i, r.prompt_tokens, 0, r.output_tokens)
@@ -100,14 +104,13 @@ class _Scheduler:
             line.appendleft(s)
         return decoding, chunks
 
-    def advance(self, decoding, chunks, steps: int, now: float, served: list[dict],
-                fills: bool, round_tokens: int = 1) -> None:
+    def advance(self, decoding, chunks, steps: int, now: float, served: list[dict]) -> None:
         """The step's tokens committed at ``now``: ``steps`` of each decoding sequence's (one
-        in a step with chunks; a wave filling its pipeline, its first round's
-        ``round_tokens``), one of a finished prefill's (its readout; a wave then fills, where
-        ``fills``); and the sequences with none left finished."""
+        in a step with chunks; a wave filling its pipeline, ``filled_tokens``), one of a
+        finished prefill's (its readout; a wave then fills, where its schedule's does); and
+        the sequences with none left finished."""
         for s in decoding:  # beside a prompt a wave stops at its next token
-            made = min(round_tokens if s.filling else 1 if chunks else steps, s.left)
+            made = min(self.filled_tokens if s.filling else 1 if chunks else steps, s.left)
             s.left -= made
             s.context += made
             s.filling = False
@@ -116,7 +119,7 @@ class _Scheduler:
             s.context += n
             if not s.prefill_left:
                 s.left -= 1
-                s.filling = fills
+                s.filling = self.filled_tokens > 0
                 if not s.started:
                     s.started = True
                     served[s.index]["first_token_s"] = now
@@ -141,12 +144,12 @@ def serve_vllm_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedul
                         together=True, engine=engine)
     served = [{"arrival_s": r.arrival_s, "output_tokens": r.output_tokens} for r in requests]
     ready = [r.arrival_s + engine.request_s for r in requests]
+    fill = _fill(model, schedule, acceptance, depth, kv_sharing)
     engine_line = _Scheduler(requests, ready, max_batch=max_batch, token_budget=token_budget,
                              kv_budget=kv_budget, kv_per_token=kv_per_token,
-                             ahead=schedule.lookahead(depth))
+                             ahead=schedule.lookahead(depth),
+                             filled_tokens=round_tokens(schedule, acceptance) if fill else 0)
     line, running = engine_line.line, engine_line.running
-    fill = _fill(model, schedule, acceptance, depth, kv_sharing)
-    round_tokens = max(1, round(schedule.tokens_per_round(acceptance)))  # a DtV round's
     now, busy, weighed, woke = 0.0, 0.0, 0.0, 0.0
     while line or running:
         decoding, chunks = engine_line.schedule(now)
@@ -162,18 +165,19 @@ def serve_vllm_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedul
         took, woke = took + woke, 0.0  # the first step after an idle runs the slower
         busy, weighed = busy + took, weighed + took * (len(decoding) + len(chunks))
         now += took
-        engine_line.advance(decoding, chunks, steps, now, served, fill > 0, round_tokens)
+        engine_line.advance(decoding, chunks, steps, now, served)
     return served, weighed / busy if busy else 0.0, engine_line.preemptions
 
 
 def _fill(model, schedule: Schedule, acceptance: float, depth: int, kv_sharing: int) -> int:
-    """Tokens whose time a wave's pipeline filling takes, R block calls' worth at the schedule's
-    steady block calls per token (none for AR or DtV, whose every round commits)."""
-    if not schedule.fill_ticks(depth):
+    """Tokens whose time a wave's pipeline filling takes: its ``fill_ticks`` block calls at the
+    schedule's steady block calls per token (none for AR, whose first step is as any other)."""
+    fill_ticks = schedule.fill_ticks(depth)
+    if not fill_ticks:
         return 0
     ticks = float(block_calls_per_token(schedule.call_groups(depth, kv_sharing),
                                         np.asarray(acceptance)))
-    return max(1, round(schedule.fill_ticks(depth) / ticks))
+    return max(1, round(fill_ticks / ticks))
 
 
 def _steps(decoding, chunks, line, ready, now, elapsed, held, kv_budget, kv_per_token,
