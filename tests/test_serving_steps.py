@@ -323,13 +323,17 @@ def test_the_load_bench_splits_no_ttft_where_the_engine_accounts_for_none():
     bench = load_bench()
     prompt, output = Lengths.parse("32", "p"), Lengths.parse("8", "o")
 
+    options = {"max_batch": 2, "dtype": "bf16", "names": ["ar"], "seed": 0}
+
     def served(requests: list, seed: int, extra: dict | None = None) -> list:
         return predict_serving(MODEL, HARDWARE, requests, engine=EngineOverheads(request_s=0.01),
-                               keep_served=True, max_batch=2, names=["ar"])["ar"].served
+                               keep_served=True, **options)["ar"].served
 
     measured = bench.engine_measurements(served, prompt, output, 2, repeats=1,
                                          engine_clock=lambda: (0.0, 0))
     assert "lone_way_s" not in measured
+    fitted = bench.fit_engine(measured, MODEL, HARDWARE, prompt, output, options, 8)
+    assert fitted.prompt_s == 0 and fitted.request_s == pytest.approx(0.01, rel=0.02)
 
 
 def test_the_load_bench_simulates_a_saved_run_again_without_a_server(tmp_path, monkeypatch,
