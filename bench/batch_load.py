@@ -14,8 +14,8 @@ drafting schedules at the acceptance the run measured, and the medians, p99s and
 printed side by side. The batch path's own time beside its calls (merging the sequences'
 inputs, splitting the outputs, each plan's bookkeeping), which a calibration at batch 1 does
 not hold, is fitted first and apart from the streams, as bench/serving_load.py fits vLLM's:
-lone requests of the mean lengths, then a full batch of them arriving together; and its wake
-from idle (lone requests after 0.5-4 s asleep; `--no-wake` leaves it out).
+lone requests of the mean lengths, two and then a full batch of them arriving together; and its
+wake from idle (lone requests after 0.5-4 s asleep; `--no-wake` leaves it out).
 """
 
 from __future__ import annotations

@@ -3,12 +3,17 @@ the simulation: vLLM's (bench/serving_load.py, on the plugin's server) or this p
 path (bench/batch_load.py).
 
 What is measured (``engine_measurements``): requests of the mean lengths served alone, one
-after another, and a full batch of them arriving together, their median TPOTs and the lone
-ones' median TTFT; for a drafting schedule also lone requests whose waves commit nothing ahead
-(a step a token); and where the engine reports its own time on a request (vLLM's queue and
-prefill times on /metrics), how much of the lone TTFT is the way in and out, the engine free.
+after another, two arriving together, and a full batch of them arriving together, their median
+TPOTs and the lone ones' median TTFT; for a drafting schedule also lone requests whose waves
+commit nothing ahead (a step a token); and where the engine reports its own time on a request
+(vLLM's queue and prefill times on /metrics), how much of the lone TTFT is the way in and out,
+the engine free. The pair is there for the plugin's waves: a lone wave's step commits up to
+``commit_ahead`` + 1 tokens, one beside another request's ends after R block calls, so from one
+request to two the steps come several times as often per token, and the pair weighs vLLM's
+time per step where the lone and full batch alone leave it to one measurement.
 What is fitted (``fit_engine``): the terms of ``costmodel.engines.EngineOverheads`` that make
-the simulation's figures the measured ones, through the simulation's own response to each.
+the simulation's figures the measured ones (in the least relative squares where there are more
+figures than terms), through the simulation's own response to each.
 The wake after an idle (``wake_after_idle``) is measured apart.
 """
 
@@ -65,13 +70,13 @@ def engine_measurements(measure, prompt: Lengths, output: Lengths, batch: int,
                         repeats: int = 3, step_by_step: bool = False,
                         engine_clock: Callable[[], tuple[float, int]] | None = None
                         ) -> dict[str, float]:
-    """Requests of the mean lengths as served (``measure(requests, seed)``): lone ones, one
-    after another, and ``batch`` of them arriving together; their median TPOTs and the lone
-    ones' median TTFT. ``step_by_step``: also lone ones whose waves commit nothing ahead
-    (``measure(requests, seed, {"commit_ahead": 0})``), a step a token. ``engine_clock``: the
-    engine's own account of the requests it finished (seconds queued and prefilling, summed,
-    and how many), from which the lone ones' mean time on the way in and out, the engine not
-    yet or no longer on them (``lone_way_s``)."""
+    """Requests of the mean lengths as served (``measure(requests, seed)``): lone ones, one after
+    another, two arriving together (where ``batch`` is more) and ``batch`` of them arriving
+    together; their median TPOTs and the lone ones' median TTFT. ``step_by_step``: also lone
+    ones whose waves commit nothing ahead (``measure(requests, seed, {"commit_ahead": 0})``), a
+    step a token. ``engine_clock``: the engine's own account of the requests it finished
+    (seconds queued and prefilling, summed, and how many), from which the lone ones' mean time
+    on the way in and out, the engine not yet or no longer on them (``lone_way_s``)."""
     def served(together: int, *extra) -> list[Served]:
         requests = mean_requests(prompt, output, together)
         return [s for seed in range(repeats) for s in measure(requests, seed, *extra)]
@@ -87,26 +92,31 @@ def engine_measurements(measure, prompt: Lengths, output: Lengths, batch: int,
         if after_n - before_n == len(lone):  # the engine's count is the lone ones'
             way = {"lone_way_s": max(0.0, float(np.mean([s.ttft_s for s in lone]))
                                      - (after_s - before_s) / len(lone))}
+    pair = {"pair_tpot_s": median_tpot(served(2))} if batch > 2 else {}
     full = median_tpot(served(batch))
     stepped = ({"lone_step_tpot_s": median_tpot(served(1, {"commit_ahead": 0}))}
                if step_by_step else {})
     return {"lone_tpot_s": median_tpot(lone),
-            "lone_ttft_s": float(np.median([s.ttft_s for s in lone])), "full_tpot_s": full,
-            **stepped, **way}
+            "lone_ttft_s": float(np.median([s.ttft_s for s in lone])), **pair,
+            "full_tpot_s": full, **stepped, **way}
 
 
 def fit_engine(measured: dict[str, float], spec, hw, prompt: Lengths, output: Lengths,
                options: dict, commit_ahead: int) -> EngineOverheads:
     """The engine's own time that makes the simulation's TPOTs and lone TTFT the ``measured`` ones
-    (``engine_measurements``): a term per TPOT, none below zero, through the simulation's own
-    response to each (its times are linear in them); then from the lone TTFT the time per request
-    or, where the engine said how long it had the lone ones (``lone_way_s``: the rest of their
-    TTFT), that as the time per request and what the simulation's lone TTFT still lacks as the
-    engine's time on a prompt, busy. AR's terms are its time per step and per sequence in a step. A
-    drafting schedule's are per tick and per wave in a tick (the plugin's waves do their bookkeeping
-    a tick at a time) and, where lone waves were measured committing nothing ahead, vLLM's own time
-    per step: a lone wave's step commits up to ``commit_ahead`` + 1 tokens, one beside other
-    requests ends after R block calls, so the steps come more often per token there."""
+    (``engine_measurements``): the terms, none below zero, that bring the simulated TPOTs to the
+    measured in the least relative squares (exactly where there are as many as terms), through
+    the simulation's own response to each (its times are linear in them); then from the lone
+    TTFT the time per request or, where the engine said how long it had the lone ones
+    (``lone_way_s``: the rest of their TTFT), that as the time per request and what the
+    simulation's lone TTFT still lacks as the engine's time on a prompt, busy. AR's terms are
+    its time per step and per sequence in a step. A drafting schedule's are per tick and per
+    wave in a tick (the plugin's waves do their bookkeeping a tick at a time) and, where lone
+    waves were measured committing nothing ahead, vLLM's own time per step: a lone wave's step
+    commits up to ``commit_ahead`` + 1 tokens, one beside other requests ends after R block
+    calls, so the steps come more often per token there; where two requests were measured
+    together, vLLM's time per step is fitted from them as well (the same jump, from a lone
+    wave's long steps to steps of R block calls)."""
     def simulated(together: int, engine: EngineOverheads) -> tuple[float, float]:
         result = predict_serving(spec, hw, mean_requests(prompt, output, together),
                                  engine=engine, **options)
@@ -117,17 +127,23 @@ def fit_engine(measured: dict[str, float], spec, hw, prompt: Lengths, output: Le
     bare, unit = EngineOverheads(commit_ahead=commit_ahead), 1e-3
     # (measurement, requests together, the engine as it served them)
     rows = [("lone_tpot_s", 1, bare), ("full_tpot_s", options["max_batch"], bare)]
-    if options["names"][0] == "ar":
-        terms = ("step_s", "per_sequence_s")
-    elif "lone_step_tpot_s" in measured:
-        terms = ("step_s", "tick_s", "wave_tick_s")
+    if "pair_tpot_s" in measured:
+        rows.insert(1, ("pair_tpot_s", 2, bare))
+    drafts = options["names"][0] != "ar"
+    if drafts and "lone_step_tpot_s" in measured:
         rows.append(("lone_step_tpot_s", 1, bare.model_copy(update={"commit_ahead": 0})))
+    if not drafts:
+        terms = ("step_s", "per_sequence_s")
+    elif len(rows) > 2:
+        terms = ("step_s", "tick_s", "wave_tick_s")
     else:
         terms = ("tick_s", "wave_tick_s")
     base = [simulated(n, engine)[0] for _, n, engine in rows]
-    response = [[(simulated(n, engine.model_copy(update={term: unit}))[0] - b) / unit
-                 for term in terms] for (_, n, engine), b in zip(rows, base, strict=True)]
-    values, _ = nnls(np.array(response), np.array(
+    response = np.array([[(simulated(n, engine.model_copy(update={term: unit}))[0] - b) / unit
+                          for term in terms] for (_, n, engine), b in zip(rows, base, strict=True)])
+    # each row over its measurement: relative errors, the lone TPOT weighing as the full one's
+    scale = np.array([1.0 / measured[name] for name, _, _ in rows])
+    values, _ = nnls(response * scale[:, None], scale * np.array(
         [measured[name] - b for (name, _, _), b in zip(rows, base, strict=True)]))
     steps = bare.model_copy(update={t: float(v) for t, v in zip(terms, values, strict=True)})
     if "lone_way_s" in measured:  # the rest of the lone TTFT is the engine's, on the prompt

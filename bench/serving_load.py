@@ -4,7 +4,7 @@ same streams: are the simulated latencies the served ones?
     python bench/serving_load.py --profile PROFILE.json [--model huginn-tiny] [--rates 2 4 8]
         [--requests 40] [--prompt-tokens 16-64] [--output-tokens 32] [--max-batch 8]
         [--schedule ar] [--commit-ahead 8] [--fidelity steps|calls] [--token-budget 2048]
-        [--seed 0] [--out FILE.json]
+        [--seed 0] [--together 1 2 3 4 8] [--fit-each] [--out FILE.json]
     python bench/serving_load.py --profile PROFILE.json --resimulate FILE.json
 
 Starts `vllm serve` (the plugin, eager, fp32) on a copy of the shipped tiny model with its byte
@@ -19,17 +19,23 @@ vLLM schedules (the server's token budget, 2,048 on the CPU build), or call by c
 than 100 requests is about their slowest one; `--out` keeps each request's times).
 
 The engine's own time, which the per-call cost does not hold, is measured first and apart from
-the streams, from lone requests of the mean lengths and a full batch of them arriving together
-(`engine_overheads`), and given to the simulations: AR's per step and per sequence in a step,
-a drafting schedule's per tick and per wave in a tick (the plugin's waves do their bookkeeping
-a tick at a time) and vLLM's per step, from lone requests whose waves commit nothing ahead as
-well (a step a token, where a lone wave's step otherwise commits up to 9); and the lone
+the streams, from lone requests of the mean lengths, two of them arriving together and a full
+batch of them arriving together (`engine_measurements`), and given to the simulations: AR's
+per step and per sequence in a step, a drafting schedule's per tick and per wave in a tick (the
+plugin's waves do their bookkeeping a tick at a time) and vLLM's per step, which the pair and
+lone requests whose waves commit nothing ahead tell apart (a lone wave's step commits up to 9
+tokens; one beside another request's, or committing nothing ahead, far fewer); and the lone
 requests' TTFT split by vLLM's own account of them on /metrics (queued and prefilling) into its
 time on a prompt's step, busy, and per request on its way in and out, not (`engine_fit.py`;
 `costmodel serving --step-overhead --sequence-overhead --tick-overhead --wave-overhead
 --prompt-overhead --request-overhead`); so is its wake, the extra time of a request that
 finds the server idle (`wake_after_idle`: lone requests after 0.5, 1, 2 and 4 s idle;
-`--wake-overhead`), which is what makes the tail of TTFT at low rates. `--resimulate`
+`--wake-overhead`), which is what makes the tail of TTFT at low rates. `--together N ...`
+then serves N requests of the mean lengths arriving together, three times each, and prints
+their median TPOT beside the simulated: the engine's time per token as the requests it serves
+grow, which the streams mix. `--fit-each` measures and fits the engine's own time again right
+before each stream (each row of `--out` keeps the measurements its simulation was fitted to).
+`--resimulate`
 simulates an earlier run's `--out` file again with no server: a change to the cost model
 compared on the same measurements. Needs the serve-cpu extra. A profile of this machine:
 `costmodel calibrate --model huginn --quick`.
@@ -56,6 +62,7 @@ from engine_fit import (
     engine_text,
     fit_engine,
     lone_request,
+    mean_requests,
     wake_after_idle,
 )
 
@@ -208,7 +215,7 @@ def stream_lengths(args) -> tuple[Lengths, Lengths]:
             Lengths.parse(args.output_tokens, "--output-tokens"))
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     stream_arguments(parser, [2.0, 4.0, 8.0])
     parser.add_argument("--commit-ahead", type=int, default=8)
@@ -219,19 +226,45 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=2048,
                         help="the tokens a step of the server's takes (its "
                              "max_num_batched_tokens; the CPU build's default: 2048)")
+    parser.add_argument("--together", type=int, nargs="*", default=[], metavar="N",
+                        help="before the streams, N requests of the mean lengths arriving "
+                             "together (three times each), their median TPOT measured and "
+                             "simulated: how the time per token grows with the requests served")
+    parser.add_argument("--fit-each", action="store_true",
+                        help="measure and fit the engine's own time again right before each "
+                             "stream, not once before the first (is an error the machine's "
+                             "speed drifting over minutes?)")
     parser.add_argument("--resimulate", type=Path, metavar="RUN.json",
                         help="no server: simulate again the streams of an earlier run's --out "
                              "file beside its measurements (after a change to the cost model)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = arguments()
     if args.resimulate:
         return resimulate(saved_run(args.resimulate), args)
     prompt, output = stream_lengths(args)
     spec = get_model(args.model)
     profile = load_profile(args.profile)
     hw = for_engine("vllm", profile.hardware, spec)
+    options = simulation_options(args, profile.dtype)
+    run = served_run(args, spec, hw, options, prompt, output)
+    if args.out:
+        args.out.write_text(json.dumps({
+            "model": args.model, "schedule": args.schedule, "profile": str(args.profile),
+            "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
+            "max_batch": args.max_batch, "commit_ahead": args.commit_ahead,
+            "fidelity": args.fidelity, "token_budget": args.token_budget, "seed": args.seed,
+            **run}, indent=2))
+
+
+def served_run(args, spec, hw, options: dict, prompt: Lengths, output: Lengths) -> dict:
+    """On a server of the plugin: the engine's own time measured and fitted (and its wake),
+    the requests served together (``--together``), and each rate's stream served and
+    simulated (the engine measured again before each stream with ``--fit-each``)."""
     overrides = None if args.schedule == "ar" else {"schedule": args.schedule,
                                                     "commit_ahead": args.commit_ahead}
-    options = simulation_options(args, profile.dtype)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = served_folder(args.model, Path(tmp))
@@ -241,28 +274,33 @@ def main() -> None:
 
             def serve(requests, seed, extra=None):
                 return load(base, str(folder), requests, seed, extra)
-            fit = engine_measurements(serve, prompt, output, args.max_batch,
-                                      step_by_step=args.schedule != "ar",
-                                      engine_clock=lambda: engine_clock(base))
-            engine = fit_engine(fit, spec, hw, prompt, output, options, args.commit_ahead)
+
+            def engine_now(wake=()) -> tuple[dict, EngineOverheads]:
+                measured = engine_measurements(serve, prompt, output, args.max_batch,
+                                               step_by_step=args.schedule != "ar",
+                                               engine_clock=lambda: engine_clock(base))
+                return measured, fit_engine(measured, spec, hw, prompt, output, options,
+                                            args.commit_ahead).model_copy(update={"wake": wake})
+            fit, engine = engine_now()
             if args.wake:
                 engine = engine.model_copy(update={
                     "wake": wake_after_idle(lone_request(prompt, output, serve))})
             print(engine_text(engine), flush=True)
+            together = [together_row(n, measured_together(serve, n, prompt, output), spec, hw,
+                                     engine, options, prompt, output) for n in args.together]
+            measured, now = fit, engine
             for rate in args.rates:
+                if rows and args.fit_each:  # measured again, right before this stream
+                    measured, now = engine_now(engine.wake)
+                    print(engine_text(now), flush=True)
                 stream = request_stream(rate, args.requests, prompt, output, seed=args.seed)
-                rows.append(simulated_row(rate, stream, serve(stream, args.seed), spec, hw,
-                                          engine, options))
+                rows.append({**simulated_row(rate, stream, serve(stream, args.seed), spec, hw,
+                                             now, options), "engine_measured": measured})
         finally:
             server.terminate()
             server.wait(timeout=60)
-    if args.out:
-        args.out.write_text(json.dumps({
-            "model": args.model, "schedule": args.schedule, "profile": str(args.profile),
-            "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
-            "max_batch": args.max_batch, "commit_ahead": args.commit_ahead,
-            "fidelity": args.fidelity, "token_budget": args.token_budget, "seed": args.seed,
-            "engine_measured": fit, "engine": engine.model_dump(), "rows": rows}, indent=2))
+    return {"engine_measured": fit, "engine": engine.model_dump(), "together": together,
+            "rows": rows}
 
 
 def simulation_options(args, dtype: str) -> dict:
@@ -282,6 +320,25 @@ def simulated_row(rate: float, stream: list[Request], served: list[Served], spec
            "requests": side_by_side(stream, served, simulated.served)}
     print(line(rate, measured, row["simulated"]), flush=True)
     return row
+
+
+def measured_together(serve, n: int, prompt: Lengths, output: Lengths, repeats: int = 3
+                      ) -> float:
+    """The median TPOT of ``n`` requests of the mean lengths arriving together, ``repeats``
+    times, other prompts each time."""
+    return float(np.median([s.tpot_s for seed in range(repeats)
+                            for s in serve(mean_requests(prompt, output, n), 2000 + seed)]))
+
+
+def together_row(n: int, measured_tpot_s: float, spec, hw, engine: EngineOverheads,
+                 options: dict, prompt: Lengths, output: Lengths) -> dict:
+    """``n`` requests arriving together: their median TPOT as measured and as simulated (its
+    line printed)."""
+    simulated = predict_serving(spec, hw, mean_requests(prompt, output, n), engine=engine,
+                                **options)[options["names"][0]].tpot_s.p50
+    print(f"{n} together: TPOT p50 {measured_tpot_s * 1e3:6.2f} vs {simulated * 1e3:6.2f} ms "
+          "(measured vs simulated)", flush=True)
+    return {"requests": n, "tpot_s": [measured_tpot_s, simulated]}
 
 
 RUN_FIELDS = ("model", "schedule", "max_batch", "prompt_tokens", "output_tokens", "commit_ahead",
@@ -306,7 +363,8 @@ def saved_run(path: Path) -> dict:
 def resimulate(run: dict, args) -> None:
     """An earlier run's streams (``run``: its --out file) simulated again with this tree's cost
     model and ``args.profile``, the engine's own time fitted again to the measurements the run
-    kept, its wake as measured."""
+    kept (each stream's own, where it measured the engine again before it), its wake as
+    measured."""
     args.model, args.schedule, args.max_batch = run["model"], run["schedule"], run["max_batch"]
     args.prompt_tokens, args.output_tokens = run["prompt_tokens"], run["output_tokens"]
     for setting in ("fidelity", "token_budget", "seed"):  # as the run simulated it
@@ -316,10 +374,15 @@ def resimulate(run: dict, args) -> None:
     profile = load_profile(args.profile)
     hw = for_engine("vllm", profile.hardware, spec)
     options = simulation_options(args, profile.dtype)
-    engine = EngineOverheads.model_validate({**fit_engine(
-        run["engine_measured"], spec, hw, prompt, output, options, run["commit_ahead"]
-    ).model_dump(), "wake": run["engine"]["wake"]})
+    def fitted(measured: dict) -> EngineOverheads:
+        return fit_engine(measured, spec, hw, prompt, output, options, run["commit_ahead"]
+                          ).model_copy(update={"wake": engine_wake})
+
+    engine_wake = EngineOverheads.model_validate({"wake": run["engine"]["wake"]}).wake
+    engine = fitted(run["engine_measured"])
     print(engine_text(engine), flush=True)
+    together = [together_row(row["requests"], row["tpot_s"][0], spec, hw, engine, options,
+                             prompt, output) for row in run.get("together", [])]
     rows = []
     for row in run["rows"]:
         stream = [Request(arrival_s=r["arrival_s"], prompt_tokens=r["prompt_tokens"],
@@ -328,11 +391,16 @@ def resimulate(run: dict, args) -> None:
                          finish_s=r["arrival_s"] + r["ttft_s"][0]
                          + r["tpot_s"][0] * (r["output_tokens"] - 1),
                          output_tokens=r["output_tokens"]) for r in row["requests"]]
-        rows.append(simulated_row(row["rate_per_s"], stream, served, spec, hw, engine,
-                                  options))
+        measured = row.get("engine_measured", run["engine_measured"])
+        now = engine if measured == run["engine_measured"] else fitted(measured)
+        if now is not engine:
+            print(engine_text(now), flush=True)
+        rows.append({**simulated_row(row["rate_per_s"], stream, served, spec, hw, now, options),
+                     "engine_measured": measured})
     if args.out:
         args.out.write_text(json.dumps({**run, "profile": str(args.profile),
-                                        "engine": engine.model_dump(), "rows": rows}, indent=2))
+                                        "engine": engine.model_dump(), "together": together,
+                                        "rows": rows}, indent=2))
 
 
 def side_by_side(stream: list[Request], measured: list[Served], simulated: list[Served]

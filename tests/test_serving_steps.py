@@ -280,15 +280,18 @@ def load_bench():
     return serving_load
 
 
-@pytest.mark.parametrize("schedule, terms", [
-    ("ar", {"step_s": 0.003, "per_sequence_s": 0.0005}),
-    ("wfd", {"tick_s": 0.0007, "wave_tick_s": 0.0003}),
-    ("wfd", {"step_s": 0.002, "tick_s": 0.0007, "wave_tick_s": 0.0003})])
-def test_the_load_bench_recovers_an_engine_s_own_time_from_what_it_measures(schedule, terms):
-    """bench/serving_load.py's fit, given the lone and full-batch TPOTs and the lone TTFT that
-    an engine with known own time makes (simulated, vLLM's scheduling), finds that time again:
-    AR's per step and per sequence in a step, WFD's per tick and per wave in a tick, and with
-    lone waves measured committing nothing ahead, its time per step too; and with the engine's
+@pytest.mark.parametrize("schedule, terms, step_by_step", [
+    ("ar", {"step_s": 0.003, "per_sequence_s": 0.0005}, False),
+    ("wfd", {"step_s": 0.002, "tick_s": 0.0007, "wave_tick_s": 0.0003}, True),
+    ("dtv", {"step_s": 0.003, "tick_s": 0.0006, "wave_tick_s": 0.0002}, False)])
+def test_the_load_bench_recovers_an_engine_s_own_time_from_what_it_measures(schedule, terms,
+                                                                             step_by_step):
+    """bench/serving_load.py's fit, given the TPOTs of lone requests, of two together and of a
+    full batch, and the lone TTFT, that an engine with known own time makes (simulated, vLLM's
+    scheduling), finds that time again: AR's per step and per sequence in a step; a drafting
+    schedule's per tick, per wave in a tick and per step, the last from the pair alone (a lone
+    wave's step commits up to commit_ahead + 1 tokens, one beside another's ends after R block
+    calls) or with lone waves measured committing nothing ahead as well; and with the engine's
     own account of the lone requests (vLLM's queue and prefill times), its time on a prompt
     apart from the request's way in and out."""
     bench = load_bench()
@@ -307,8 +310,9 @@ def test_the_load_bench_recovers_an_engine_s_own_time_from_what_it_measures(sche
         return done
 
     measured = bench.engine_measurements(served, prompt, output, 4, repeats=1,
-                                         step_by_step="step_s" in terms and schedule != "ar",
+                                         step_by_step=step_by_step,
                                          engine_clock=lambda: tuple(engine_had))
+    assert "pair_tpot_s" in measured and ("lone_step_tpot_s" in measured) == step_by_step
     fitted = bench.fit_engine(measured, MODEL, HARDWARE, prompt, output, options, 8)
     for field in (*terms, "request_s", "prompt_s"):
         assert getattr(fitted, field) == pytest.approx(getattr(known, field), rel=0.02), field
@@ -339,7 +343,10 @@ def test_the_load_bench_splits_no_ttft_where_the_engine_accounts_for_none():
 def test_the_load_bench_simulates_a_saved_run_again_without_a_server(tmp_path, monkeypatch,
                                                                       capsys):
     """`bench/serving_load.py --resimulate RUN.json`: a saved run's streams simulated again
-    beside the measurements it kept, the engine's own time fitted again, its wake as saved."""
+    beside the measurements it kept, the engine's own time fitted again (from two requests
+    together as well, where it measured them), its wake as saved, and its requests served
+    together (`--together`) simulated again beside their measured TPOTs; a stream before which
+    the engine was measured again (`--fit-each`) on its own fit."""
     import sys
 
     from costmodel.store import PROFILES_DIR
@@ -349,20 +356,33 @@ def test_the_load_bench_simulates_a_saved_run_again_without_a_server(tmp_path, m
                "tpot_s": [0.006, 0.0]} for t in (0.0, 0.2, 0.3, 1.5)]
     run = {"model": "huginn-tiny", "schedule": "wfd", "max_batch": 4, "commit_ahead": 8,
            "prompt_tokens": "16-64", "output_tokens": "32",
-           "engine_measured": {"lone_tpot_s": 0.005, "lone_ttft_s": 0.03, "full_tpot_s": 0.008},
+           "engine_measured": {"lone_tpot_s": 0.005, "lone_ttft_s": 0.03, "pair_tpot_s": 0.007,
+                               "full_tpot_s": 0.008},
            "engine": {"wake": [{"idle_s": 1.0, "extra_s": 0.004}]},
-           "rows": [{"rate_per_s": 2.0, "requests": served}]}
+           "together": [{"requests": n, "tpot_s": [t, 0.0]} for n, t in ((1, 0.005), (3, 0.0075))],
+           "rows": [{"rate_per_s": 2.0, "requests": served},
+                    {"rate_per_s": 2.0, "requests": served,  # measured again before it
+                     "engine_measured": {"lone_tpot_s": 0.006, "lone_ttft_s": 0.03,
+                                         "full_tpot_s": 0.010}}]}
     (tmp_path / "run.json").write_text(json.dumps(run))
     monkeypatch.setattr(sys, "argv", [
         "serving_load.py", "--profile", str(PROFILES_DIR / "cpu-huginn-fp32-quick.json"),
         "--resimulate", str(tmp_path / "run.json"), "--out", str(tmp_path / "again.json")])
     bench.main()
     printed = capsys.readouterr().out
-    assert "ms a tick" in printed and "4.0 ms after 1 s" in printed
+    assert "ms a step" in printed and "4.0 ms after 1 s" in printed
+    assert printed.count("own time") == 2  # the second stream's own fit
     assert "rate  2.00/s  TTFT p50    30.0 vs" in printed
+    assert "3 together: TPOT p50   7.50 vs" in printed
     again = json.loads((tmp_path / "again.json").read_text())
-    assert again["engine"]["tick_s"] > 0 and len(again["rows"][0]["requests"]) == 4
+    assert again["engine"]["step_s"] + again["engine"]["tick_s"] > 0
+    assert len(again["rows"][0]["requests"]) == 4
+    # the lone, pair and full TPOTs fitted: a lone request simulated about as measured
+    assert again["together"][0]["tpot_s"][1] == pytest.approx(0.005, rel=0.05)
+    assert again["together"][1]["tpot_s"][1] > again["together"][0]["tpot_s"][1]
     assert again["rows"][0]["measured"]["tpot_s"]["p50"] == pytest.approx(0.006)
+    first, second = (row["simulated"]["tpot_s"]["p50"] for row in again["rows"])
+    assert second > first  # the same stream on the slower engine measured before it
     # a run saved by an older bench, or no run at all: one line, exit 2
     import runpy
 
