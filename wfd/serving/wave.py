@@ -288,7 +288,12 @@ class WaveDecoder:
                 stopping = True
             for wave in together:
                 calls[id(wave)] = self.next_call(wave)
-            if stopping:  # a wave past its due readout waits for the next step where it is
+            if stopping and not any(calls[id(w)] is not None and w.committed <= w.scheduled
+                                    for w in waves):
+                # every wave has its due readout: one past it waits for the next step where it
+                # is; until then it rides along in the calls the others make anyway (a DtV
+                # wave's round ends every k·d + R - d block calls: out of phase, one would
+                # otherwise idle while another finishes its round)
                 for wave in waves:
                     if calls[id(wave)] is not None and wave.committed > wave.scheduled:
                         wave.held, calls[id(wave)] = calls[id(wave)], None
