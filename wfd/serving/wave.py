@@ -280,20 +280,17 @@ class WaveDecoder:
                 self.call(kind, [(w, calls[id(w)]) for w in together])
             ticks += kind == "block"
             if ticks == self.model.depth and len(waves) > 1 or arrived():
-                # requests together (a server under load): past as many block calls as an AR
-                # step makes, no more commits ahead this step, so that a request waiting to
-                # start waits about as long as behind AR's step; a request that arrived
-                # mid-step ends it at every wave's due readout, to start in the next
+                # several requests: past an AR step's block calls, no more commits ahead, so a
+                # request waiting to start waits about as long as behind AR's step; one that
+                # arrived mid-step ends it at every wave's due readout, to start in the next
                 self.stop_ahead(waves)
                 stopping = True
             for wave in together:
                 calls[id(wave)] = self.next_call(wave)
+            # once every wave has its due readout, one past it waits for the next step where it
+            # is; till then it rides along in the others' calls (DtV's rounds out of phase)
             if stopping and not any(calls[id(w)] is not None and w.committed <= w.scheduled
                                     for w in waves):
-                # every wave has its due readout: one past it waits for the next step where it
-                # is; until then it rides along in the calls the others make anyway (a DtV
-                # wave's round ends every k·d + R - d block calls: out of phase, one would
-                # otherwise idle while another finishes its round)
                 for wave in waves:
                     if calls[id(wave)] is not None and wave.committed > wave.scheduled:
                         wave.held, calls[id(wave)] = calls[id(wave)], None
