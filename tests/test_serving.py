@@ -135,7 +135,7 @@ def test_the_plugin_s_wfd_and_dtv_emit_ar_tokens_and_verify_what_wfd_verifies(
     sample from a depth-R readout; and WFD on Ouro greedy with a token the model often picks
     disallowed, its tokens committed ahead all the same (the request's own commit_ahead): vLLM
     rejects the disallowed ones, the waves restart from vLLM's tokens, which are its AR's with
-    the same rule."""
+    the same rule. DtV's eight waves together make the block calls of the longest alone."""
     prompts = [list(text.encode()) for text in CODE]
     runs = [{"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": b} for b in (1, 8)]
     squeezed = (name, schedule) == ("huginn-tiny", "wfd")
@@ -164,6 +164,11 @@ def test_the_plugin_s_wfd_and_dtv_emit_ar_tokens_and_verify_what_wfd_verifies(
             assert (done["wave"]["verified"], done["wave"]["accepted"]) == (verified, accepted)
     assert [w.tokens for w in ours[NEW_TOKENS]] == ar_tokens(model, prompts)  # AR's tokens
     assert 0 < accepted < verified
+    if schedule == "dtv":  # eight waves together (no arrivals, no preemption) take the block
+        # calls of the longest alone: one past its readout rides along in the others' calls to
+        # the step's end, where it used to idle while their rounds, out of phase, ended
+        together = job["runs"][1]["wave"]["block_calls"] - job["runs"][0]["wave"]["block_calls"]
+        assert together == max(w.block_calls for w in ours[NEW_TOKENS])
     assert job["counters"]["accepted_tokens"] > 0  # the tokens committed ahead
     if squeezed:
         assert job["counters"]["preemptions"] > 0
