@@ -36,6 +36,27 @@ def mean_requests(prompt: Lengths, output: Lengths, together: int = 1) -> list[R
                     output_tokens=round(output.mean))] * together
 
 
+def served_together(measure, prompt: Lengths, output: Lengths, together: int, seeds,
+                    *extra) -> list[Served]:
+    """``together`` requests of the mean lengths arriving at once as ``measure(requests, seed,
+    *extra)`` served them, once for each of ``seeds`` (its prompts another each time)."""
+    requests = mean_requests(prompt, output, together)
+    return [s for seed in seeds for s in measure(requests, seed, *extra)]
+
+
+def median_tpot(served: list[Served]) -> float:
+    return float(np.median([s.tpot_s for s in served]))
+
+
+def simulated_together(spec, hw, engine: EngineOverheads, options: dict, prompt: Lengths,
+                       output: Lengths, together: int) -> tuple[float, float]:
+    """The simulated median TPOT and TTFT of ``together`` requests of the mean lengths arriving
+    at once (``options``: ``predict_serving``'s, one schedule named)."""
+    result = predict_serving(spec, hw, mean_requests(prompt, output, together), engine=engine,
+                             **options)[options["names"][0]]
+    return result.tpot_s.p50, result.ttft_s.p50
+
+
 def lone_request(prompt: Lengths, output: Lengths,
                  serve: Callable[[list[Request], int], list[Served]]) -> Callable[[], float]:
     """A lone request of the mean lengths served by ``serve`` (requests and a seed for their
@@ -78,11 +99,7 @@ def engine_measurements(measure, prompt: Lengths, output: Lengths, batch: int,
     (seconds queued and prefilling, summed, and how many), from which the lone ones' mean time
     on the way in and out, the engine not yet or no longer on them (``lone_way_s``)."""
     def served(together: int, *extra) -> list[Served]:
-        requests = mean_requests(prompt, output, together)
-        return [s for seed in range(repeats) for s in measure(requests, seed, *extra)]
-
-    def median_tpot(requests: list[Served]) -> float:
-        return float(np.median([s.tpot_s for s in requests]))
+        return served_together(measure, prompt, output, together, range(repeats), *extra)
 
     before = engine_clock() if engine_clock else None
     lone = served(1)
@@ -118,9 +135,7 @@ def fit_engine(measured: dict[str, float], spec, hw, prompt: Lengths, output: Le
     together, vLLM's time per step is fitted from them as well (the same jump, from a lone
     wave's long steps to steps of R block calls)."""
     def simulated(together: int, engine: EngineOverheads) -> tuple[float, float]:
-        result = predict_serving(spec, hw, mean_requests(prompt, output, together),
-                                 engine=engine, **options)
-        return result[options["names"][0]].tpot_s.p50, result[options["names"][0]].ttft_s.p50
+        return simulated_together(spec, hw, engine, options, prompt, output, together)
 
     from scipy.optimize import nnls
 

@@ -62,7 +62,9 @@ from engine_fit import (
     engine_text,
     fit_engine,
     lone_request,
-    mean_requests,
+    median_tpot,
+    served_together,
+    simulated_together,
     wake_after_idle,
 )
 
@@ -286,8 +288,9 @@ def served_run(args, spec, hw, options: dict, prompt: Lengths, output: Lengths) 
                 engine = engine.model_copy(update={
                     "wake": wake_after_idle(lone_request(prompt, output, serve))})
             print(engine_text(engine), flush=True)
-            together = [together_row(n, measured_together(serve, n, prompt, output), spec, hw,
-                                     engine, options, prompt, output) for n in args.together]
+            together = [together_row(  # three times each, other prompts than the fit's
+                n, median_tpot(served_together(serve, prompt, output, n, range(2000, 2003))),
+                spec, hw, engine, options, prompt, output) for n in args.together]
             measured, now = fit, engine
             for rate in args.rates:
                 if rows and args.fit_each:  # measured again, right before this stream
@@ -322,20 +325,11 @@ def simulated_row(rate: float, stream: list[Request], served: list[Served], spec
     return row
 
 
-def measured_together(serve, n: int, prompt: Lengths, output: Lengths, repeats: int = 3
-                      ) -> float:
-    """The median TPOT of ``n`` requests of the mean lengths arriving together, ``repeats``
-    times, other prompts each time."""
-    return float(np.median([s.tpot_s for seed in range(repeats)
-                            for s in serve(mean_requests(prompt, output, n), 2000 + seed)]))
-
-
 def together_row(n: int, measured_tpot_s: float, spec, hw, engine: EngineOverheads,
                  options: dict, prompt: Lengths, output: Lengths) -> dict:
     """``n`` requests arriving together: their median TPOT as measured and as simulated (its
     line printed)."""
-    simulated = predict_serving(spec, hw, mean_requests(prompt, output, n), engine=engine,
-                                **options)[options["names"][0]].tpot_s.p50
+    simulated = simulated_together(spec, hw, engine, options, prompt, output, n)[0]
     print(f"{n} together: TPOT p50 {measured_tpot_s * 1e3:6.2f} vs {simulated * 1e3:6.2f} ms "
           "(measured vs simulated)", flush=True)
     return {"requests": n, "tpot_s": [measured_tpot_s, simulated]}
@@ -374,11 +368,12 @@ def resimulate(run: dict, args) -> None:
     profile = load_profile(args.profile)
     hw = for_engine("vllm", profile.hardware, spec)
     options = simulation_options(args, profile.dtype)
+    wake = EngineOverheads.model_validate({"wake": run["engine"]["wake"]}).wake
+
     def fitted(measured: dict) -> EngineOverheads:
         return fit_engine(measured, spec, hw, prompt, output, options, run["commit_ahead"]
-                          ).model_copy(update={"wake": engine_wake})
+                          ).model_copy(update={"wake": wake})
 
-    engine_wake = EngineOverheads.model_validate({"wake": run["engine"]["wake"]}).wake
     engine = fitted(run["engine_measured"])
     print(engine_text(engine), flush=True)
     together = [together_row(row["requests"], row["tpot_s"][0], spec, hw, engine, options,
