@@ -7,8 +7,9 @@ cost model.
 
 Each shape is one call of the decoder's ``--part`` over B sequences (``wfd.runtime.Runner`` on a
 batched cache, eager). Block calls: B AR steps (one position each), B DtV verifications of k = 4
-positions, or B WFD waves of 8 positions (each at its own depth); prelude calls: one position or
-four per sequence; coda calls: a readout at R per sequence, or at d and R (a WFD tick's). Sequence
+positions, or B WFD waves of 8 positions (each at its own depth; R positions where R < 8);
+prelude calls: one position or four per sequence; coda calls: a readout at R per sequence, or at
+d and R (a WFD tick's). Sequence
 b sits at context ``--context`` + (b x RAGGED mod 40), so a ragged batch's sequences read key
 sets of different lengths. Every shape is timed as the median of 5 calls, bracketed by the
 calibration's canary product and taken again while the machine is busy, over ``--repeats``
@@ -48,8 +49,9 @@ SPREAD = 40  # the most a ragged batch's contexts differ by
 
 def shapes(part: str, depth: int, draft_depth: int) -> dict[str, tuple[int, list[int]]]:
     """Each shape of one sequence's share of a call of ``part``: (positions, their depths)."""
-    if part == "block":  # AR's step, DtV's verification (k = 4), a WFD wave of 8
-        return {"ar": (1, [1]), "dtv": (4, [1] * 4), "wfd": (8, list(range(8, 0, -1)))}
+    if part == "block":  # AR's step, DtV's verification (k = 4), a WFD wave of 8 (or R)
+        width = min(8, depth)
+        return {"ar": (1, [1]), "dtv": (4, [1] * 4), "wfd": (width, list(range(width, 0, -1)))}
     if part == "prelude":  # a new token (AR, WFD), a DtV round's k tokens
         return {"1 position": (1, [0]), "4 positions": (4, [0] * 4)}
     # a readout at R (AR), and at d and R together (WFD's draft and verification)
@@ -112,7 +114,7 @@ def kernel_split() -> list[dict]:
     return rows
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="huginn-small:random")
     ap.add_argument("--profile", default=None,
@@ -130,16 +132,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.context < 1 or min(args.batches) < 1 or args.repeats < 1:
         raise SystemExit("context, batches and repeats must be at least 1")
-    torch.set_num_threads(args.threads)
-    model = load_model(args.model, dtype="fp32")
-    cfg = model.config
-    profile_path = args.profile or PROFILES_DIR / f"cpu-{cfg.family}-fp32.json"
-    hw = load_profile(profile_path).hardware
-    out: dict = {"model": args.model, "part": args.part, "profile": str(profile_path),
-                 "context": args.context}
-    if args.kernel:
-        out["kernel"] = kernel_split()
+    return args
 
+
+def timed_shapes(model, args) -> tuple[list[tuple], dict, dict, dict]:
+    """Every (shape, batch, raggedness, cold) point timed over interleaved repeats: the points,
+    their times, the record of each point's call, and the load report."""
+    cfg = model.config
     batches = sorted(set(args.batches))
     draft_depth = min(cfg.default_draft_depth or 1, cfg.depth - 1) if cfg.depth > 1 else 1
     part_shapes = shapes(args.part, cfg.depth, draft_depth)
@@ -168,20 +167,10 @@ def main() -> None:
                 median_of_five(*call)  # warm
                 measured[point].append(quiet.measure(lambda t: t, median_of_five, *call))
                 records[point] = runner.records[0]
-    rows = []
-    for point in points:
-        record = records[point].model_copy()
-        # cold: after another part's call
-        before = ("coda" if args.part == "prelude" else "prelude") if point[3] else None
-        price_records(cfg, hw, [record], dtype="fp32", before=before)
-        t = statistics.median(measured[point])
-        rows.append({"call": point[0], "batch": point[1], "ragged": point[2], "cold": point[3],
-                     "key_sets": len(record.slot_contexts()), "measured_ms": t * 1e3,
-                     "predicted_ms": record.wall_s * 1e3, "ratio": t / record.wall_s})
-    out.update(rows=rows, load=quiet.report())
-    if args.json:
-        print(json.dumps(out, indent=1))
-        return
+    return points, measured, records, quiet.report()
+
+
+def print_tables(out: dict, args, profile_path) -> None:
     if args.kernel:
         print("Attention kernel alone, the same bytes in more key sets:\n\n"
               "| key sets | keys each | us | GB/s | us per (key set, head) beyond one set's rate |"
@@ -197,11 +186,39 @@ def main() -> None:
           f"{load['retaken_fraction']:.0%} of measurements taken again\n")
     print("| call | batch | contexts apart | cache | key sets | measured ms | predicted ms | "
           "measured / predicted |\n|---|---|---|---|---|---|---|---|")
-    for r in rows:
+    for r in out["rows"]:
         print(f"| {r['call']} | {r['batch']} | {r['ragged'] and 'ragged' or 'equal'} | "
               f"{'cold' if r['cold'] else 'warm'} | {r['key_sets']} | {r['measured_ms']:.2f} | "
               f"{r['predicted_ms']:.2f} | {r['ratio']:.2f} |")
 
+
+def main() -> None:
+    args = arguments()
+    torch.set_num_threads(args.threads)
+    model = load_model(args.model, dtype="fp32")
+    cfg = model.config
+    profile_path = args.profile or PROFILES_DIR / f"cpu-{cfg.family}-fp32.json"
+    hw = load_profile(profile_path).hardware
+    out: dict = {"model": args.model, "part": args.part, "profile": str(profile_path),
+                 "context": args.context}
+    if args.kernel:
+        out["kernel"] = kernel_split()
+    points, measured, records, load = timed_shapes(model, args)
+    rows = []
+    for point in points:
+        record = records[point].model_copy()
+        # cold: after another part's call
+        before = ("coda" if args.part == "prelude" else "prelude") if point[3] else None
+        price_records(cfg, hw, [record], dtype="fp32", before=before)
+        t = statistics.median(measured[point])
+        rows.append({"call": point[0], "batch": point[1], "ragged": point[2], "cold": point[3],
+                     "key_sets": len(record.slot_contexts()), "measured_ms": t * 1e3,
+                     "predicted_ms": record.wall_s * 1e3, "ratio": t / record.wall_s})
+    out.update(rows=rows, load=load)
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        print_tables(out, args, profile_path)
 
 if __name__ == "__main__":
     script_main(main)

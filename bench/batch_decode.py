@@ -124,7 +124,7 @@ def crossover(rows: list[dict], side: str) -> int | None:
     return next((r["batch"] for r in rows if r[f"{side}_wfd"] < r[f"{side}_dtv"]), None)
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="huginn-small:random")
     ap.add_argument("--profile", default=None,
@@ -151,86 +151,81 @@ def main() -> None:
     ap.add_argument("--measured", default=None,
                     help="a previous --out file: predict its measurements again (another "
                          "profile), without measuring")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    return ap.parse_args()
 
-    model = load_model(args.model, dtype=args.dtype, device=args.device)
-    spec, family = model.config, model.config.family
-    if args.measured:
-        with open(args.measured) as f:
-            saved = json.load(f)
-        for key in ("context", "new_tokens", "acceptance", "repeats"):
-            if key in saved:  # repeats: saved since the load guard came in
-                setattr(args, key, saved[key])
-        args.batches = sorted({r["batch"] for r in saved["runs"]})
-        args.block_lengths = sorted({int(r["label"][6:]) for r in saved["runs"]
-                                     if r["label"].startswith("dtv k=")})
-    kind = "gpu" if args.device.startswith("cuda") else "cpu"
-    profile = load_profile(args.profile or PROFILES_DIR / f"{kind}-{family}-{args.dtype}.json")
-    hw = profile.hardware
-    d = spec.default_draft_depth
-    configs = {"ar": ("ar", {})}
-    configs.update({f"dtv k={k}": ("dtv", {"block_length": k, "draft_depth": d})
-                    for k in args.block_lengths})
-    configs["wfd"] = ("wfd", {"draft_depth": d})
 
-    if args.measured:  # price saved measurements with another profile
-        runs = {(r["batch"], r["label"]): r["runs"] for r in saved["runs"]}
-        load = saved.get("load")
-    else:
-        measure(model, "ar", 1, argparse.Namespace(**{**vars(args), "new_tokens": 4}))
-        # a GPU is not shared: a slow canary there is launch jitter, not load
-        quiet = Quiet(args.device, retries=0 if args.device.startswith("cuda") else args.retries)
-        runs: dict[tuple[int, str], list[dict]] = {}
-        for _ in range(args.repeats):
-            for batch in args.batches:
-                for label, (schedule, kw) in configs.items():
-                    runs.setdefault((batch, label), []).append(quiet.measure(
-                        lambda r: 1 / r["tokens_per_s"],
-                        functools.partial(measure, model, schedule, batch, args, hw, **kw)))
-                    print(f"B={batch} {label}: {runs[batch, label][-1]['tokens_per_s']:.2f} "
-                          "tokens/s", file=sys.stderr, flush=True)
-        load = quiet.report()
+def saved_runs(args) -> tuple[dict, dict | None]:
+    """A previous --out file's measurements and load report; ``args`` takes its settings."""
+    with open(args.measured) as f:
+        saved = json.load(f)
+    for key in ("context", "new_tokens", "acceptance", "repeats"):
+        if key in saved:  # repeats: saved since the load guard came in
+            setattr(args, key, saved[key])
+    args.batches = sorted({r["batch"] for r in saved["runs"]})
+    args.block_lengths = sorted({int(r["label"][6:]) for r in saved["runs"]
+                                 if r["label"].startswith("dtv k=")})
+    return {(r["batch"], r["label"]): r["runs"] for r in saved["runs"]}, saved.get("load")
 
-    rows = []
-    for batch in args.batches:
-        rate = {label: statistics.median(r["tokens_per_s"] for r in runs[batch, label])
-                for label in configs}
-        spread = {label: (min(r["tokens_per_s"] for r in runs[batch, label]),
-                          max(r["tokens_per_s"] for r in runs[batch, label])) for label in configs}
-        dtv_labels = [label for label in configs if label.startswith("dtv")]
-        best = max(dtv_labels, key=rate.__getitem__)
-        wfd_acc = runs[batch, "wfd"][0]["acceptance"]
-        dtv_pred = {}
-        for label in dtv_labels:
-            k = configs[label][1]["block_length"]
-            acc = runs[batch, label][0]["acceptance"]
-            s = predicted(spec, hw, batch, args, acc, block_length=k)
-            dtv_pred[label] = s["dtv"].tokens_per_s
-            check_kv(batch, label, runs[batch, label][0], s["dtv"])
-        s = predicted(spec, hw, batch, args, wfd_acc)
-        for label in ("ar", "wfd"):
-            check_kv(batch, label, runs[batch, label][0], s[label])
-        pred_best = max(dtv_labels, key=dtv_pred.__getitem__)
-        ar_pred = s["ar"].tokens_per_s
-        sim = this_run(spec, hw, batch, args, dtv_labels, configs)
-        sim_best = max(dtv_labels, key=sim.__getitem__)
-        rows.append({
-            "batch": batch, "ar_tokens_per_s": rate["ar"], "ar_spread": spread["ar"],
-            "ar_predicted_tokens_per_s": ar_pred,
-            "dtv_best": best, "dtv_predicted_best": pred_best,
-            "measured_dtv": rate[best] / rate["ar"], "predicted_dtv": dtv_pred[pred_best] / ar_pred,
-            "measured_wfd": rate["wfd"] / rate["ar"],
-            "predicted_wfd": s["wfd"].tokens_per_s / ar_pred,
-            "simulated_dtv": sim[sim_best] / sim["ar"], "simulated_dtv_best": sim_best,
-            "simulated_wfd": sim["wfd"] / sim["ar"], "simulated_ar_tokens_per_s": sim["ar"],
-            "wfd_acceptance": wfd_acc, "dtv_acceptance": runs[batch, best][0]["acceptance"],
-            "wfd_width": s["wfd"].width, "kv_bytes_checked": True,
-            **{key: {label: statistics.median(r[key] for r in runs[batch, label])
-                     for label in configs if runs[batch, label][0].get(key)}
-               for key in ("block_call_ratio", "calls_ratio", "between_calls_fraction")},
-            "rates": rate, "spreads": spread})
 
+def measured_runs(model, hw, args, configs: dict) -> tuple[dict, dict]:
+    """Every configuration at every batch, interleaved over the repeats, with the load guard."""
+    measure(model, "ar", 1, argparse.Namespace(**{**vars(args), "new_tokens": 4}))  # warm-up
+    # a GPU is not shared: a slow canary there is launch jitter, not load
+    quiet = Quiet(args.device, retries=0 if args.device.startswith("cuda") else args.retries)
+    runs: dict[tuple[int, str], list[dict]] = {}
+    for _ in range(args.repeats):
+        for batch in args.batches:
+            for label, (schedule, kw) in configs.items():
+                runs.setdefault((batch, label), []).append(quiet.measure(
+                    lambda r: 1 / r["tokens_per_s"],
+                    functools.partial(measure, model, schedule, batch, args, hw, **kw)))
+                print(f"B={batch} {label}: {runs[batch, label][-1]['tokens_per_s']:.2f} "
+                      "tokens/s", file=sys.stderr, flush=True)
+    return runs, quiet.report()
+
+
+def row_for(batch: int, runs: dict, spec, hw, args, configs: dict) -> dict:
+    """One batch's measured speedups beside the predicted (full batch) and simulated (this run)
+    ones, its KV allocated checked against the prediction's."""
+    rate = {label: statistics.median(r["tokens_per_s"] for r in runs[batch, label])
+            for label in configs}
+    spread = {label: (min(r["tokens_per_s"] for r in runs[batch, label]),
+                      max(r["tokens_per_s"] for r in runs[batch, label])) for label in configs}
+    dtv_labels = [label for label in configs if label.startswith("dtv")]
+    best = max(dtv_labels, key=rate.__getitem__)
+    wfd_acc = runs[batch, "wfd"][0]["acceptance"]
+    dtv_pred = {}
+    for label in dtv_labels:
+        k = configs[label][1]["block_length"]
+        acc = runs[batch, label][0]["acceptance"]
+        s = predicted(spec, hw, batch, args, acc, block_length=k)
+        dtv_pred[label] = s["dtv"].tokens_per_s
+        check_kv(batch, label, runs[batch, label][0], s["dtv"])
+    s = predicted(spec, hw, batch, args, wfd_acc)
+    for label in ("ar", "wfd"):
+        check_kv(batch, label, runs[batch, label][0], s[label])
+    pred_best = max(dtv_labels, key=dtv_pred.__getitem__)
+    ar_pred = s["ar"].tokens_per_s
+    sim = this_run(spec, hw, batch, args, dtv_labels, configs)
+    sim_best = max(dtv_labels, key=sim.__getitem__)
+    return {
+        "batch": batch, "ar_tokens_per_s": rate["ar"], "ar_spread": spread["ar"],
+        "ar_predicted_tokens_per_s": ar_pred,
+        "dtv_best": best, "dtv_predicted_best": pred_best,
+        "measured_dtv": rate[best] / rate["ar"], "predicted_dtv": dtv_pred[pred_best] / ar_pred,
+        "measured_wfd": rate["wfd"] / rate["ar"],
+        "predicted_wfd": s["wfd"].tokens_per_s / ar_pred,
+        "simulated_dtv": sim[sim_best] / sim["ar"], "simulated_dtv_best": sim_best,
+        "simulated_wfd": sim["wfd"] / sim["ar"], "simulated_ar_tokens_per_s": sim["ar"],
+        "wfd_acceptance": wfd_acc, "dtv_acceptance": runs[batch, best][0]["acceptance"],
+        "wfd_width": s["wfd"].width, "kv_bytes_checked": True,
+        **{key: {label: statistics.median(r[key] for r in runs[batch, label])
+                 for label in configs if runs[batch, label][0].get(key)}
+           for key in ("block_call_ratio", "calls_ratio", "between_calls_fraction")},
+        "rates": rate, "spreads": spread}
+
+
+def print_speedups(rows: list[dict], args, profile, load: dict | None) -> None:
     ar1 = rows[0]["ar_tokens_per_s"]
     print(f"\n{args.model} ({args.dtype}, {args.threads} threads), context {args.context}, "
           f"{args.new_tokens} new tokens per sequence, forced acceptance {args.acceptance}, "
@@ -261,6 +256,10 @@ def main() -> None:
               f"{err(r['simulated_dtv'], r['measured_dtv'])} ({r['simulated_dtv_best'][6:]}) | "
               f"{r['measured_wfd']:.2f}x | {err(r['predicted_wfd'], r['measured_wfd'])} | "
               f"{err(r['simulated_wfd'], r['measured_wfd'])} |")
+
+
+def print_call_ratios(rows: list[dict]) -> None:
+    """How far the per-call prices are off: block calls, and every call with the time between."""
     if rows[0]["block_call_ratio"]:
         labels = list(rows[0]["block_call_ratio"])
         print("\nDecode block calls, measured over priced (median over each run's calls): how "
@@ -279,6 +278,46 @@ def main() -> None:
             print(f"| {r['batch']} | " + " | ".join(
                 f"{r['calls_ratio'][label]:.2f} / {r['between_calls_fraction'][label]:.1%}"
                 for label in shown) + " |")
+
+
+def draw_speedups(path: str, rows: list[dict], args, profile) -> None:
+    def draw(fig) -> None:
+        ax = fig.subplots()
+        batches = [r["batch"] for r in rows]
+        for i, name in enumerate(("dtv", "wfd")):
+            ax.plot(batches, [r[f"measured_{name}"] for r in rows], marker="o",
+                    color=f"C{i}", label=f"{name.upper()} measured")
+            ax.plot(batches, [r[f"predicted_{name}"] for r in rows], linestyle="--",
+                    marker="x", color=f"C{i}", label=f"{name.upper()} predicted, full batch")
+            ax.plot(batches, [r[f"simulated_{name}"] for r in rows], linestyle=":",
+                    marker="+", color=f"C{i}", label=f"{name.upper()} predicted, this run")
+        batch_speedup_axes(ax, f"{args.model} {args.dtype} on {profile.machine}",
+                           "decode speedup over AR at the same batch (x)")
+
+    save_figure(path, draw, (7.5, 4.5))
+
+
+def main() -> None:
+    args = arguments()
+    torch.set_num_threads(args.threads)
+    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    spec, family = model.config, model.config.family
+    kind = "gpu" if args.device.startswith("cuda") else "cpu"
+    profile = load_profile(args.profile or PROFILES_DIR / f"{kind}-{family}-{args.dtype}.json")
+    hw = profile.hardware
+    if args.measured:  # price saved measurements with another profile
+        runs, load = saved_runs(args)
+    d = spec.default_draft_depth
+    configs = {"ar": ("ar", {})}
+    configs.update({f"dtv k={k}": ("dtv", {"block_length": k, "draft_depth": d})
+                    for k in args.block_lengths})
+    configs["wfd"] = ("wfd", {"draft_depth": d})
+    if not args.measured:
+        runs, load = measured_runs(model, hw, args, configs)
+
+    rows = [row_for(batch, runs, spec, hw, args, configs) for batch in args.batches]
+    print_speedups(rows, args, profile, load)
+    print_call_ratios(rows)
     measured_x, predicted_x = crossover(rows, "measured"), crossover(rows, "predicted")
     simulated_x = crossover(rows, "simulated")
     print(f"\ncrossover (smallest batch where WFD < DtV): measured {measured_x}, predicted "
@@ -295,23 +334,8 @@ def main() -> None:
                        "crossover": {"measured": measured_x, "predicted": predicted_x,
                                      "simulated": simulated_x}},
                       f, indent=1)
-
     if args.figure:
-        def draw(fig) -> None:
-            ax = fig.subplots()
-            batches = [r["batch"] for r in rows]
-            for i, name in enumerate(("dtv", "wfd")):
-                ax.plot(batches, [r[f"measured_{name}"] for r in rows], marker="o",
-                        color=f"C{i}", label=f"{name.upper()} measured")
-                ax.plot(batches, [r[f"predicted_{name}"] for r in rows], linestyle="--",
-                        marker="x", color=f"C{i}", label=f"{name.upper()} predicted, full batch")
-                ax.plot(batches, [r[f"simulated_{name}"] for r in rows], linestyle=":",
-                        marker="+", color=f"C{i}", label=f"{name.upper()} predicted, this run")
-            batch_speedup_axes(ax, f"{args.model} {args.dtype} on {profile.machine}",
-                               "decode speedup over AR at the same batch (x)")
-
-        save_figure(args.figure, draw, (7.5, 4.5))
-
+        draw_speedups(args.figure, rows, args, profile)
 
 if __name__ == "__main__":
     script_main(main)

@@ -176,80 +176,85 @@ def reference_rate(family: str, folder: str, model, prompts: list[list[int]], ne
     return {key: statistics.median(p[key] for p in passes) for key in passes[0]}
 
 
-def schedules(args) -> None:
-    from calibrate.machine import memory_bandwidth
+def schedule_configs(model, args) -> dict[str, tuple[str, dict]]:
+    """AR, DtV at each block length and WFD, at the draft depth asked (or the model's), each
+    with the forced exits asked."""
+    depth = model.config.depth
+    d = resolve_draft_depth(model.config, depth, None, args.draft_depth)
+    exits = {} if args.exit_depths is None else {
+        "exit_rule": ForcedExits.parse(args.exit_depths, depth)}
+    configs = {"AR": ("ar", exits)}
+    for k in args.block_lengths:
+        configs[f"DtV k={k} d={d}"] = ("dtv", {"block_length": k, "draft_depth": d, **exits})
+    configs[f"WFD d={d} W={wave_width(depth, d)}"] = ("wfd", {"draft_depth": d, **exits})
+    return configs
 
-    torch.set_num_threads(args.threads)
-    modes = args.modes or [default_mode(args.device)]
-    bandwidth = memory_bandwidth(args.device, args.dtype)
-    rows, failed = [], []
-    for name in args.models:
-        model = load_model(name, dtype=args.dtype, device=args.device)
-        forced = args.acceptance if name.endswith(":random") else None
-        prompts = prompts_for(model, args.context, args.prompts)
-        depth = model.config.depth
-        d = resolve_draft_depth(model.config, depth, None, args.draft_depth)
-        exits = {} if args.exit_depths is None else {
-            "exit_rule": ForcedExits.parse(args.exit_depths, depth)}
-        configs = {"AR": ("ar", exits)}
-        for k in args.block_lengths:
-            configs[f"DtV k={k} d={d}"] = ("dtv", {"block_length": k, "draft_depth": d,
-                                                   **exits})
-        configs[f"WFD d={d} W={wave_width(depth, d)}"] = ("wfd", {"draft_depth": d, **exits})
-        runs = [(mode, label) for mode in modes for label in configs]
-        results: dict[tuple[str, str], list[dict]] = {run: [] for run in runs}
-        for mode in modes:  # warm-up; in static and graphs modes AR's shapes, kept for the runs
-            time_schedule(model, "ar", prompts[:1], 4, None, mode=mode)
-        for _ in range(args.repeats):
-            for mode, label in runs:
-                schedule, kw = configs[label]
-                results[mode, label].append(time_schedule(model, schedule, prompts,
-                                                          args.new_tokens, forced, mode=mode,
-                                                          **kw))
-        byte_counts = {label: decode_bytes_per_token(model, configs[label][0], prompts[0],
-                                                     args.new_tokens, forced,
-                                                     **configs[label][1])
-                       for label in configs}
-        for mode in modes:
-            def median(label: str, key: str, mode=mode, results=results) -> float:
-                return statistics.median(r[key] for r in results[mode, label])
 
-            ar = median("AR", "tokens_per_s")
-            best_dtv = max((lab for lab in configs if lab.startswith("DtV")),
-                           key=lambda lab: median(lab, "tokens_per_s"))
-            for label in configs:
-                if label.startswith("DtV") and label != best_dtv:
-                    continue
-                ms = median(label, "ms_per_token")
-                acc = results[mode, label][-1]["acceptance"]
-                rows.append({
-                    "model": name, "dtype": args.dtype, "mode": mode, "schedule": label,
-                    "tokens_per_s": median(label, "tokens_per_s"), "ms_per_token": ms,
-                    "roofline_fraction": byte_counts[label] / bandwidth / (ms / 1e3),
-                    "speedup_vs_ar": median(label, "tokens_per_s") / ar, "acceptance": acc,
-                    "decode": ", ".join(
-                        (["forced acceptance"] if forced is not None and label != "AR" else [])
-                        + (["forced exits " + args.exit_depths] if exits else [])) or "real"})
-        reference = {"huginn": args.reference_huginn, "ouro": args.reference_ouro}[
-            model.config.family]
-        if reference:
-            started = time.perf_counter()
-            try:
-                with time_limit(args.reference_seconds, "its load and runs"):
-                    ref = reference_rate(model.config.family, reference, model, prompts,
-                                         args.reference_tokens, args.repeats)
-            except Exception as exc:  # noqa: BLE001 - the table above must survive its baseline
-                failed.append(f"{name}: the reference generate failed: {type(exc).__name__}: "
-                              f"{exc}")
+def model_rows(name: str, model, args, modes: list[str], bandwidth: float) -> list[dict]:
+    """One model's rows: AR, the best DtV and WFD in each mode, medians over interleaved
+    repeats, with the fraction of the bandwidth roofline each reaches."""
+    forced = args.acceptance if name.endswith(":random") else None
+    prompts = prompts_for(model, args.context, args.prompts)
+    configs = schedule_configs(model, args)
+    runs = [(mode, label) for mode in modes for label in configs]
+    results: dict[tuple[str, str], list[dict]] = {run: [] for run in runs}
+    for mode in modes:  # warm-up; in static and graphs modes AR's shapes, kept for the runs
+        time_schedule(model, "ar", prompts[:1], 4, None, mode=mode)
+    for _ in range(args.repeats):
+        for mode, label in runs:
+            schedule, kw = configs[label]
+            results[mode, label].append(time_schedule(model, schedule, prompts,
+                                                      args.new_tokens, forced, mode=mode, **kw))
+    byte_counts = {label: decode_bytes_per_token(model, configs[label][0], prompts[0],
+                                                 args.new_tokens, forced, **configs[label][1])
+                   for label in configs}
+    def decode(label: str) -> str:  # what was forced in the label's runs
+        return ", ".join((["forced acceptance"] if forced is not None and label != "AR" else [])
+                         + (["forced exits " + args.exit_depths]
+                            if args.exit_depths is not None else [])) or "real"
+
+    rows = []
+    for mode in modes:
+        def median(label: str, key: str, mode=mode) -> float:
+            return statistics.median(r[key] for r in results[mode, label])
+
+        ar = median("AR", "tokens_per_s")
+        best_dtv = max((lab for lab in configs if lab.startswith("DtV")),
+                       key=lambda lab: median(lab, "tokens_per_s"))
+        for label in configs:
+            if label.startswith("DtV") and label != best_dtv:
                 continue
-            for row in rows:  # decode speed over the reference's, ms per token against ms
-                if row["model"] == name:
-                    row["x_reference"] = ref["ms_per_token"] / row["ms_per_token"]
-            rows.append({"model": name, "dtype": args.dtype, "mode": "reference",
-                         "schedule": f"reference generate (AR, {args.reference_tokens} new "
-                                     "tokens)", **ref, "roofline_fraction": None,
-                         "speedup_vs_ar": None, "acceptance": None, "decode": "real",
-                         "reference_s": time.perf_counter() - started})
+            ms = median(label, "ms_per_token")
+            rows.append({
+                "model": name, "dtype": args.dtype, "mode": mode, "schedule": label,
+                "tokens_per_s": median(label, "tokens_per_s"), "ms_per_token": ms,
+                "roofline_fraction": byte_counts[label] / bandwidth / (ms / 1e3),
+                "speedup_vs_ar": median(label, "tokens_per_s") / ar,
+                "acceptance": results[mode, label][-1]["acceptance"],
+                "decode": decode(label)})
+    return rows
+
+
+def reference_row(name: str, model, args, rows: list[dict]) -> dict:
+    """The public reference's generate on the same prompts, its load and runs under a time
+    limit; ``rows`` of the model gain their decode speed over it."""
+    reference = {"huginn": args.reference_huginn, "ouro": args.reference_ouro}[
+        model.config.family]
+    started = time.perf_counter()
+    prompts = prompts_for(model, args.context, args.prompts)
+    with time_limit(args.reference_seconds, "its load and runs"):
+        ref = reference_rate(model.config.family, reference, model, prompts,
+                             args.reference_tokens, args.repeats)
+    for row in rows:  # decode speed over the reference's, ms per token against ms
+        if row["model"] == name:
+            row["x_reference"] = ref["ms_per_token"] / row["ms_per_token"]
+    return {"model": name, "dtype": args.dtype, "mode": "reference",
+            "schedule": f"reference generate (AR, {args.reference_tokens} new tokens)", **ref,
+            "roofline_fraction": None, "speedup_vs_ar": None, "acceptance": None,
+            "decode": "real", "reference_s": time.perf_counter() - started}
+
+
+def print_schedules(rows: list[dict], args, bandwidth: float) -> None:
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s ({args.device}, {args.dtype}); medians of "
           f"{args.repeats}; context {args.context or 'code prompts'}, {args.new_tokens} new "
           "tokens\n")
@@ -267,6 +272,25 @@ def schedules(args) -> None:
               f"{fmt(r['speedup_vs_ar'], '.2f', 'x')} | {fmt(r['acceptance'], '.2f')} | "
               f"{r['decode']} |" + (f" {fmt(r.get('x_reference'), '.2f', 'x')} |"
                                     if against else ""))
+
+
+def schedules(args) -> None:
+    from calibrate.machine import memory_bandwidth
+
+    torch.set_num_threads(args.threads)
+    modes = args.modes or [default_mode(args.device)]
+    bandwidth = memory_bandwidth(args.device, args.dtype)
+    rows, failed = [], []
+    for name in args.models:
+        model = load_model(name, dtype=args.dtype, device=args.device)
+        rows += model_rows(name, model, args, modes, bandwidth)
+        if {"huginn": args.reference_huginn, "ouro": args.reference_ouro}[model.config.family]:
+            try:
+                rows.append(reference_row(name, model, args, rows))
+            except Exception as exc:  # noqa: BLE001 - the table above must survive its baseline
+                failed.append(f"{name}: the reference generate failed: {type(exc).__name__}: "
+                              f"{exc}")
+    print_schedules(rows, args, bandwidth)
     if args.out:
         atomic_write(args.out, json.dumps({"device": args.device, "bandwidth_bytes_per_s":
                                            bandwidth, "rows": rows}, indent=2) + "\n")
