@@ -123,6 +123,21 @@ def test_auto_runs_what_it_chooses_and_stays_exact(family):
         generate(model, prompt, schedule="auto", max_new_tokens=4)
 
 
+def test_the_prompt_s_acceptance_is_an_estimate_not_a_certainty():
+    """Eight positions that all agree with depth R say 0.9, not 1.0: a few agreeing positions
+    must not send the search to its longest drafts; agreement over many positions is kept."""
+    import torch
+
+    from wfd.generate import prompt_acceptance
+
+    final = torch.arange(8)
+    short = prompt_acceptance({1: final.clone(), 2: torch.zeros(8, dtype=torch.long), 4: final},
+                              4)
+    assert short == {1: 0.9, 2: 0.2}  # (8 + 1) / 10; (1 agreeing: position 0, + 1) / 10
+    long = torch.arange(1000)
+    assert prompt_acceptance({3: long.clone(), 8: long}, 8)[3] == pytest.approx(0.999, abs=1e-3)
+
+
 def test_this_machines_profile_is_found_or_the_error_says_how_to_make_one(monkeypatch,
                                                                             tmp_path):
     import shutil

@@ -249,10 +249,13 @@ def prefill(runner: Runner, prompt: list[int], depth: int, readout_depths: Seque
 
 def prompt_acceptance(argmax_by_depth: dict[int, torch.Tensor], depth: int
                       ) -> dict[int, float]:
-    """The agreement of every depth's greedy readout with depth R's over the prompt positions:
-    the acceptance each draft depth would have had there."""
+    """The acceptance each draft depth would have had over the prompt: the agreement of its
+    greedy readout with depth R's, estimated as its posterior mean under a uniform prior,
+    (agreeing + 1) / (positions + 2). A short prompt whose positions all agree then says 0.9 or
+    so, not a certain 1.0, which would send the search to the longest drafts it has (k = 32)."""
     final = argmax_by_depth[depth]
-    return {d: float((readout == final).float().mean())
+    positions = final.numel()
+    return {d: (int((readout == final).sum()) + 1) / (positions + 2)
             for d, readout in sorted(argmax_by_depth.items()) if d < depth}
 
 
