@@ -39,7 +39,7 @@ from wfd.exits import ExitTracker
 
 from .exits import EngineExits, WaveExits, request_rule
 from .hook import ARRIVALS, BATCH, BOUNDS, FORGOTTEN, REQUESTS, arrival_flag, arrived, install_hooks
-from .wave_kv import CallKV, LayerAttention, PagedKV, runs_of
+from .wave_kv import PagedKV, StepCalls
 
 
 def counters(model) -> dict[str, int]:
@@ -67,6 +67,7 @@ class Wave:
     states: dict[int, torch.Tensor] = field(default_factory=dict)
     injections: dict[int, torch.Tensor] = field(default_factory=dict)
     readouts: dict[int, torch.Tensor] = field(default_factory=dict)
+    argmaxes: dict[int, int] = field(default_factory=dict)  # each readout's greedy token
     drafts: dict[int, int] = field(default_factory=dict)
     ahead: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict)  # (layer, position) -> k, v of a position vLLM has not scheduled
@@ -81,7 +82,7 @@ def _kind(event: Call | Check) -> str:
 
 def _forget(wave: Wave, gone) -> None:
     """Drop the states, injections and readouts of the positions ``gone(position)`` names."""
-    for kept in (wave.states, wave.injections, wave.readouts):
+    for kept in (wave.states, wave.injections, wave.readouts, wave.argmaxes):
         for p in [p for p in kept if gone(p)]:
             del kept[p]
 
@@ -97,8 +98,7 @@ class WaveDecoder:
         schedule.check(model.depth)
         self.waves: dict[str, Wave] = {}
         self.paged: PagedKV | None = None
-        # the last call's rows and what their attention needs, for the step's next (stand_ins)
-        self.last_call: tuple[tuple, CallKV] | None = None
+        self.calls = StepCalls()  # what a step's calls' attention needs, reused in the step
         # a prompt's readouts below R still to make: (wave, position, depth, state)
         self.deferred: list[tuple[Wave, int, int, torch.Tensor]] = []
         self.scale = model.arch.head_dim ** -0.5
@@ -127,7 +127,7 @@ class WaveDecoder:
         """Every request's rows of this step: a prompt starts a wave, decoded tokens go on with
         one; each row's hidden state is its readout at R (the last row's is what vLLM samples
         the next token from; the others' verify the tokens committed ahead)."""
-        self.last_call = None  # new blocks come between steps
+        self.calls.clear()  # new blocks come between steps
         for req in FORGOTTEN:
             self.waves.pop(req, None)
         FORGOTTEN.clear()
@@ -355,7 +355,10 @@ class WaveDecoder:
             wave.exits.forget(event.position)
 
     def argmax(self, wave: Wave, position: int) -> int:
-        return int(self.model.compute_logits(wave.readouts[position][None]).argmax(-1))
+        token = wave.argmaxes.get(position)  # made with the readout (``read_out``)
+        if token is None:
+            token = int(self.model.compute_logits(wave.readouts[position][None]).argmax(-1))
+        return token
 
     # -- calls ---------------------------------------------------------------------------------
     def call(self, kind: str, calls: list[tuple[Wave, Call]]) -> None:
@@ -409,31 +412,27 @@ class WaveDecoder:
                   for j in range(model.arch.coda_layers)]
         out = model.readout(torch.stack([state for *_, state in rows]), where,
                             caches=self.stand_ins([(w, p) for w, p, _, _ in rows], where, layers))
-        for (wave, p, _, _), readout in zip(rows[waited:], out[waited:], strict=True):
+        kept = rows[waited:]
+        # the greedy tokens of the readouts a draft or a commit may read (the prompt's last
+        # position's on), in one logits call for the call's rows, not one per row
+        read = [i for i, (wave, p, _, _) in enumerate(kept) if p >= wave.prompt_length - 1]
+        tokens = self.model.compute_logits(out[waited:][read]).argmax(-1).tolist() \
+            if read else []
+        for (wave, p, _, _), readout in zip(kept, out[waited:], strict=True):
             wave.readouts[p] = readout
+            wave.argmaxes.pop(p, None)
+        for i, token in zip(read, tokens, strict=True):
+            kept[i][0].argmaxes[kept[i][1]] = token
 
     def stand_ins(self, rows: list[tuple[Wave, int]], where: torch.Tensor,
-                  layers: list[list[int]]) -> list[LayerAttention]:
+                  layers: list[list[int]]) -> list:
         """The caches a part's layers attend with in this call (its rows at positions
         ``where``): layer j's rows each in the cache ``layers[j][row]``; none for a part
         without attention (Ouro's prelude, its embedding)."""
         if not layers:
             return []
-        runs = runs_of(rows, layers)
-        key = ([(id(wave), p) for wave, p in rows], runs)
-        # the step's last call's, where this one has its rows in runs of the same shape (a
-        # prompt's calls at every depth, a tick's block calls): their slots and the kernel's
-        # metadata are the same, and the block tables change only between steps; not where
-        # some key of theirs has since gone to a side buffer (the kernel cannot read it)
-        if self.last_call is not None and self.last_call[0] == key and not any(
-                wave.ahead for wave, _ in rows):
-            call = self.last_call[1]
-        else:
-            some = self.model.caches[0]
-            call = CallKV(self.paged_kv(), rows, where, some.num_heads, some.num_kv_heads,
-                          some.head_size, self.scale, some.isa, runs)
-            self.last_call = (key, call) if call.kernel else None
-        return [call.layer(own) for own in layers]
+        return self.calls.stand_ins(self.paged_kv(), rows, where, layers, self.model.caches[0],
+                                    self.scale)
 
     def rollback(self, wave: Wave, length: int) -> None:
         """Positions from ``length`` on are discarded (their KV ahead dropped; what they wrote in

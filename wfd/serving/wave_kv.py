@@ -17,7 +17,17 @@ its request's shifted to its layer; a lone row, a request of one query.
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+
+@functools.cache
+def _ops():
+    """vLLM's custom ops (imported at first use: not on a call's path each time)."""
+    from vllm import _custom_ops
+
+    return _custom_ops
 
 
 class PagedKV:
@@ -96,69 +106,82 @@ class CallKV:
 
     def __init__(self, paged: PagedKV, rows: list, where: torch.Tensor, heads: int,
                  kv_heads: int, head_dim: int, scale: float, isa: str,
-                 runs: list[tuple[int, int]]):
+                 runs: list[tuple[int, int]], tables: dict | None = None):
         self.paged, self.rows, self.where = paged, rows, where
+        # the runs' shifted block tables by their waves and layers, kept for the step's later
+        # calls (the block tables change only between steps): a WFD wave's ticks repeat one
+        # pattern of depths
+        self.table_cache = {} if tables is None else tables
         self.heads, self.kv_heads, self.head_dim, self.scale, self.isa = (
             heads, kv_heads, head_dim, scale, isa)
-        n, block = len(rows), paged.block
+        block = paged.block
         waves = {id(wave): wave for wave, _ in rows}
-        self.tables = (next(iter(waves.values())).block_row.expand(n, -1) if len(waves) == 1
-                       else torch.stack([wave.block_row for wave, _ in rows]))  # [rows, width]
+        self.one_wave = len(waves) == 1
         # a slot exists where the position's block is allocated (vLLM's null block is 0); in
         # Python: a call has a few rows, and a torch op costs more than a row
         blocks = [wave.blocks[p // block] if p // block < len(wave.blocks) else 0
                   for wave, p in rows]
-        self.slotted = torch.tensor([b != 0 for b in blocks])
-        self.slots = torch.tensor([b * block + p % block
-                                   for b, (_, p) in zip(blocks, rows, strict=True)])
+        self.blocks_of = blocks
+        self.slot_list = [b * block + p % block for b, (_, p) in zip(blocks, rows, strict=True)]
         self.kernel = all(blocks) and not any(w.ahead for w in waves.values())
         if self.kernel:
-            from vllm import _custom_ops as ops
-
+            ops = _ops()
             # each run of rows (one wave's consecutive positions in one layer: a prompt, a
             # verification; ``runs_of``) one request of the kernel, its queries the run's,
-            # causal
-            self.firsts = torch.tensor([start for start, _ in runs])
-            self.seq_lens = (self.where[[end - 1 for _, end in runs]] + 1).to(torch.int32)
+            # causal; its metadata worked out once for all the part's layers
+            self.firsts = [start for start, _ in runs]
+            self.first_waves = tuple(id(rows[f][0]) for f in self.firsts)
+            self.seq_lens = torch.tensor([rows[end - 1][1] + 1 for _, end in runs],
+                                         dtype=torch.int32)
             self.starts = torch.tensor([0] + [end for _, end in runs], dtype=torch.int32)
             self.metadata = ops.cpu_attn_get_scheduler_metadata(
                 num_reqs=len(runs), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                 seq_lens=self.seq_lens, dtype=paged.key_cache.dtype,
                 query_start_loc=self.starts, causal=True, sliding_window_size=-1, isa=isa,
                 enable_kv_split=False)
+        else:
+            self._torch_setup()
 
-    def layer(self, layers: list[int]) -> LayerAttention:
-        return LayerAttention(self, torch.tensor(layers))
+    def _torch_setup(self) -> None:
+        rows = self.rows
+        waves = {id(wave): wave for wave, _ in rows}
+        n = len(rows)
+        self.tables = (next(iter(waves.values())).block_row.expand(n, -1) if len(waves) == 1
+                       else torch.stack([wave.block_row for wave, _ in rows]))  # [rows, width]
+        self.slotted = torch.tensor([b != 0 for b in self.blocks_of])
+        self.slots = torch.tensor(self.slot_list)
+
+    def layers(self, layers: list[list[int]]) -> list:
+        """The part's layers' stand-ins (``layers[j][row]``: row's cache in layer j); on the
+        kernel's path each layer's slot mapping and block tables made here for all the part's
+        layers at once (two tensors), not in each layer's call."""
+        if not self.kernel:
+            return [LayerAttention(self, torch.tensor(own)) for own in layers]
+        paged = self.paged
+        stride = paged.blocks * paged.block  # a layer's slots in the one cache
+        mapping = torch.tensor([[layer * stride + slot for layer, slot in
+                                 zip(own, self.slot_list, strict=True)] for own in layers])
+        firsts = self.firsts
+        key = (self.first_waves, tuple(tuple(own[f] for f in firsts) for own in layers))
+        tables = self.table_cache.get(key)
+        if tables is None:
+            rows = self.rows
+            # the runs' block tables, each shifted to its layer's first block
+            runs = (rows[0][0].block_row[None].expand(len(firsts), -1) if self.one_wave
+                    else torch.stack([rows[f][0].block_row for f in firsts]))
+            shifts = torch.tensor([[own[f] * paged.blocks for f in firsts] for own in layers],
+                                  dtype=torch.int32)
+            tables = self.table_cache[key] = (runs[None] + shifts[:, :, None]).unbind(0)
+        return [KernelLayer(self, m, t) for m, t in zip(mapping.unbind(0), tables, strict=True)]
 
     def attend(self, layers: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                ) -> torch.Tensor:
         """Row i's k and v written in layer ``layers[i]``, then its attention over that layer's
-        keys of its sequence up to its position ([rows, heads, head dim])."""
-        if self.kernel:
-            return self._kernel(layers, q, k, v)
-        return self._torch(layers, q, k, v)
-
-    def _kernel(self, layers, q, k, v) -> torch.Tensor:
-        from vllm import _custom_ops as ops
-
-        paged = self.paged
-        shift = layers * paged.blocks  # the layer's first block in the one cache
-        ops.cpu_attn_reshape_and_cache(k, v, paged.key_cache, paged.value_cache,
-                                       shift * paged.block + self.slots, self.isa)
-        out = torch.empty_like(q)
-        ops.cpu_attention_with_kv_cache(
-            query=q, key_cache=paged.key_cache, value_cache=paged.value_cache, output=out,
-            query_start_loc=self.starts, seq_lens=self.seq_lens, scale=self.scale, causal=True,
-            alibi_slopes=None, sliding_window=-1,
-            block_table=self.tables[self.firsts] + shift[self.firsts, None].to(torch.int32),
-            softcap=0.0,
-            scheduler_metadata=self.metadata, s_aux=None)
-        return out
-
-    def _torch(self, layers, q, k, v) -> torch.Tensor:
-        """A call where some key lies in a wave's side buffer: written (the paged cache where
-        the slot exists, the side buffer otherwise) and read in plain torch; a wave's several
-        rows in one layer (a prompt) over its keys gathered once, single rows together."""
+        keys of its sequence up to its position ([rows, heads, head dim]), in plain torch: a
+        call where some key lies in a wave's side buffer (the kernel's path: ``KernelLayer``).
+        Written to the paged cache where the slot exists, the side buffer otherwise; a wave's
+        several rows in one layer (a prompt) over its keys gathered once, single rows
+        together."""
         paged, rows = self.paged, self.rows
         inside = self.slotted.nonzero()[:, 0]
         if len(inside):
@@ -206,6 +229,30 @@ class CallKV:
         return torch.einsum("rhk,rkhd->rhd", scores.softmax(-1), values)
 
 
+class KernelLayer:
+    """A layer's stand-in on the kernel's path: its rows' slots in the one cache and its runs'
+    block tables, made for the call (``CallKV.layers``)."""
+
+    def __init__(self, call: CallKV, mapping: torch.Tensor, tables: torch.Tensor):
+        self.call, self.mapping, self.tables = call, mapping, tables
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ops = _ops()
+        call = self.call
+        paged = call.paged
+        q = q.view(-1, call.heads, call.head_dim)
+        k, v = k.view(-1, call.kv_heads, call.head_dim), v.view(-1, call.kv_heads, call.head_dim)
+        ops.cpu_attn_reshape_and_cache(k, v, paged.key_cache, paged.value_cache, self.mapping,
+                                       call.isa)
+        out = torch.empty_like(q)
+        ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=paged.key_cache, value_cache=paged.value_cache, output=out,
+            query_start_loc=call.starts, seq_lens=call.seq_lens, scale=call.scale, causal=True,
+            alibi_slopes=None, sliding_window=-1, block_table=self.tables, softcap=0.0,
+            scheduler_metadata=call.metadata, s_aux=None)
+        return out.flatten(1)
+
+
 class LayerAttention:
     """Stands in for a vLLM ``Attention`` layer in one call over the waves of a step: each row's
     k and v written to the cache of its own layer (its recurrence step's) in its own request's
@@ -219,3 +266,35 @@ class LayerAttention:
         q = q.view(-1, call.heads, call.head_dim)
         k, v = k.view(-1, call.kv_heads, call.head_dim), v.view(-1, call.kv_heads, call.head_dim)
         return call.attend(self.layers, q, k, v).flatten(1)
+
+
+class StepCalls:
+    """What the attention of a step's calls needs, made once and reused within the step: the
+    last call's (a tick's block calls, a prompt's calls at every depth have their rows in runs
+    of one shape, so their slots and the kernel's metadata are the same), and the runs' block
+    tables shifted to their layers (a WFD wave's ticks repeat one pattern of depths). Both hold
+    for one engine step only: vLLM allocates blocks between steps (``clear``)."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self) -> None:
+        self.last: tuple[tuple, CallKV] | None = None
+        self.tables: dict = {}
+
+    def stand_ins(self, paged: PagedKV, rows: list, where: torch.Tensor,
+                  layers: list[list[int]], attention, scale: float) -> list:
+        """Layer j's stand-in for a vLLM ``Attention`` (``attention``: one of the model's, for
+        its shapes), its rows each in the cache ``layers[j][row]``."""
+        runs = runs_of(rows, layers)
+        key = ([(id(wave), p) for wave, p in rows], runs)
+        # not where some key of theirs has since gone to a side buffer (the kernel cannot read
+        # it)
+        if self.last is not None and self.last[0] == key and not any(
+                wave.ahead for wave, _ in rows):
+            call = self.last[1]
+        else:
+            call = CallKV(paged, rows, where, attention.num_heads, attention.num_kv_heads,
+                          attention.head_size, scale, attention.isa, runs, self.tables)
+            self.last = (key, call) if call.kernel else None
+        return call.layers(layers)
