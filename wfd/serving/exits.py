@@ -131,9 +131,13 @@ class WaveExits:
         rows = [(wave, p) for wave, event in pending for p in event.positions]
         rules = [wave.exits.rule for wave, _ in rows]
         reads = [rule.reads_readouts for rule in rules]
-        logits = list(model.compute_logits(torch.stack([
-            w.readouts[p] for (w, p), read in zip(rows, reads, strict=True) if read]))) \
-            if any(reads) else []
+        read_rows = [row for row, read in zip(rows, reads, strict=True) if read]
+        logits = []
+        if read_rows:
+            batch = model.compute_logits(torch.stack([w.readouts[p] for w, p in read_rows]))
+            for (w, p), token in zip(read_rows, batch.argmax(-1).tolist(), strict=True):
+                w.argmaxes[p] = token  # what a draft or a commit reads (``WaveDecoder.argmax``)
+            logits = list(batch)
         gates = [rule.name == "gate" for rule in rules]
         hazards = model.exit_lambda(torch.stack([
             w.states[p] for (w, p), gate in zip(rows, gates, strict=True) if gate])).tolist() \

@@ -413,9 +413,10 @@ class WaveDecoder:
         out = model.readout(torch.stack([state for *_, state in rows]), where,
                             caches=self.stand_ins([(w, p) for w, p, _, _ in rows], where, layers))
         kept = rows[waited:]
-        # the greedy tokens of the readouts a draft or a commit may read (the prompt's last
-        # position's on), in one logits call for the call's rows, not one per row
-        read = [i for i, (wave, p, _, _) in enumerate(kept) if p >= wave.prompt_length - 1]
+        # the greedy tokens a draft or commit may read (the prompt's last position's on): one
+        # logits call for the rows, but those a rule's exit check reads (it takes them there)
+        read = [i for i, (wave, p, _, _) in enumerate(kept) if p >= wave.prompt_length - 1
+                and not (wave.exits is not None and wave.exits.rule.reads_readouts)]
         tokens = self.model.compute_logits(out[waited:][read]).argmax(-1).tolist() \
             if read else []
         for (wave, p, _, _), readout in zip(kept, out[waited:], strict=True):
