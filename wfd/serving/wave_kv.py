@@ -106,12 +106,12 @@ class CallKV:
 
     def __init__(self, paged: PagedKV, rows: list, where: torch.Tensor, heads: int,
                  kv_heads: int, head_dim: int, scale: float, isa: str,
-                 runs: list[tuple[int, int]], tables: dict | None = None):
+                 runs: list[tuple[int, int]], table_cache: dict | None = None):
         self.paged, self.rows, self.where = paged, rows, where
         # the runs' shifted block tables by their waves and layers, kept for the step's later
         # calls (the block tables change only between steps): a WFD wave's ticks repeat one
         # pattern of depths
-        self.table_cache = {} if tables is None else tables
+        self.table_cache = {} if table_cache is None else table_cache
         self.heads, self.kv_heads, self.head_dim, self.scale, self.isa = (
             heads, kv_heads, head_dim, scale, isa)
         block = paged.block
@@ -140,13 +140,12 @@ class CallKV:
                 query_start_loc=self.starts, causal=True, sliding_window_size=-1, isa=isa,
                 enable_kv_split=False)
         else:
-            self._torch_setup()
+            self._torch_setup(waves)
 
-    def _torch_setup(self) -> None:
+    def _torch_setup(self, waves: dict) -> None:
         rows = self.rows
-        waves = {id(wave): wave for wave, _ in rows}
-        n = len(rows)
-        self.tables = (next(iter(waves.values())).block_row.expand(n, -1) if len(waves) == 1
+        self.tables = (next(iter(waves.values())).block_row.expand(len(rows), -1)
+                       if len(waves) == 1
                        else torch.stack([wave.block_row for wave, _ in rows]))  # [rows, width]
         self.slotted = torch.tensor([b != 0 for b in self.blocks_of])
         self.slots = torch.tensor(self.slot_list)
@@ -172,13 +171,29 @@ class CallKV:
             shifts = torch.tensor([[own[f] * paged.blocks for f in firsts] for own in layers],
                                   dtype=torch.int32)
             tables = self.table_cache[key] = (runs[None] + shifts[:, :, None]).unbind(0)
-        return [KernelLayer(self, m, t) for m, t in zip(mapping.unbind(0), tables, strict=True)]
+        return [LayerAttention(self, mapping=m, tables=t)
+                for m, t in zip(mapping.unbind(0), tables, strict=True)]
+
+    def kernel_attend(self, mapping: torch.Tensor, tables: torch.Tensor, q: torch.Tensor,
+                      k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Rows' k and v written at ``mapping`` (their slots in the one cache), then each run's
+        attention through vLLM's CPU kernel over its block table shifted to its layer."""
+        ops, paged = _ops(), self.paged
+        ops.cpu_attn_reshape_and_cache(k, v, paged.key_cache, paged.value_cache, mapping,
+                                       self.isa)
+        out = torch.empty_like(q)
+        ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=paged.key_cache, value_cache=paged.value_cache, output=out,
+            query_start_loc=self.starts, seq_lens=self.seq_lens, scale=self.scale, causal=True,
+            alibi_slopes=None, sliding_window=-1, block_table=tables, softcap=0.0,
+            scheduler_metadata=self.metadata, s_aux=None)
+        return out
 
     def attend(self, layers: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                ) -> torch.Tensor:
         """Row i's k and v written in layer ``layers[i]``, then its attention over that layer's
         keys of its sequence up to its position ([rows, heads, head dim]), in plain torch: a
-        call where some key lies in a wave's side buffer (the kernel's path: ``KernelLayer``).
+        call where some key lies in a wave's side buffer (the kernel's path: ``kernel_attend``).
         Written to the paged cache where the slot exists, the side buffer otherwise; a wave's
         several rows in one layer (a prompt) over its keys gathered once, single rows
         together."""
@@ -229,43 +244,24 @@ class CallKV:
         return torch.einsum("rhk,rkhd->rhd", scores.softmax(-1), values)
 
 
-class KernelLayer:
-    """A layer's stand-in on the kernel's path: its rows' slots in the one cache and its runs'
-    block tables, made for the call (``CallKV.layers``)."""
-
-    def __init__(self, call: CallKV, mapping: torch.Tensor, tables: torch.Tensor):
-        self.call, self.mapping, self.tables = call, mapping, tables
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        ops = _ops()
-        call = self.call
-        paged = call.paged
-        q = q.view(-1, call.heads, call.head_dim)
-        k, v = k.view(-1, call.kv_heads, call.head_dim), v.view(-1, call.kv_heads, call.head_dim)
-        ops.cpu_attn_reshape_and_cache(k, v, paged.key_cache, paged.value_cache, self.mapping,
-                                       call.isa)
-        out = torch.empty_like(q)
-        ops.cpu_attention_with_kv_cache(
-            query=q, key_cache=paged.key_cache, value_cache=paged.value_cache, output=out,
-            query_start_loc=call.starts, seq_lens=call.seq_lens, scale=call.scale, causal=True,
-            alibi_slopes=None, sliding_window=-1, block_table=self.tables, softcap=0.0,
-            scheduler_metadata=call.metadata, s_aux=None)
-        return out.flatten(1)
-
-
 class LayerAttention:
     """Stands in for a vLLM ``Attention`` layer in one call over the waves of a step: each row's
     k and v written to the cache of its own layer (its recurrence step's) in its own request's
-    sequence, and attention over that layer's keys up to the row's position (causal)."""
+    sequence, and attention over that layer's keys up to the row's position (causal). On the
+    kernel's path it holds its rows' slots in the one cache (``mapping``) and its runs' block
+    tables, made for the call (``CallKV.layers``); otherwise its rows' layers (plain torch)."""
 
-    def __init__(self, call: CallKV, layers: torch.Tensor):
-        self.call, self.layers = call, layers
+    def __init__(self, call: CallKV, layers: torch.Tensor | None = None,
+                 mapping: torch.Tensor | None = None, tables: torch.Tensor | None = None):
+        self.call, self.layers, self.mapping, self.tables = call, layers, mapping, tables
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         call = self.call
         q = q.view(-1, call.heads, call.head_dim)
         k, v = k.view(-1, call.kv_heads, call.head_dim), v.view(-1, call.kv_heads, call.head_dim)
-        return call.attend(self.layers, q, k, v).flatten(1)
+        if self.mapping is None:
+            return call.attend(self.layers, q, k, v).flatten(1)
+        return call.kernel_attend(self.mapping, self.tables, q, k, v).flatten(1)
 
 
 class StepCalls:
