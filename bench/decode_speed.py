@@ -190,11 +190,11 @@ def schedule_configs(model, args) -> dict[str, tuple[str, dict]]:
     return configs
 
 
-def model_rows(name: str, model, args, modes: list[str], bandwidth: float) -> list[dict]:
+def model_rows(name: str, model, prompts: list[list[int]], args, modes: list[str],
+               bandwidth: float) -> list[dict]:
     """One model's rows: AR, the best DtV and WFD in each mode, medians over interleaved
     repeats, with the fraction of the bandwidth roofline each reaches."""
     forced = args.acceptance if name.endswith(":random") else None
-    prompts = prompts_for(model, args.context, args.prompts)
     configs = schedule_configs(model, args)
     runs = [(mode, label) for mode in modes for label in configs]
     results: dict[tuple[str, str], list[dict]] = {run: [] for run in runs}
@@ -235,13 +235,11 @@ def model_rows(name: str, model, args, modes: list[str], bandwidth: float) -> li
     return rows
 
 
-def reference_row(name: str, model, args, rows: list[dict]) -> dict:
+def reference_row(name: str, model, reference: str, prompts: list[list[int]], args,
+                  rows: list[dict]) -> dict:
     """The public reference's generate on the same prompts, its load and runs under a time
     limit; ``rows`` of the model gain their decode speed over it."""
-    reference = {"huginn": args.reference_huginn, "ouro": args.reference_ouro}[
-        model.config.family]
     started = time.perf_counter()
-    prompts = prompts_for(model, args.context, args.prompts)
     with time_limit(args.reference_seconds, "its load and runs"):
         ref = reference_rate(model.config.family, reference, model, prompts,
                              args.reference_tokens, args.repeats)
@@ -283,10 +281,13 @@ def schedules(args) -> None:
     rows, failed = [], []
     for name in args.models:
         model = load_model(name, dtype=args.dtype, device=args.device)
-        rows += model_rows(name, model, args, modes, bandwidth)
-        if {"huginn": args.reference_huginn, "ouro": args.reference_ouro}[model.config.family]:
+        prompts = prompts_for(model, args.context, args.prompts)
+        rows += model_rows(name, model, prompts, args, modes, bandwidth)
+        reference = {"huginn": args.reference_huginn, "ouro": args.reference_ouro}[
+            model.config.family]
+        if reference:
             try:
-                rows.append(reference_row(name, model, args, rows))
+                rows.append(reference_row(name, model, reference, prompts, args, rows))
             except Exception as exc:  # noqa: BLE001 - the table above must survive its baseline
                 failed.append(f"{name}: the reference generate failed: {type(exc).__name__}: "
                               f"{exc}")
