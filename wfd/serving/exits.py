@@ -26,6 +26,7 @@ from wfd.exits import check_rows
 
 from .ahead import plain_greedy
 from .configs import check_exit_rule, served_rule
+from .wave_kv import allocated
 
 
 @dataclass(frozen=True)
@@ -196,9 +197,9 @@ class WaveExits:
             sources, targets = self.layers(depth)
             if not len(sources):
                 continue
-            block = position // paged.block
-            if block < len(wave.blocks) and wave.blocks[block]:
-                copies.append((sources, targets, wave.blocks[block], position % paged.block))
+            block = allocated(wave, position, paged.block)
+            if block:
+                copies.append((sources, targets, block, position % paged.block))
                 continue
             for source, target in zip(sources.tolist(), targets.tolist(), strict=True):
                 wave.ahead[(target, position)] = wave.ahead[(source, position)]

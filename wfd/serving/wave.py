@@ -17,7 +17,7 @@ then commit a token a step, from readouts already made.
 
 KV: position p at recurrence step r writes the cache of its (step, layer), as in AR, in vLLM's
 paged cache where p's block is allocated, in a buffer of the wave's own where it is not yet (a
-draft ahead of the request's last block), moved into the paged cache when vLLM schedules p;
+draft ahead of the request's last block), moved into the paged cache once vLLM allocates it;
 attention runs through vLLM's CPU kernels over every layer's cache as one (``wave_kv``).
 
 vLLM internals relied on (docs/serving.md): the forward context's attention metadata (block
@@ -39,7 +39,7 @@ from wfd.exits import ExitTracker
 
 from .exits import EngineExits, WaveExits, request_rule
 from .hook import ARRIVALS, BATCH, BOUNDS, FORGOTTEN, REQUESTS, arrival_flag, arrived, install_hooks
-from .wave_kv import PagedKV, StepCalls
+from .wave_kv import PagedKV, StepCalls, allocated
 
 
 def counters(model) -> dict[str, int]:
@@ -188,8 +188,7 @@ class WaveDecoder:
             wave.scheduled = where[-1]
         wave.block_row = block_row  # new blocks come as the sequence grows
         wave.blocks = block_row.tolist()
-        for p in where:
-            self.settle(wave, p)
+        self.settle(wave)
         ahead, wave.last = BOUNDS.get(req, (0, sys.maxsize))
         wave.limit = min(wave.scheduled + 1 + ahead, wave.last) if ahead else wave.scheduled
         return wave
@@ -247,10 +246,11 @@ class WaveDecoder:
             proposals.append([wave.token_at[p] for p in range(length, end + 1)])
         return proposals
 
-    def settle(self, wave: Wave, position: int) -> None:
-        """``position`` is scheduled now: what it wrote ahead moves into its slot of the paged
-        cache."""
-        keys = [key for key in wave.ahead if key[1] == position]
+    def settle(self, wave: Wave) -> None:
+        """What the wave wrote past its request's blocks moves into the paged cache where vLLM
+        has since allocated the block (scheduled or not: a draft's slot there is the wave's)."""
+        block = self.paged_kv().block if wave.ahead else 0
+        keys = [key for key in wave.ahead if allocated(wave, key[1], block)]
         if keys:
             moved = [wave.ahead.pop(key) for key in keys]
             self.paged_kv().write(torch.tensor([layer for layer, _ in keys]),

@@ -5,7 +5,10 @@ vLLM's own CPU kernels where every key lies in the paged cache (plain torch othe
 Position p at recurrence step r writes the cache of its (step, layer) at p's slot in its
 request's blocks, as AR does; a position ahead of those vLLM has scheduled (a draft in flight)
 writes there too when its block is already allocated (the rest of the request's last block),
-and the wave's side buffer when it is not, moved into the paged cache when vLLM schedules it.
+and the wave's side buffer when it is not, moved into the paged cache once vLLM allocates the
+block. So the side buffer holds only positions past a request's blocks, and only rows there
+attend in plain torch: a call's other rows go through the kernel (``StepCalls``: a call split
+in two).
 
 vLLM lays the layers' caches back to back in one buffer, so all of them read as one cache of
 layers x blocks blocks: block b of layer l is block l x blocks + b there. A call's rows, each in
@@ -86,6 +89,13 @@ class PagedKV:
         return self.keys[layer, n, :, :, b], self.values[layer, n, :, b, :]
 
 
+def allocated(wave, position: int, block: int) -> int:
+    """The paged block holding ``position`` of the wave's request, 0 where vLLM has not allocated
+    it yet (its null block)."""
+    n = position // block
+    return wave.blocks[n] if n < len(wave.blocks) else 0
+
+
 def runs_of(rows: list, layers: list[list[int]]) -> list[tuple[int, int]]:
     """A call's rows ((wave, position) pairs) in runs (start, end): consecutive rows of one
     wave at consecutive positions, in one layer in every layer of the part (a prompt's, a DtV
@@ -117,13 +127,13 @@ class CallKV:
         block = paged.block
         waves = {id(wave): wave for wave, _ in rows}
         self.one_wave = len(waves) == 1
-        # a slot exists where the position's block is allocated (vLLM's null block is 0); in
-        # Python: a call has a few rows, and a torch op costs more than a row
-        blocks = [wave.blocks[p // block] if p // block < len(wave.blocks) else 0
-                  for wave, p in rows]
+        # a slot exists where the position's block is allocated; in Python: a call has a few
+        # rows, and a torch op costs more than a row. Where every row has one, every key they
+        # read is in the paged cache (the side buffer holds only positions past the blocks)
+        blocks = [allocated(wave, p, block) for wave, p in rows]
         self.blocks_of = blocks
         self.slot_list = [b * block + p % block for b, (_, p) in zip(blocks, rows, strict=True)]
-        self.kernel = all(blocks) and not any(w.ahead for w in waves.values())
+        self.kernel = all(blocks)
         if self.kernel:
             ops = _ops()
             # each run of rows (one wave's consecutive positions in one layer: a prompt, a
@@ -264,6 +274,42 @@ class LayerAttention:
         return call.kernel_attend(self.mapping, self.tables, q, k, v).flatten(1)
 
 
+class SplitCall:
+    """A call whose rows' blocks are allocated but for some (drafts past a request's last
+    block, ``inside[i]`` false): those attend in plain torch, the rest through vLLM's kernel,
+    each set a ``CallKV`` (the kernel's first: a row past the blocks may read keys the others
+    write)."""
+
+    def __init__(self, paged: PagedKV, rows: list, where: torch.Tensor,
+                 layers: list[list[int]], inside: list[bool], shape: tuple, table_cache: dict):
+        self.parts = []
+        for side in (True, False):
+            own = [i for i, flag in enumerate(inside) if flag == side]
+            part = [rows[i] for i in own]
+            runs = runs_of(part, [[layer[i] for i in own] for layer in layers])
+            self.parts.append((torch.tensor(own), own,
+                               CallKV(paged, part, where[own], *shape, runs, table_cache)))
+
+    def layers(self, layers: list[list[int]]) -> list:
+        made = [(index, call.layers([[layer[i] for i in own] for layer in layers]))
+                for index, own, call in self.parts]
+        return [SplitAttention([(index, each[j]) for index, each in made])
+                for j in range(len(layers))]
+
+
+class SplitAttention:
+    """A layer's stand-in over a ``SplitCall``: each set of rows through its own."""
+
+    def __init__(self, parts: list[tuple[torch.Tensor, LayerAttention]]):
+        self.parts = parts
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for index, attention in self.parts:
+            out[index] = attention(q[index], k[index], v[index])
+        return out
+
+
 class StepCalls:
     """What the attention of a step's calls needs, made once and reused within the step: the
     last call's (a tick's block calls, a prompt's calls at every depth have their rows in runs
@@ -275,7 +321,7 @@ class StepCalls:
         self.clear()
 
     def clear(self) -> None:
-        self.last: tuple[tuple, CallKV] | None = None
+        self.last: tuple[tuple, CallKV | SplitCall] | None = None
         self.tables: dict = {}
 
     def stand_ins(self, paged: PagedKV, rows: list, where: torch.Tensor,
@@ -284,13 +330,11 @@ class StepCalls:
         its shapes), its rows each in the cache ``layers[j][row]``."""
         runs = runs_of(rows, layers)
         key = ([(id(wave), p) for wave, p in rows], runs)
-        # not where some key of theirs has since gone to a side buffer (the kernel cannot read
-        # it)
-        if self.last is not None and self.last[0] == key and not any(
-                wave.ahead for wave, _ in rows):
-            call = self.last[1]
-        else:
-            call = CallKV(paged, rows, where, attention.num_heads, attention.num_kv_heads,
-                          attention.head_size, scale, attention.isa, runs, self.tables)
-            self.last = (key, call) if call.kernel else None
-        return call.layers(layers)
+        if self.last is None or self.last[0] != key:
+            shape = (attention.num_heads, attention.num_kv_heads, attention.head_size, scale,
+                     attention.isa)
+            inside = [bool(allocated(wave, p, paged.block)) for wave, p in rows]
+            self.last = (key, SplitCall(paged, rows, where, layers, inside, shape, self.tables)
+                         if any(inside) and not all(inside)
+                         else CallKV(paged, rows, where, *shape, runs, self.tables))
+        return self.last[1].layers(layers)
