@@ -129,13 +129,14 @@ def test_the_plugin_s_wfd_and_dtv_emit_ar_tokens_and_verify_what_wfd_verifies(
     reuse, k = 3), greedy tokens committed ahead (vLLM accepts them as speculative tokens):
     wfd's AR tokens one request at a time and eight together, the drafts verified and accepted
     those wfd's own schedule verifies and accepts. WFD on Huginn with its KV cache held to 12
-    blocks of 32 tokens: eight requests together are preempted and start their waves again,
-    and keep AR's tokens. WFD on Ouro and DtV on Huginn sampled (T = 1, a seed a request): the
-    tokens vLLM's own AR samples with the same seeds, since every committed token is vLLM's
-    sample from a depth-R readout; and WFD on Ouro greedy with a token the model often picks
-    disallowed, its tokens committed ahead all the same (the request's own commit_ahead): vLLM
-    rejects the disallowed ones, the waves restart from vLLM's tokens, which are its AR's with
-    the same rule. DtV's eight waves together make the block calls of the longest alone."""
+    blocks of 32 tokens: eight requests together are preempted and start their waves again, and
+    keep AR's tokens, only the drafts past their blocks attending in plain torch. WFD on Ouro
+    and DtV on Huginn sampled (T = 1, a seed a request): the tokens vLLM's own AR samples with
+    the same seeds, since every committed token is vLLM's sample from a depth-R readout; and WFD
+    on Ouro greedy with a token the model often picks disallowed, its tokens committed ahead all
+    the same (the request's own commit_ahead): vLLM rejects the disallowed ones, the waves
+    restart from vLLM's tokens, which are its AR's with the same rule. DtV's eight waves
+    together make the block calls of the longest alone."""
     prompts = [list(text.encode()) for text in CODE]
     runs = [{"prompts": prompts, "max_tokens": NEW_TOKENS, "batch": b} for b in (1, 8)]
     squeezed = (name, schedule) == ("huginn-tiny", "wfd")
@@ -172,6 +173,11 @@ def test_the_plugin_s_wfd_and_dtv_emit_ar_tokens_and_verify_what_wfd_verifies(
     assert job["counters"]["accepted_tokens"] > 0  # the tokens committed ahead
     if squeezed:
         assert job["counters"]["preemptions"] > 0
+        # drafts past their request's blocks attend in plain torch, their calls' other rows
+        # through vLLM's kernel: about 6% of the rows here (29% when a whole call went to torch
+        # while any of its waves held a key past its blocks)
+        wave = job["runs"][-1]["wave"]
+        assert 0 < wave["torch_rows"] * 8 < wave["kernel_rows"]
     if sampled:
         ar = vllm_job(engines, tmp_path, folder, sampled)["runs"]
         assert [run["tokens"] for run in job["runs"][len(runs):]] == [run["tokens"] for run in ar]

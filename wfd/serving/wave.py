@@ -116,10 +116,10 @@ class WaveDecoder:
         ARRIVALS[0] = arrival_flag() if get_tensor_model_parallel_world_size() == 1 else None
 
     def counters(self) -> dict[str, int]:
-        """Drafts verified and accepted, positions flushed, block calls (ticks) and readout
-        (coda) calls, and the tokens committed after a prompt with the sum of their depths (exit
-        depths, or R), so far."""
-        return dict(self.totals)
+        """Drafts verified and accepted, positions flushed, block calls (ticks), readout (coda)
+        calls, the tokens committed after a prompt with the sum of their depths (exit depths, or
+        R), and the calls' rows attended through vLLM's kernel and in plain torch, so far."""
+        return {**self.totals, **self.calls.rows}
 
     # -- the engine step -----------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata

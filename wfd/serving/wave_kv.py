@@ -134,6 +134,7 @@ class CallKV:
         self.blocks_of = blocks
         self.slot_list = [b * block + p % block for b, (_, p) in zip(blocks, rows, strict=True)]
         self.kernel = all(blocks)
+        self.torch_rows = 0 if self.kernel else len(rows)
         if self.kernel:
             ops = _ops()
             # each run of rows (one wave's consecutive positions in one layer: a prompt, a
@@ -282,7 +283,7 @@ class SplitCall:
 
     def __init__(self, paged: PagedKV, rows: list, where: torch.Tensor,
                  layers: list[list[int]], inside: list[bool], shape: tuple, table_cache: dict):
-        self.parts = []
+        self.parts, self.torch_rows = [], inside.count(False)
         for side in (True, False):
             own = [i for i, flag in enumerate(inside) if flag == side]
             part = [rows[i] for i in own]
@@ -318,6 +319,7 @@ class StepCalls:
     for one engine step only: vLLM allocates blocks between steps (``clear``)."""
 
     def __init__(self):
+        self.rows = {"kernel_rows": 0, "torch_rows": 0}  # the calls' rows by path, all steps
         self.clear()
 
     def clear(self) -> None:
@@ -337,4 +339,7 @@ class StepCalls:
             self.last = (key, SplitCall(paged, rows, where, layers, inside, shape, self.tables)
                          if any(inside) and not all(inside)
                          else CallKV(paged, rows, where, *shape, runs, self.tables))
-        return self.last[1].layers(layers)
+        call = self.last[1]
+        self.rows["torch_rows"] += call.torch_rows
+        self.rows["kernel_rows"] += len(rows) - call.torch_rows
+        return call.layers(layers)
