@@ -125,13 +125,12 @@ class CallKV:
         self.heads, self.kv_heads, self.head_dim, self.scale, self.isa = (
             heads, kv_heads, head_dim, scale, isa)
         block = paged.block
-        waves = {id(wave): wave for wave, _ in rows}
-        self.one_wave = len(waves) == 1
+        self.one_wave = len({id(wave) for wave, _ in rows}) == 1
         # a slot exists where the position's block is allocated; in Python: a call has a few
         # rows, and a torch op costs more than a row. Where every row has one, every key they
-        # read is in the paged cache (the side buffer holds only positions past the blocks)
+        # read is in the paged cache (the side buffer holds only positions past the blocks);
+        # otherwise none has (``StepCalls`` splits a call with rows on both sides)
         blocks = [allocated(wave, p, block) for wave, p in rows]
-        self.blocks_of = blocks
         self.slot_list = [b * block + p % block for b, (_, p) in zip(blocks, rows, strict=True)]
         self.kernel = all(blocks)
         self.torch_rows = 0 if self.kernel else len(rows)
@@ -150,16 +149,9 @@ class CallKV:
                 seq_lens=self.seq_lens, dtype=paged.key_cache.dtype,
                 query_start_loc=self.starts, causal=True, sliding_window_size=-1, isa=isa,
                 enable_kv_split=False)
-        else:
-            self._torch_setup(waves)
-
-    def _torch_setup(self, waves: dict) -> None:
-        rows = self.rows
-        self.tables = (next(iter(waves.values())).block_row.expand(len(rows), -1)
-                       if len(waves) == 1
-                       else torch.stack([wave.block_row for wave, _ in rows]))  # [rows, width]
-        self.slotted = torch.tensor([b != 0 for b in self.blocks_of])
-        self.slots = torch.tensor(self.slot_list)
+        else:  # rows past their blocks: their sequences' block tables, [rows, width]
+            self.tables = (rows[0][0].block_row.expand(len(rows), -1) if self.one_wave
+                           else torch.stack([wave.block_row for wave, _ in rows]))
 
     def layers(self, layers: list[list[int]]) -> list:
         """The part's layers' stand-ins (``layers[j][row]``: row's cache in layer j); on the
@@ -203,18 +195,13 @@ class CallKV:
     def attend(self, layers: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                ) -> torch.Tensor:
         """Row i's k and v written in layer ``layers[i]``, then its attention over that layer's
-        keys of its sequence up to its position ([rows, heads, head dim]), in plain torch: a
-        call where some key lies in a wave's side buffer (the kernel's path: ``kernel_attend``).
-        Written to the paged cache where the slot exists, the side buffer otherwise; a wave's
-        several rows in one layer (a prompt) over its keys gathered once, single rows
-        together."""
-        paged, rows = self.paged, self.rows
-        inside = self.slotted.nonzero()[:, 0]
-        if len(inside):
-            paged.write(layers[inside], self.tables[inside], self.where[inside], k[inside],
-                        v[inside])
-        for i in (~self.slotted).nonzero()[:, 0].tolist():
-            rows[i][0].ahead[(int(layers[i]), rows[i][1])] = (k[i].clone(), v[i].clone())
+        keys of its sequence up to its position ([rows, heads, head dim]), in plain torch: rows
+        past their request's blocks, whose k and v go to their wave's side buffer (the kernel's
+        path: ``kernel_attend``); a wave's several rows in one layer (a prompt) over its keys
+        gathered once, single rows together."""
+        rows = self.rows
+        for i, (wave, p) in enumerate(rows):
+            wave.ahead[(int(layers[i]), p)] = (k[i].clone(), v[i].clone())
         out = torch.empty_like(q)
         count: dict[tuple[int, int], list[int]] = {}  # (wave, layer) -> its rows
         for i, (wave, _) in enumerate(rows):
