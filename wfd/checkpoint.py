@@ -11,12 +11,14 @@ Model names: a checkpoint folder; a shipped tiny model (``huginn-tiny``, ``ouro-
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from costmodel.presets import MODELS
 from costmodel.trace import atomic_write
@@ -38,6 +40,17 @@ class CheckpointError(ValueError):
     """A model name or folder that cannot be loaded, with the reason in one line."""
 
 
+class _NoInit(TorchFunctionMode):
+    """Leaves out ``torch.nn.init``'s draws: a model made on the meta device for a checkpoint's
+    weights needs none, and the first such draw on meta imports torch._dynamo (about 2 s of
+    every `wfd` command's start)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
 def build(cfg: ModelConfig, *, init_scale: float = 1.0, seed: int = 0,
           device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
     cls = HuginnModel if cfg.family == "huginn" else OuroModel
@@ -48,7 +61,7 @@ def build(cfg: ModelConfig, *, init_scale: float = 1.0, seed: int = 0,
         if need > free:
             raise CheckpointError(f"the weights need {need / 1e9:.1f} GB to load (made in fp32, "
                                   f"then cast) and the {device.type} has {free / 1e9:.1f} GB free")
-    with torch.device(device):
+    with torch.device(device), _NoInit() if device.type == "meta" else nullcontext():
         model = cls(cfg, init_scale=init_scale, seed=seed)
     return model.to(dtype).eval()
 
