@@ -58,19 +58,24 @@ def test_each_sequence_equals_its_own_ar_run(family, easy, schedule, prompts, ba
 
 def test_sampling_and_forced_outcomes_are_the_batch_1_run():
     """Sampled tokens and forced outcomes depend on (seed, position) only: a batch gives each
-    sequence the tokens of its batch-1 run (forced outcomes seeded by seed + its index)."""
+    sequence the tokens of its batch-1 run (forced outcomes seeded by seed + its index), a
+    request with a sampling seed of its own those of its run with that seed."""
     model = model_for("huginn", True)
-    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10]]
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10], [1, 2, 3]]
+    own = {3: 11}  # the first prompt again, sampled with a seed of its own
     sampling = Sampling(temperature=0.8, seed=3)
-    run = decode_batch(model, [Request(i, p, 10) for i, p in enumerate(prompts)],
+    run = decode_batch(model, [Request(i, p, 10, sampling_seed=own.get(i))
+                               for i, p in enumerate(prompts)],
                        schedule="wfd", batch_size=2, sampling=sampling, force_acceptance=0.7,
                        seed=5)
     for r in run.results:
         alone = generate(model, prompts[r.index], schedule="wfd", max_new_tokens=10,
-                         sampling=sampling, force_acceptance=0.7, seed=5 + r.index,
-                         record=False)
+                         sampling=Sampling(0.8, seed=own.get(r.index, 3)),
+                         force_acceptance=0.7, seed=5 + r.index, record=False)
         assert r.tokens == alone.tokens and r.acceptance == alone.stats["acceptance"]
         assert r.forced_acceptance
+    tokens = {r.index: r.tokens for r in run.results}
+    assert tokens[3] != tokens[0]  # the same prompt, another seed
 
 
 @pytest.mark.parametrize("schedule", ["ar", "dtv", "wfd"])

@@ -13,7 +13,7 @@ from costmodel.exits import EXIT_KV, ExitRule, parse_exit_depths
 from costmodel.groups import block_calls_per_token
 from costmodel.plans import EarlyExit
 from costmodel.predict import _Pricer
-from wfd.generate import GenerationError, Sampling, generate
+from wfd.generate import GenerationError, generate
 
 HARDWARE = get_hardware("a6000")
 # thresholds at which the tiny random models exit at a spread of depths (easy: damped cores)
@@ -115,20 +115,14 @@ def test_a_depth_trace_gives_the_exit_depth_of_each_rule(family):
 
 
 def test_sampling_with_exits_matches_ar_with_exits_in_distribution():
-    from test_speculative import same_distribution_pvalue
+    from test_speculative import same_distribution_pvalue, sampled_tokens
 
     model = tiny_model("ouro", seed=1)
     rule = ExitRule.parse("gate:0.5")
-
-    def sampled(schedule, offset):
-        return [run(model, [10, 20, 30], schedule, max_new_tokens=4, exit_rule=rule,
-                    draft_depth=1, block_length=3,
-                    sampling=Sampling(temperature=1.0, top_p=0.95, seed=offset + s)).tokens[1:]
-                for s in range(300)]
-
-    ar = sampled("ar", 0)
+    ar = sampled_tokens("ar", 0, model, exit_rule=rule)
     for schedule in ("dtv", "wfd"):
-        assert same_distribution_pvalue(ar, sampled(schedule, 10_000)) > 0.001
+        assert same_distribution_pvalue(ar, sampled_tokens(
+            schedule, 10_000, model, exit_rule=rule, draft_depth=1, block_length=3)) > 0.001
 
 
 @pytest.mark.parametrize("text, message", [

@@ -180,12 +180,18 @@ SAMPLED_MODEL = ("ouro", 1)
 SAMPLES = 300
 
 
-def sampled_tokens(schedule: str, seed_offset: int, **options) -> list[list[int]]:
-    """The tokens after the first of many sampled runs (T = 1, top-p 0.95), one run per seed."""
-    model = tiny_model(SAMPLED_MODEL[0], seed=SAMPLED_MODEL[1])
-    return [run(model, [10, 20, 30], schedule, max_new_tokens=4,
-                sampling=Sampling(temperature=1.0, top_p=0.95, seed=seed_offset + seed),
-                **options).tokens[1:] for seed in range(SAMPLES)]
+def sampled_tokens(schedule: str, seed_offset: int, model=None, **options) -> list[list[int]]:
+    """The tokens after the first of many sampled runs (T = 1, top-p 0.95), one seed each: one
+    batch, whose sequences each decode as their own batch-1 run with that seed
+    (tests/test_batch.py)."""
+    from wfd.batch import Request, decode_batch
+
+    model = model or tiny_model(SAMPLED_MODEL[0], seed=SAMPLED_MODEL[1])
+    requests = [Request(i, [10, 20, 30], 4, sampling_seed=seed_offset + i)
+                for i in range(SAMPLES)]
+    done = decode_batch(model, requests, schedule=schedule, batch_size=SAMPLES,
+                        sampling=Sampling(temperature=1.0, top_p=0.95), **options)
+    return [r.tokens[1:] for r in sorted(done.results, key=lambda r: r.index)]
 
 
 def same_distribution_pvalue(a: list[list[int]], b: list[list[int]]) -> float:

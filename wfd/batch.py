@@ -32,6 +32,8 @@ class Request:
     index: int  # the prompt's place in its file (results come back by it)
     prompt: list[int]
     max_new_tokens: int
+    # its own sampling seed (None: the run's): a prompt sampled many times in one batch
+    sampling_seed: int | None = None
 
 
 @dataclass
@@ -177,7 +179,8 @@ def _run(runner: Runner, setup: RunSetup, requests: Sequence[Request], probe, re
     cache, options = runner.cache, setup.options
 
     def begin(req: Request, region: int):
-        verifier = setup.verifier(len(req.prompt), req.max_new_tokens, options.seed + req.index)
+        verifier = setup.verifier(len(req.prompt), req.max_new_tokens,
+                                  options.seed + req.index, req.sampling_seed)
         decoder = BatchDecoder(runner, req.prompt, max_new_tokens=req.max_new_tokens,
                                sampling=verifier.sampling, verifier=verifier,
                                stop_tokens=options.stop_tokens, sequence=region,

@@ -5,7 +5,7 @@ prompt's plan and verifier."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pydantic import ValidationError
 from torch import nn
@@ -105,13 +105,17 @@ class RunSetup:
         except ValueError as exc:
             raise GenerationError(str(exc)) from None
 
-    def verifier(self, prompt_length: int, max_new_tokens: int, seed: int) -> Verifier:
+    def verifier(self, prompt_length: int, max_new_tokens: int, seed: int,
+                 sampling_seed: int | None = None) -> Verifier:
         """A prompt's verifier: with forced acceptance, the seeded outcomes the simulator draws
-        for the same run (a schedule that drafts nothing verifies nothing)."""
+        for the same run (a schedule that drafts nothing verifies nothing); its sampling seeded
+        by ``sampling_seed`` where given, else by the run's."""
         accept = self.options.force_acceptance
         forced = None if accept is None or not self.schedule.drafts else \
             acceptance_draws(accept, max_new_tokens + 1, seed)
-        return Verifier(self.sampling, forced, first_position=prompt_length)
+        sampling = self.sampling if sampling_seed is None else replace(self.sampling,
+                                                                       seed=sampling_seed)
+        return Verifier(sampling, forced, first_position=prompt_length)
 
     @property
     def sampling(self) -> Sampling:
