@@ -2,10 +2,10 @@
 the shipped tiny models and on random checkpoints of both families, one request at a time and
 eight together, at two depths and with shared KV slots, and over two tensor-parallel ranks; DtV
 through vLLM's speculative decoding, the checkpoint drafting for itself (on one rank and two);
-`vllm serve` with DtV and WFD end to end. Each test starts engines of its own, in the test
+`vllm serve` with the plugin's WFD end to end. Each test starts engines of its own, in the test
 worker's engine process, one after another (vLLM imported once: about 1-2 s an engine of one
 rank, 9 s one of two, whose ranks start processes of their own); a server, in processes of its
-own (about 17 s)."""
+own (about 20 s)."""
 
 import importlib.util
 import json
@@ -364,29 +364,26 @@ def arrival_flags(root: int) -> list[str]:
     return flags
 
 
-@pytest.mark.parametrize("mode", ["dtv", "wfd"])
-def test_vllm_serve_answers_completions_and_refuses_a_prompt_too_long(tmp_path, mode):
-    """A shipped model with a tokenizer file of its byte vocabulary, served with vLLM's DtV (the
-    checkpoint drafting for itself) or the plugin's WFD: token ids and text in, AR's tokens out;
-    vLLM's speculative counters on /metrics (WFD's: the tokens its waves commit ahead); a
-    request with a logit bias refused (vLLM's speculative decoding takes none) while the server
-    stays up (one family: the server is the same for both, whose plugins the tests above
-    check). WFD's engine core and its model map one arrival flag (a step under way ends for a
-    newcomer). WFD's serves exit rules per request (exit_rule
-    "none"): one asking for kl gets AR's tokens with that rule, one asking for the gate Huginn
-    has not is refused (a 400)."""
+def test_vllm_serve_answers_completions_and_refuses_a_prompt_too_long(tmp_path):
+    """A shipped model with a tokenizer file of its byte vocabulary, served with the plugin's
+    WFD: token ids and text in, AR's tokens out; vLLM's speculative counters on /metrics (the
+    tokens its waves commit ahead); a request with a logit bias refused (vLLM's speculative
+    decoding takes none) while the server stays up. The engine core and its model map one
+    arrival flag (a step under way ends for a newcomer). Exit rules served per request
+    (exit_rule "none"): one asking for kl gets AR's tokens with that rule, one asking for the
+    gate Huginn has not is refused (a 400). One server, one mode: a server costs two processes'
+    imports of vLLM (about 20 s of CPU); the other modes run through the same engine arguments
+    offline (``LLM(...)``, the tests above: vLLM's DtV by ``speculative_config``, the plugin's
+    DtV and WFD by ``hf_overrides``), which `vllm serve --speculative-config`, `--hf-overrides`
+    fill in the same way."""
     name = "huginn-tiny"
     model = tmp_path / name
     model.mkdir()
     for file in ("config.json", "model.safetensors"):
         shutil.copy(ROOT / "wfd" / "models" / name / file, model)
     write_byte_tokenizer(model, max_length=256)
-    modes = {"dtv": ["--hf-overrides", json.dumps({"draft_depth": 2}), "--speculative-config",
-                     json.dumps({"method": "draft_model", "model": str(model),
-                                 "num_speculative_tokens": 3})],
-             "wfd": ["--hf-overrides", json.dumps({"schedule": "wfd", "draft_depth": 2,
-                                                   "exit_rule": "none"})]}
-    server, base = serve(model, tmp_path, modes[mode])
+    server, base = serve(model, tmp_path, ["--hf-overrides", json.dumps(
+        {"schedule": "wfd", "draft_depth": 2, "exit_rule": "none"})])
     try:
         prompt = list(CODE[0].encode())
         expected = ar_tokens(load_model(name), [prompt])[0]
@@ -402,18 +399,17 @@ def test_vllm_serve_answers_completions_and_refuses_a_prompt_too_long(tmp_path, 
         assert status == 400 and "256" in json.dumps(answer)  # vLLM's own error: the limit
         status, answer = post(f"{base}/v1/completions", {**request, "logit_bias": {"32": 5}})
         assert status == 400 and "logit_bias" in json.dumps(answer)  # speculative decoding's
-        if mode == "wfd":
-            flags = arrival_flags(server.pid)  # the engine core's and its model's: one flag
-            assert len(flags) >= 2 and len(set(flags)) == 1, flags
-            # exits served per request: a rule the model has, and one it has not
-            status, answer = post(f"{base}/v1/completions",
-                                  {**request, "vllm_xargs": {"exit": "kl:0.01"}})
-            assert status == 200, answer
-            assert answer["choices"][0]["token_ids"] == ar_tokens(
-                load_model(name), [prompt], exit_rule=ExitRule.parse("kl:0.01"))[0]
-            status, answer = post(f"{base}/v1/completions",
-                                  {**request, "vllm_xargs": {"exit": "gate"}})
-            assert status == 400 and "exit gate" in json.dumps(answer)
+        flags = arrival_flags(server.pid)  # the engine core's and its model's: one flag
+        assert len(flags) >= 2 and len(set(flags)) == 1, flags
+        # exits served per request: a rule the model has, and one it has not
+        status, answer = post(f"{base}/v1/completions",
+                              {**request, "vllm_xargs": {"exit": "kl:0.01"}})
+        assert status == 200, answer
+        assert answer["choices"][0]["token_ids"] == ar_tokens(
+            load_model(name), [prompt], exit_rule=ExitRule.parse("kl:0.01"))[0]
+        status, answer = post(f"{base}/v1/completions",
+                              {**request, "vllm_xargs": {"exit": "gate"}})
+        assert status == 400 and "exit gate" in json.dumps(answer)
         status, _ = post(f"{base}/v1/completions", request)
         assert status == 200  # and the server is still up
         with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
