@@ -131,6 +131,20 @@ print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)), file=sys.std
     assert json.loads(out.stderr.strip().splitlines()[-1]) == []
 
 
+def test_a_checkpoint_loads_without_torch_s_compiler():
+    """A model made on the meta device for a checkpoint's weights draws no initial weights: the
+    first draw there imported torch._dynamo, 2 s of every `wfd` command's start."""
+    code = """
+import sys
+from wfd.checkpoint import load_model
+model = load_model("huginn-tiny")
+print(sorted(m for m in sys.modules if m.startswith("torch._dynamo")))
+"""
+    out = _python(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 BLOCK = "import sys\nfor m in {blocked!r}: sys.modules[m] = None\n"
 
 
