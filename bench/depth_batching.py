@@ -18,7 +18,9 @@ medians over the repeats. With ``--schedule wfd`` (or dtv) both sides run it: vL
 plugin's WFD without and with the rule, wfd its own. With ``--profile`` (calibrated on this
 machine) a row adds ``predicted_speedup``: ``costmodel predict --engine vllm --batch B`` of the
 schedule with the run's exit depths (wfd's AR with the rule, on the batch's prompts) over the
-same at fixed depth. Exits non-zero
+same at fixed depth; with ``--engine-time F.json`` (``bench/vllm_predicted.py --out``'s: the
+engine's own time per step, sequence, tick and wave, fitted in the same hour) both sides pay
+it, the exit mode its waves' ticks too. Exits non-zero
 when a vLLM run's greedy tokens are not wfd's AR's with the same rule. Run it on a quiet
 machine: the engines use both cores.
 """
@@ -136,6 +138,17 @@ def predicted_speedup(profile: Path, name: str, rule: str, depths: list[int], ba
     return tokens_per_s("--exit-depths", spread, *named) / tokens_per_s()
 
 
+def engine_options(args) -> list[str]:
+    """``costmodel predict``'s options for the engine's own time in ``--engine-time``'s file."""
+    if args.engine_time is None:
+        return []
+    engine = json.loads(args.engine_time.read_text())["engine"]
+    return ["--step-overhead", f"{engine['step_s']}s", "--sequence-overhead",
+            f"{engine['per_sequence_s']}s", "--tick-overhead", f"{engine['tick_s']}s",
+            "--wave-overhead", f"{engine['wave_tick_s']}s", "--commit-ahead",
+            str(engine["commit_ahead"])]
+
+
 def model_rows(name: str, args) -> list[dict]:
     model = load_model(name)
     data = model_heldout(name)
@@ -175,7 +188,8 @@ def model_rows(name: str, args) -> list[dict]:
                 "exit_passes": [round(p[rule, b][0], 1) for p in vllm],
                 "schedule": args.schedule,
                 **({"predicted_speedup": predicted_speedup(profile, name, rule, depths[rule],
-                                                           b, args.new_tokens, plan)}
+                                                           b, args.new_tokens, plan,
+                                                           engine=engine_options(args))}
                    if profile else {})})
     return rows
 
@@ -215,6 +229,9 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, nargs="+", default=[],
                         help="profiles calibrated on this machine, one per family (its name in "
                              "the file's): adds predicted speedups")
+    parser.add_argument("--engine-time", type=Path,
+                        help="bench/vllm_predicted.py --out's file: the engine's own time in the "
+                             "predictions")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rows = [row for name in args.models for row in model_rows(name, args)]
