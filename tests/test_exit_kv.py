@@ -198,6 +198,24 @@ def test_a_batch_in_step_takes_a_block_call_while_any_token_goes_on():
         profile.mean_depth)
 
 
+def test_tokens_that_all_stop_at_one_depth_stay_in_step():
+    """Continuous depth batching prices a tick's prelude and readout calls for tokens entering
+    at random ticks; tokens that all stop at one depth enter together and stay in step, so
+    exits forced at R cost AR's calls (the plugin's exit mode at R, before its own time), and a
+    spread of depths costs more calls than that."""
+    from costmodel import predict
+
+    workload = {"context_length": 32, "new_tokens": 64, "batch_size": 8, "depth": 8}
+
+    def latency(**exits):
+        return predict("huginn-tiny", "a6000", {**workload, **exits},
+                       continuous_depth=True).schedules["ar"].latency_per_token_s
+
+    assert latency(exit_depths={8: 1.0}) == pytest.approx(latency())
+    assert latency(exit_depths={4: 1.0}) < latency()
+    assert latency(exit_depths={2: 0.25, 8: 0.75}) > latency(exit_depths={8: 1.0}) * 0.75
+
+
 def test_a_prompt_s_decoded_tokens_stop_again_where_they_exited():
     """``Plan.exits_from`` (a preempted request's prompt again in the vLLM plugin, its decoded
     tokens behind its own prompt): the prompt's own positions run every step, the decoded ones

@@ -58,7 +58,8 @@ class AR(Schedule):
         (the plugin's exit mode on vLLM: each tick a block call over every sequence, each at
         its own token's depth, a new token entering as one exits, the prelude and readout
         calls of a tick holding those entering and reading out)."""
-        if continuous and batch > 1:
+        # tokens that all stop at one depth stay in step, as they entered: AR's calls
+        if continuous and batch > 1 and max(profile.probs) < 1.0:
             return _continuous_groups(profile, batch, profile.reads(self))
         depth, read_at = profile.depth, profile.reads(self)
         groups = [CallGroup("prelude", 1, 1, 1), _stepped("block", profile.at_least(1), batch)]
