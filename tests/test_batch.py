@@ -307,6 +307,35 @@ def test_an_unreadable_prompts_file_says_why_in_words(tmp_path):
         assert "Errno" not in str(caught.value) and str(path) in str(caught.value)
 
 
+def test_a_prompts_file_line_may_carry_its_own_sampling_seed(tmp_path):
+    """The same prompt on two lines with seeds of their own: each its batch-1 run with its
+    seed; a seed out of range is its line's error."""
+    from wfd.prompts import read_prompts
+
+    model = model_for("huginn", True)
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in (
+        {"prompt_ids": [1, 2, 3], "seed": 1}, {"prompt_ids": [1, 2, 3], "seed": 2},
+        {"prompt_ids": [1, 2, 3], "seed": -1}, {"prompt_ids": [1, 2, 3], "seed": 2 ** 32},
+        {"prompt_ids": [1, 2, 3], "seed": "7"})) + "\n")
+    lines = read_prompts(path, None, model.config, 8)
+    assert [line.error for line in lines[2:]] == [
+        f"line {n}: seed must be an integer in 0..{2 ** 32 - 1}, got {bad!r}"
+        for n, bad in ((3, -1), (4, 2 ** 32), (5, "7"))]
+    sampling = Sampling(temperature=1.0, seed=0)
+    run = decode_batch(model, [line.request for line in lines[:2]], schedule="wfd",
+                       batch_size=2, sampling=sampling)
+    tokens = {r.index: r.tokens for r in run.results}
+    for index, seed in ((0, 1), (1, 2)):
+        assert tokens[index] == generate(model, [1, 2, 3], schedule="wfd", max_new_tokens=8,
+                                         sampling=Sampling(1.0, seed=seed)).tokens
+    assert tokens[0] != tokens[1]
+    with pytest.raises(GenerationError, match="seed must be in 0..4294967295"):
+        Sampling(1.0, seed=2 ** 40)
+    with pytest.raises(GenerationError, match="seed"):
+        generate(model, [1, 2, 3], max_new_tokens=2, seed=-1)
+
+
 def test_one_sequence_batch_is_the_decoder():
     """decode_batch at B = 1 runs the same calls as generate (one region, flat slots = slots)."""
     model = model_for("huginn", True)

@@ -20,6 +20,9 @@ from costmodel.schedules import SCHEDULES, Schedule
 AUTO = "auto"  # the cost model picks the schedule from the prompt's acceptance
 
 
+SEEDS = 2 ** 32  # sampling seeds are 0..SEEDS-1
+
+
 class GenerationError(ValueError):
     """A request the model cannot serve (prompt too long, bad depth), in one line."""
 
@@ -48,7 +51,9 @@ class RunOptions(BaseModel):
     draft_rule: ExitRule | None = None
     temperature: float = Field(0.0, ge=0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1)
-    seed: int = 0  # seeds sampling, forced outcomes and Huginn's initial state
+    # seeds sampling, forced outcomes and Huginn's initial state; (seed, position) seeds a
+    # 64-bit generator seed, so a seed stays below 2^32
+    seed: int = Field(0, ge=0, lt=SEEDS)
     sampling: Any = None
     stop_tokens: frozenset[int] = frozenset()
     force_acceptance: float | None = Field(None, ge=0, le=1)

@@ -1,9 +1,11 @@
 """Prompts files for batched decoding: one JSON object per line in, one per prompt out.
 
 In: ``{"prompt": "text"}`` or ``{"prompt_ids": [1, 2, 3]}``, with an optional
-``"max_new_tokens": N``. Out, in the same order: the line number, the tokens (and text where the
-model has a tokenizer), acceptance, block calls and wall time, or the line's error. A bad line is
-reported with its number and the other prompts are still served.
+``"max_new_tokens": N`` and ``"seed": S`` (its own sampling seed: the same prompt on several
+lines, each with a seed, samples several continuations). Out, in the same order: the line
+number, the tokens (and text where the model has a tokenizer), acceptance, block calls and wall
+time, or the line's error. A bad line is reported with its number and the other prompts are
+still served.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import IO
 
 from .batch import Request, SequenceResult
+from .options import SEEDS
 from .runtime import check_length, check_prompt
 
 
@@ -56,10 +59,10 @@ def _parse(raw: str, index: int, tokenizer, config, max_new_tokens: int) -> Requ
         raise ValueError(f"not JSON ({exc.msg})") from None
     if not isinstance(obj, dict):
         raise ValueError("expected an object such as {\"prompt\": \"...\"}")
-    unknown = set(obj) - {"prompt", "prompt_ids", "max_new_tokens"}
+    unknown = set(obj) - {"prompt", "prompt_ids", "max_new_tokens", "seed"}
     if unknown:
         raise ValueError(f"unknown field {sorted(unknown)[0]!r}; use prompt or prompt_ids, "
-                         f"and max_new_tokens")
+                         f"and max_new_tokens and seed")
     if ("prompt" in obj) == ("prompt_ids" in obj):
         raise ValueError("give exactly one of prompt and prompt_ids")
     if "prompt" in obj:
@@ -78,7 +81,11 @@ def _parse(raw: str, index: int, tokenizer, config, max_new_tokens: int) -> Requ
     if not isinstance(new, int) or isinstance(new, bool) or new < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {new!r}")
     check_length(len(ids), new, config.max_position_embeddings)  # one line, not the whole run
-    return Request(index=index, prompt=list(ids), max_new_tokens=new)
+    seed = obj.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)
+                             or not 0 <= seed < SEEDS):
+        raise ValueError(f"seed must be an integer in 0..{SEEDS - 1}, got {seed!r}")
+    return Request(index=index, prompt=list(ids), max_new_tokens=new, sampling_seed=seed)
 
 
 def result_row(line: PromptLine, result: SequenceResult | None, tokenizer) -> dict:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .options import GenerationError
+from .options import SEEDS, GenerationError
 
 
 @dataclass
@@ -28,6 +28,8 @@ class Sampling:
                                   f"{self.temperature}")
         if not 0 < self.top_p <= 1:
             raise GenerationError(f"top-p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.seed < SEEDS:
+            raise GenerationError(f"the seed must be in 0..{SEEDS - 1}, got {self.seed}")
 
     @property
     def greedy(self) -> bool:
