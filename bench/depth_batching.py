@@ -9,7 +9,9 @@ Each batch B sends B held-out prompts of 64 bytes together (batch 1: four, one a
 for --new-tokens greedy tokens. vLLM runs two engines a repeat, alternating: its own forward at
 fixed depth (vLLM's AR, what a user runs today), and one started with ``exit_rule`` "none"
 (exits per request) in which each request sets the rule of the row (``extra_args``), or "none"
-(the same schedule at fixed depth: what the exit mode's own machinery costs). Its rows carry
+(the same engine at fixed depth: with the plugin's WFD or DtV, what the exit mode's own
+machinery costs; with AR, vLLM's own forward, which takes a step whose requests have no rule
+and no wave). Its rows carry
 ``model``, ``rule``, ``batch``, ``fixed_tokens_per_s`` (vLLM's AR), ``exit_tokens_per_s``,
 ``wave_fixed_tokens_per_s``, ``mean_exit_depth`` (from the engine's counters), the relative
 ``bits_per_byte_change`` of the rule (held-out text, teacher forced through wfd's decoder), and

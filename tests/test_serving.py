@@ -262,6 +262,24 @@ def test_a_request_aborted_mid_wave_leaves_the_others_their_tokens(engines):
     assert [tokens["0"], tokens["3"], tokens["2"]] == expected
 
 
+def test_rule_free_requests_run_on_vllm_s_forward_and_join_waves_mid_stream(engines):
+    """An engine serving exit rules per request: steps whose requests have no rule (and no
+    wave) run vLLM's own forward at R; a request with a rule arriving mid-stream puts the
+    others in waves from their newest tokens. Every request's tokens are wfd's AR's with its
+    rule, and the waves decoded only part of the tokens."""
+    prompts = [list(text.encode()) for text in CODE[:4]]
+    folder = ROOT / "wfd" / "models" / "huginn-tiny"
+    tokens, totals = engines.call("serving_jobs:rule_joins_mid_stream", str(folder), prompts,
+                                  NEW_TOKENS)
+    model = load_model("huginn-tiny")
+    kl = ExitRule.parse("kl:0.01")
+    assert [tokens[str(i)] for i in range(4)] == [
+        generate(model, p, max_new_tokens=NEW_TOKENS, schedule="ar",
+                 exit_rule=kl if i == 2 else None).tokens for i, p in enumerate(prompts)]
+    # request 2's tokens and the others' after it arrived, not request 3's nor the first ones
+    assert NEW_TOKENS <= totals["decoded_tokens"] < 3 * NEW_TOKENS
+
+
 @pytest.mark.parametrize("family, schedule, kv_sharing, ranks", [
     ("huginn", "dtv", 0, 2),  # the plugin's DtV (nested reuse), each rank its heads, exits
     ("ouro", "wfd", 0, 2),  # the plugin's WFD, each rank its heads of every wave

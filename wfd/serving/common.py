@@ -171,8 +171,9 @@ class LoopedForCausalLM(nn.Module):
                 ) -> torch.Tensor:
         if self.wave is not None:  # a profiling run has no metadata: it runs as AR
             metadata = get_forward_context().attn_metadata
-            if metadata:
-                return self.wave.forward(input_ids, positions, next(iter(metadata.values())))
+            step = next(iter(metadata.values())) if metadata else None
+            if step is not None and self.wave.runs(step):
+                return self.wave.forward(input_ids, positions, step)
         e = self.prelude(input_ids, positions, inputs_embeds)
         state = self.initial_state(positions, e)
         for depth in range(1, self.depth + 1):

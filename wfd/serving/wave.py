@@ -30,7 +30,6 @@ wraps.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
 
 import torch
 
@@ -40,51 +39,12 @@ from wfd.exits import ExitTracker
 from .exits import EngineExits, WaveExits, request_rule
 from .hook import ARRIVALS, BATCH, BOUNDS, FORGOTTEN, REQUESTS, arrival_flag, arrived, install_hooks
 from .wave_kv import PagedKV, StepCalls, allocated
+from .wave_state import Wave, forget, kind_of
 
 
 def counters(model) -> dict[str, int]:
     """The wave's counters of a model of the plugin (``LLM.apply_model(counters)``)."""
     return model.wave.counters()
-
-
-@dataclass
-class Wave:
-    """One request's wave: its plan's events, paused where a token is committed that the wave
-    may not commit itself (vLLM samples it), and what the plan's calls have computed so far."""
-
-    steps: object  # the plan's generator
-    token_at: dict[int, int]  # committed tokens up to ``committed``, drafts past it
-    scheduled: int  # the newest position vLLM has scheduled (it holds a slot)
-    block_row: torch.Tensor | None = None  # its row of vLLM's block table
-    blocks: list[int] = field(default_factory=list)  # the same, as a list
-    committed: int = -1  # the newest position whose token is committed
-    limit: int = -1  # the newest position the wave may commit a token at itself
-    last: int = sys.maxsize  # the request's last position (its max_tokens, the longest length)
-    pending: Verify | Bonus | None = None  # the commit the wave is paused at
-    reply: bool | None = None  # what the plan is sent next (a verification's outcome)
-    fresh: bool = True  # started this step: its rows are a prompt's
-    kept: int = 0  # what positions before it computed is forgotten (vLLM committed them)
-    states: dict[int, torch.Tensor] = field(default_factory=dict)
-    injections: dict[int, torch.Tensor] = field(default_factory=dict)
-    readouts: dict[int, torch.Tensor] = field(default_factory=dict)
-    argmaxes: dict[int, int] = field(default_factory=dict)  # each readout's greedy token
-    drafts: dict[int, int] = field(default_factory=dict)
-    ahead: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict)  # (layer, position) -> k, v of a position vLLM has not scheduled
-    exits: ExitTracker | None = None  # its exit rule's memory (None: fixed depth)
-    held: Call | Check | None = None  # its next call, not run when the last step ended
-    prompt_length: int = 0
-
-
-def _kind(event: Call | Check) -> str:
-    return "check" if isinstance(event, Check) else event.kind
-
-
-def _forget(wave: Wave, gone) -> None:
-    """Drop the states, injections and readouts of the positions ``gone(position)`` names."""
-    for kept in (wave.states, wave.injections, wave.readouts, wave.argmaxes):
-        for p in [p for p in kept if gone(p)]:
-            del kept[p]
 
 
 class WaveDecoder:
@@ -97,6 +57,7 @@ class WaveDecoder:
         self.schedule = schedule
         schedule.check(model.depth)
         self.waves: dict[str, Wave] = {}
+        self.rules: dict[str, object] = {}  # each request's exit rule, worked out once
         self.paged: PagedKV | None = None
         self.calls = StepCalls()  # what a step's calls' attention needs, reused in the step
         # a prompt's readouts below R still to make: (wave, position, depth, state)
@@ -128,9 +89,6 @@ class WaveDecoder:
         one; each row's hidden state is its readout at R (the last row's is what vLLM samples
         the next token from; the others' verify the tokens committed ahead)."""
         self.calls.clear()  # new blocks come between steps
-        for req in FORGOTTEN:
-            self.waves.pop(req, None)
-        FORGOTTEN.clear()
         if len(BATCH) != len(metadata.seq_lens):
             raise RuntimeError("WFD on vLLM: the batch's request ids were not published")
         out = torch.zeros(len(input_ids), self.model.arch.hidden_size,
@@ -160,12 +118,35 @@ class WaveDecoder:
             self.prune(wave, first)
         return out
 
+    def runs(self, metadata) -> bool:
+        """Whether this step runs as waves: a drafting schedule's always; AR's (with exits)
+        where a request of the step has a wave or an exit rule. Otherwise vLLM's forward at R
+        takes the step: it writes the KV a rule-free request's wave would (a token at every
+        depth, read out at R), without the waves' bookkeeping."""
+        for req in FORGOTTEN:
+            self.waves.pop(req, None)
+            self.rules.pop(req, None)
+        FORGOTTEN.clear()
+        return self.schedule.drafts or len(BATCH) != len(metadata.seq_lens) or any(
+            req in self.waves or self.rule(req) is not None for req in BATCH)
+
+    def rule(self, req: str):
+        """The request's exit rule: its own, or the engine's; None: fixed depth."""
+        if req not in self.rules:
+            state = (REQUESTS[0] or {}).get(req)  # vLLM's: its sampling parameters
+            try:
+                self.rules[req] = request_rule(
+                    self.engine_exits, state.sampling_params.extra_args if state else None)
+            except ValueError:  # refused where vLLM admitted it: not reached
+                self.rules[req] = self.engine_exits.rule
+        return self.rules[req]
+
     def prune(self, wave: Wave, first: int) -> None:
         """Forget what positions before ``first`` (the step's first, vLLM's newest sample) hold:
         vLLM has committed them, they are at R, and nothing the plan does reads them again
         (their KV stays in the cache). The step's later positions are kept until vLLM says
         how many of them it accepted."""
-        _forget(wave, lambda p: p < first)
+        forget(wave, lambda p: p < first)
         wave.kept = first
 
     def begin(self, req: str, tokens: list[int], where: list[int], block_row: torch.Tensor
@@ -177,6 +158,8 @@ class WaveDecoder:
         wave = self.waves.get(req)
         if where[0] == 0:
             wave = self.start(req, tokens)
+        elif wave is None and len(tokens) == 1 and self.rule(req) is None:
+            wave = self.resume(req, tokens[0], where[0])  # vLLM's forward decoded it so far
         elif wave is None or where != list(range(where[0], where[0] + len(tokens))):
             raise RuntimeError(f"WFD on vLLM decodes whole prompts; request {req} came with "
                                f"positions {where[0]}..{where[-1]} and no wave (leave chunked "
@@ -196,12 +179,8 @@ class WaveDecoder:
     def start(self, req: str, tokens: list[int]) -> Wave:
         """A wave whose prompt is ``tokens``, all scheduled."""
         model, attends = self.model, self.model.arch.coda_layers > 0
-        state = (REQUESTS[0] or {}).get(req)  # vLLM's: its sampling parameters, its own prompt
-        try:
-            rule = request_rule(self.engine_exits,
-                                state.sampling_params.extra_args if state else None)
-        except ValueError:  # refused where vLLM admitted it: not reached
-            rule = self.engine_exits.rule
+        state = (REQUESTS[0] or {}).get(req)  # vLLM's: its own prompt
+        rule = self.rule(req)
         plan = self.schedule.plan(len(tokens), model.depth, coda_attends=attends,
                                   exits=None if rule is None else rule.for_plan(attends,
                                                                                 model.depth))
@@ -213,6 +192,16 @@ class WaveDecoder:
         wave = Wave(plan.steps(), dict(enumerate(tokens)), len(tokens) - 1,
                     committed=len(tokens) - 1, prompt_length=prompt_length,
                     exits=None if rule is None else ExitTracker(rule, model))
+        self.waves[req] = wave
+        return wave
+
+    def resume(self, req: str, token: int, position: int) -> Wave:
+        """A wave for a rule-free request that vLLM's forward decoded so far (its KV at every
+        depth written), from its newest token on: AR's plan without a prefill."""
+        plan = self.schedule.plan(position, self.model.depth, prefill=False,
+                                  coda_attends=self.model.arch.coda_layers > 0)
+        wave = Wave(plan.steps(), {position: token}, position, committed=position,
+                    prompt_length=position, fresh=False)
         self.waves[req] = wave
         return wave
 
@@ -269,9 +258,9 @@ class WaveDecoder:
         ticks, stopping = 0, False
         while any(calls.values()):
             kind = next(k for k in ("check", "coda", "prelude", "block")
-                        if any(c is not None and _kind(c) == k for c in calls.values()))
+                        if any(c is not None and kind_of(c) == k for c in calls.values()))
             together = [w for w in waves if calls[id(w)] is not None
-                        and _kind(calls[id(w)]) == kind]
+                        and kind_of(calls[id(w)]) == kind]
             if kind == "check":
                 self.exit_work.check([(w, calls[id(w)]) for w in together])
             elif kind == "coda":
@@ -440,7 +429,7 @@ class WaveDecoder:
         the paged cache is written again when they re-enter)."""
         for key in [key for key in wave.ahead if key[1] >= length]:
             del wave.ahead[key]
-        _forget(wave, lambda p: p >= length)
+        forget(wave, lambda p: p >= length)
 
     # -- KV ------------------------------------------------------------------------------------
     def paged_kv(self) -> PagedKV:
