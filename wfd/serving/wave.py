@@ -88,9 +88,7 @@ class WaveDecoder:
         """Every request's rows of this step: a prompt starts a wave, decoded tokens go on with
         one; each row's hidden state is its readout at R (the last row's is what vLLM samples
         the next token from; the others' verify the tokens committed ahead)."""
-        self.calls.clear()  # new blocks come between steps
-        if len(BATCH) != len(metadata.seq_lens):
-            raise RuntimeError("WFD on vLLM: the batch's request ids were not published")
+        self.calls.clear()  # new blocks come between steps (``runs`` checked the batch's ids)
         out = torch.zeros(len(input_ids), self.model.arch.hidden_size,
                           dtype=self.model.lm_head.weight.dtype)
         starts = metadata.query_start_loc.tolist()
@@ -127,8 +125,10 @@ class WaveDecoder:
             self.waves.pop(req, None)
             self.rules.pop(req, None)
         FORGOTTEN.clear()
-        return self.schedule.drafts or len(BATCH) != len(metadata.seq_lens) or any(
-            req in self.waves or self.rule(req) is not None for req in BATCH)
+        if len(BATCH) != len(metadata.seq_lens):
+            raise RuntimeError("WFD on vLLM: the batch's request ids were not published")
+        return self.schedule.drafts or any(req in self.waves or self.rule(req) is not None
+                                           for req in BATCH)
 
     def rule(self, req: str):
         """The request's exit rule: its own, or the engine's; None: fixed depth."""
