@@ -127,10 +127,11 @@ def abort_mid_wave(folder: str, prompts: list[list[int]], new_tokens: int
 def rule_joins_mid_stream(folder: str, prompts: list[list[int]], new_tokens: int
                           ) -> tuple[dict[str, list[int]], dict[str, int]]:
     """(Run in the engine process.) AR with exits per request (exit_rule "none"), stepped here:
-    requests 0 and 1 without a rule (vLLM's forward decodes them), 2 with kl:0.01 added after
-    three steps (0 and 1 go on in waves from their newest tokens), 3 without a rule added once
-    0, 1 and 2 are done (vLLM's forward again); each request's tokens by its id, and the
-    waves' counters."""
+    requests 0 and 1 without a rule (vLLM's forward decodes them), 2 with kl:0.01 and a third
+    of their tokens added after three steps (0 and 1 go on in waves from their newest tokens,
+    and hand back to vLLM's forward once 2 is done), 3 without a rule added once 0, 1 and 2
+    are done (vLLM's forward again); each request's tokens by its id, and the waves'
+    counters."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
@@ -143,8 +144,8 @@ def rule_joins_mid_stream(folder: str, prompts: list[list[int]], new_tokens: int
               max_num_seqs=4, hf_overrides={"exit_rule": "none"})
     engine, done, steps = llm.llm_engine, {}, 0
 
-    def params(**extra):
-        return SamplingParams(temperature=0, max_tokens=new_tokens, detokenize=False,
+    def params(tokens=new_tokens, **extra):
+        return SamplingParams(temperature=0, max_tokens=tokens, detokenize=False,
                               ignore_eos=True, extra_args=extra or None)
 
     for i in (0, 1):
@@ -155,7 +156,8 @@ def rule_joins_mid_stream(folder: str, prompts: list[list[int]], new_tokens: int
                 done[out.request_id] = list(out.outputs[0].token_ids)
         steps += 1
         if steps == 3:
-            engine.add_request("2", {"prompt_token_ids": prompts[2]}, params(exit="kl:0.01"))
+            engine.add_request("2", {"prompt_token_ids": prompts[2]},
+                               params(new_tokens // 3, exit="kl:0.01"))
         if len(done) == 3 and "3" not in done and not engine.has_unfinished_requests():
             engine.add_request("3", {"prompt_token_ids": prompts[3]}, params())
     totals = llm.apply_model(counters)[0]

@@ -265,19 +265,21 @@ def test_a_request_aborted_mid_wave_leaves_the_others_their_tokens(engines):
 def test_rule_free_requests_run_on_vllm_s_forward_and_join_waves_mid_stream(engines):
     """An engine serving exit rules per request: steps whose requests have no rule (and no
     wave) run vLLM's own forward at R; a request with a rule arriving mid-stream puts the
-    others in waves from their newest tokens. Every request's tokens are wfd's AR's with its
-    rule, and the waves decoded only part of the tokens."""
+    others in waves from their newest tokens, which they hand back once it is done. Every
+    request's tokens are wfd's AR's with its rule, and the waves decoded only part of them."""
     prompts = [list(text.encode()) for text in CODE[:4]]
     folder = ROOT / "wfd" / "models" / "huginn-tiny"
     tokens, totals = engines.call("serving_jobs:rule_joins_mid_stream", str(folder), prompts,
                                   NEW_TOKENS)
     model = load_model("huginn-tiny")
-    kl = ExitRule.parse("kl:0.01")
+    kl, ruled = ExitRule.parse("kl:0.01"), NEW_TOKENS // 3
     assert [tokens[str(i)] for i in range(4)] == [
-        generate(model, p, max_new_tokens=NEW_TOKENS, schedule="ar",
+        generate(model, p, max_new_tokens=ruled if i == 2 else NEW_TOKENS, schedule="ar",
                  exit_rule=kl if i == 2 else None).tokens for i, p in enumerate(prompts)]
-    # request 2's tokens and the others' after it arrived, not request 3's nor the first ones
-    assert NEW_TOKENS <= totals["decoded_tokens"] < 3 * NEW_TOKENS
+    # requests 0 and 1 went back to vLLM's forward when 2 was done: the waves decoded 2's
+    # tokens and 0's and 1's while 2 ran (a step or two more), not their last ones nor 3's
+    assert totals["handed_back"] == 2
+    assert ruled <= totals["decoded_tokens"] <= 3 * ruled + 4
 
 
 @pytest.mark.parametrize("family, schedule, kv_sharing, ranks", [

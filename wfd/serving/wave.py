@@ -39,7 +39,7 @@ from wfd.exits import ExitTracker
 from .exits import EngineExits, WaveExits, request_rule
 from .hook import ARRIVALS, BATCH, BOUNDS, FORGOTTEN, REQUESTS, arrival_flag, arrived, install_hooks
 from .wave_kv import PagedKV, StepCalls, allocated
-from .wave_state import Wave, forget, kind_of
+from .wave_state import Wave, between_tokens, forget, kind_of
 
 
 def counters(model) -> dict[str, int]:
@@ -69,7 +69,7 @@ class WaveDecoder:
         self.exit_work = WaveExits(self)
         self.totals = {"verified": 0, "accepted": 0, "flushed_positions": 0, "block_calls": 0,
                        "readout_calls": 0, "restarts": 0, "decoded_tokens": 0,
-                       "decoded_depths": 0}
+                       "decoded_depths": 0, "handed_back": 0}
         install_hooks()
         from vllm.distributed import get_tensor_model_parallel_world_size
 
@@ -78,8 +78,9 @@ class WaveDecoder:
 
     def counters(self) -> dict[str, int]:
         """Drafts verified and accepted, positions flushed, block calls (ticks), readout (coda)
-        calls, the tokens committed after a prompt with the sum of their depths (exit depths, or
-        R), and the calls' rows attended through vLLM's kernel and in plain torch, so far."""
+        calls, the tokens committed after a prompt with the sum of their depths (exit depths or
+        R), waves handed back to vLLM's forward, the rows attended by vLLM's kernel and by
+        plain torch, so far."""
         return {**self.totals, **self.calls.rows}
 
     # -- the engine step -----------------------------------------------------------------------
@@ -118,17 +119,28 @@ class WaveDecoder:
 
     def runs(self, metadata) -> bool:
         """Whether this step runs as waves: a drafting schedule's always; AR's (with exits)
-        where a request of the step has a wave or an exit rule. Otherwise vLLM's forward at R
-        takes the step: it writes the KV a rule-free request's wave would (a token at every
-        depth, read out at R), without the waves' bookkeeping."""
+        where a request of the step has an exit rule, or a wave it cannot hand back yet.
+        Otherwise vLLM's forward at R takes the step: it writes the KV a rule-free request's
+        wave would (a token at every depth, read out at R), without the waves' bookkeeping."""
         for req in FORGOTTEN:
             self.waves.pop(req, None)
             self.rules.pop(req, None)
         FORGOTTEN.clear()
         if len(BATCH) != len(metadata.seq_lens):
             raise RuntimeError("WFD on vLLM: the batch's request ids were not published")
-        return self.schedule.drafts or any(req in self.waves or self.rule(req) is not None
-                                           for req in BATCH)
+        if self.schedule.drafts or any(self.rule(req) is not None for req in BATCH):
+            return True
+        # rule-free requests only: their waves (joined while a ruled request shared their
+        # steps) go back to vLLM's forward once each is between tokens, all of them at once
+        starts, lengths = metadata.query_start_loc.tolist(), metadata.seq_lens.tolist()
+        waved = [(req, i) for i, req in enumerate(BATCH) if req in self.waves]
+        if not all(starts[i + 1] - starts[i] == 1 and between_tokens(
+                self.waves[req], lengths[i] - 1) for req, i in waved):
+            return True
+        for req, _ in waved:
+            del self.waves[req]
+            self.totals["handed_back"] += 1
+        return False
 
     def rule(self, req: str):
         """The request's exit rule: its own, or the engine's; None: fixed depth."""

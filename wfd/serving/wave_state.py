@@ -50,3 +50,11 @@ def forget(wave: Wave, gone) -> None:
     for kept in (wave.states, wave.injections, wave.readouts, wave.argmaxes):
         for p in [p for p in kept if gone(p)]:
             del kept[p]
+
+
+def between_tokens(wave: Wave, newest: int) -> bool:
+    """Whether a rule-free wave holds nothing vLLM's forward would not: paused at the commit of
+    ``newest`` (vLLM's sample, its step's one token), nothing committed, in flight or held past
+    it, no KV outside the paged cache."""
+    return (wave.pending is not None and wave.pending.position == newest - 1 == wave.committed
+            and wave.held is None and not wave.ahead and not any(p >= newest for p in wave.states))
