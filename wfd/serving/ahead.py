@@ -61,6 +61,25 @@ def bound(runner, req_id: str) -> tuple[int, int]:
     return max(0, ahead), longest - 1
 
 
+def proposals(waves: dict, batch: list[str], lengths: list[int], newest: list[int], most: int
+              ) -> list[list[int]]:
+    """The tokens each request of the step's batch (``batch``: its ids in vLLM's order; each
+    one's wave in ``waves``) has committed past its ``length`` tokens, if its newest one
+    (vLLM's) is the wave's; at most ``most``."""
+    if len(lengths) != len(batch):
+        return [[] for _ in lengths]
+    out = []
+    for req, length, token in zip(batch, lengths, newest, strict=True):
+        wave = waves.get(req)
+        if wave is None or not 0 < length <= wave.committed + 1 or (
+                wave.token_at[length - 1] != token):
+            out.append([])
+            continue
+        end = min(wave.committed, length - 1 + most)
+        out.append([wave.token_at[p] for p in range(length, end + 1)])
+    return out
+
+
 class AheadProposer:
     """vLLM's proposer (``speculative_config`` method ``custom_class``) for waves: each
     request's proposal is the tokens its wave committed past vLLM's newest one."""

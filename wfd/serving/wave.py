@@ -36,6 +36,7 @@ import torch
 from costmodel.plans import Bonus, Call, Check, Draft, Rollback, Verify
 from wfd.exits import ExitTracker
 
+from .ahead import proposals
 from .exits import EngineExits, WaveExits, request_rule
 from .hook import ARRIVALS, BATCH, BOUNDS, FORGOTTEN, REQUESTS, arrival_flag, arrived, install_hooks
 from .wave_kv import PagedKV, StepCalls, allocated
@@ -232,20 +233,8 @@ class WaveDecoder:
         return True
 
     def ahead(self, lengths: list[int], newest: list[int], most: int) -> list[list[int]]:
-        """The tokens each request of the step's batch (``BATCH``'s order) has committed past
-        its ``length`` tokens, if its newest one (vLLM's) is the wave's; at most ``most``."""
-        if len(lengths) != len(BATCH):
-            return [[] for _ in lengths]
-        proposals = []
-        for req, length, token in zip(BATCH, lengths, newest, strict=True):
-            wave = self.waves.get(req)
-            if wave is None or not 0 < length <= wave.committed + 1 or (
-                    wave.token_at[length - 1] != token):
-                proposals.append([])
-                continue
-            end = min(wave.committed, length - 1 + most)
-            proposals.append([wave.token_at[p] for p in range(length, end + 1)])
-        return proposals
+        """The tokens committed ahead that the step's requests propose (``ahead.proposals``)."""
+        return proposals(self.waves, BATCH, lengths, newest, most)
 
     def settle(self, wave: Wave) -> None:
         """What the wave wrote past its request's blocks moves into the paged cache where vLLM
