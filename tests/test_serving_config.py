@@ -125,6 +125,29 @@ def test_a_request_s_own_exit_rule_is_checked_against_the_engine_s():
         ExitParams.engine = None
 
 
+def test_a_refused_request_ends_the_offline_runner_in_one_line(monkeypatch, capsys):
+    """``python -m wfd.serving.offline``: a request vLLM refuses (a server's 400; offline
+    vLLM's own exception type, not a ValueError) is one line and exit code 2, not a
+    traceback."""
+    import sys
+
+    from vllm.exceptions import VLLMValidationError
+
+    from costmodel.clitools import script_main
+    from wfd.serving import offline
+
+    def refuse(job, out):
+        raise VLLMValidationError("this engine decodes at a fixed depth")
+
+    monkeypatch.setattr(offline, "run_file", refuse)
+    monkeypatch.setattr(sys, "argv", ["offline", "job.json", "out.json"])
+    with pytest.raises(SystemExit) as stop:
+        script_main(offline.main)
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: a request was refused: this engine decodes at a fixed depth\n")
+
+
 def test_the_config_hook_refuses_in_one_line_and_gives_the_wave_whole_prompts():
     """What vLLM runs where it makes the engine's config (wfd.serving.hook.ScheduleHook): a
     draft depth at R refused before any engine starts, and WFD off the CPU build (it reads the

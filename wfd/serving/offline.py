@@ -54,7 +54,7 @@ def run_job(job: dict) -> dict:
     ranks = job.get("tensor_parallel", 1)
     if ranks > 1:  # vLLM's CPU build binds each rank's threads to a NUMA node, or to these cores
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(ranks))))
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     k = job.get("speculative_tokens")
     speculative = {"method": "draft_model", "model": job["model"], "num_speculative_tokens": k,
@@ -76,29 +76,36 @@ def run_job(job: dict) -> dict:
     kv = {"kv_cache_tokens": cache.num_gpu_blocks * cache.block_size,
           "kv_cache_bytes": cache.kv_cache_memory_bytes, "kv_block_tokens": cache.block_size} \
         if cache.num_gpu_blocks else {}
-    results = []
-    for run in job["runs"]:
-        temperature, seed = run.get("temperature", 0.0), run.get("seed")
-        extra = {key: run[key] for key in ("commit_ahead", "exit", "exit_min_depth")
-                 if run.get(key) is not None}
-        params = [SamplingParams(temperature=temperature, top_p=run.get("top_p", 1.0),
-                                 seed=seed + i if temperature and seed is not None else None,
-                                 max_tokens=run["max_tokens"], detokenize=False, ignore_eos=True,
-                                 allowed_token_ids=run.get("allowed_token_ids"),
-                                 extra_args=extra or None)
-                  for i in range(len(run["prompts"]))]
-        prompts, batch, tokens = run["prompts"], run.get("batch", 1), []
-        started = time.perf_counter()
-        for i in range(0, len(prompts), batch):
-            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[i:i + batch]],
-                                   params[i:i + batch], use_tqdm=False)
-            tokens += [list(out.outputs[0].token_ids) for out in outputs]
-        results.append({"tokens": tokens, "seconds": time.perf_counter() - started,
-                        **({"wave": wave_counters(llm)} if wave else {})})
-    result = {"engine_s": engine_s, **kv, "runs": results,
-              **({"counters": engine_counters(llm)} if counted else {})}
-    shut_down(llm)
-    return result
+    try:
+        results = [decode_run(llm, run, wave) for run in job["runs"]]
+        return {"engine_s": engine_s, **kv, "runs": results,
+                **({"counters": engine_counters(llm)} if counted else {})}
+    finally:  # a refused request too: the engine's processes end with it
+        shut_down(llm)
+
+
+def decode_run(llm, run: dict, wave: bool) -> dict:
+    """One run of a job on the engine: its prompts in batches, their tokens and seconds (and
+    the waves' counters after it)."""
+    from vllm import SamplingParams
+
+    temperature, seed = run.get("temperature", 0.0), run.get("seed")
+    extra = {key: run[key] for key in ("commit_ahead", "exit", "exit_min_depth")
+             if run.get(key) is not None}
+    params = [SamplingParams(temperature=temperature, top_p=run.get("top_p", 1.0),
+                             seed=seed + i if temperature and seed is not None else None,
+                             max_tokens=run["max_tokens"], detokenize=False, ignore_eos=True,
+                             allowed_token_ids=run.get("allowed_token_ids"),
+                             extra_args=extra or None)
+              for i in range(len(run["prompts"]))]
+    prompts, batch, tokens = run["prompts"], run.get("batch", 1), []
+    started = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[i:i + batch]],
+                               params[i:i + batch], use_tqdm=False)
+        tokens += [list(out.outputs[0].token_ids) for out in outputs]
+    return {"tokens": tokens, "seconds": time.perf_counter() - started,
+            **({"wave": wave_counters(llm)} if wave else {})}
 
 
 def shut_down(llm) -> None:
@@ -174,10 +181,15 @@ def run_jobs(lines) -> None:
 
 def main() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    if sys.argv[1:] == ["--jobs"]:
-        run_jobs(sys.stdin)
-    else:
-        run_file(*sys.argv[1:3])
+    from vllm.exceptions import VLLMValidationError
+
+    try:
+        if sys.argv[1:] == ["--jobs"]:
+            run_jobs(sys.stdin)
+        else:
+            run_file(*sys.argv[1:3])
+    except VLLMValidationError as exc:  # a request vLLM refused (a server's 400): bad input
+        raise ValueError(f"a request was refused: {exc}") from None
 
 
 if __name__ == "__main__":  # a setting the plugin refuses (vLLM raises it while making its
