@@ -30,18 +30,29 @@ def kv_budget_bytes(model: LoopedModelSpec, hw: HardwareSpec, dtype: str, depth:
     return memory.capacity_bytes - memory.weights_bytes - memory.activation_bytes
 
 
+def readout_depths(schedule: Schedule, depth: int, exit_from: int | None = None) -> int:
+    """The depths a sequence's tokens are read out at, a coda KV slot each: R, d where the
+    schedule drafts, and with exits every depth from ``exit_from`` (the shallowest a token may
+    stop at) on."""
+    reads = {depth} | ({schedule.draft_depth} if schedule.drafts else set())
+    return len(reads | (set(range(exit_from, depth + 1)) if exit_from else set()))
+
+
 def kv_per_token(model: LoopedModelSpec, schedule: Schedule, *, depth: int, dtype: str,
-                 kv_sharing: int) -> int:
-    """The KV a token of a sequence holds under ``schedule`` (a coda slot at d too where it
-    drafts)."""
-    return model.kv_bytes_per_token(dtype, depth, kv_sharing, 2 if schedule.drafts else 1)
+                 kv_sharing: int, readouts: int | None = None) -> int:
+    """The KV a token of a sequence holds under ``schedule`` (a coda slot at each readout
+    depth: R, and d where it drafts, or ``readouts`` of them)."""
+    return model.kv_bytes_per_token(dtype, depth, kv_sharing,
+                                    readouts or readout_depths(schedule, depth))
 
 
 def kv_needs(model: LoopedModelSpec, schedule: Schedule, requests: Sequence[Request], *,
-             depth: int, dtype: str, kv_sharing: int, kv_budget: int) -> list[int]:
+             depth: int, dtype: str, kv_sharing: int, kv_budget: int,
+             readouts: int | None = None) -> list[int]:
     """The KV each request reserves when it starts (its prompt, output and the schedule's
     lookahead); refused in one line where one alone needs more than the budget."""
-    per_token = kv_per_token(model, schedule, depth=depth, dtype=dtype, kv_sharing=kv_sharing)
+    per_token = kv_per_token(model, schedule, depth=depth, dtype=dtype, kv_sharing=kv_sharing,
+                             readouts=readouts)
     needs = [(r.prompt_tokens + r.output_tokens + schedule.lookahead(depth)) * per_token
              for r in requests]
     for i, (r, need) in enumerate(zip(requests, needs, strict=True)):

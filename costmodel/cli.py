@@ -15,11 +15,14 @@ from .cli_options import (
     CommitAheadOption,
     ContextOption,
     DtypeOption,
+    ExitDepthsOption,
+    ExitRuleOption,
     HardwareOption,
     JsonOption,
     LinkBandwidthOption,
     LinkLatencyOption,
     LinkOption,
+    MinDepthOption,
     ModelOption,
     NewTokensOption,
     ProfileOption,
@@ -31,6 +34,7 @@ from .cli_options import (
     at_least_one,
     chosen_link,
     engine_overheads,
+    exit_options,
     hardware_of,
     override_hardware,
     parallel_devices,
@@ -144,31 +148,6 @@ def _print_placement(placed: dict) -> None:
               "pipelined: of a group, with every device busy)"))
 
 
-def _exit_options(rule: str | None, min_depth: int, exit_depths: str | None, depth: int,
-                  exit_kv: str = "latest") -> dict[str, object]:
-    """The adaptive-depth fields of a workload, checked (one line for a bad one)."""
-    out: dict[str, object] = {}
-    if rule is not None:
-        from .exits import ExitRule
-
-        ExitRule.parse(rule, min_depth, exit_kv).for_plan(False, depth)  # a UserError
-        out.update(exit_rule=rule, exit_min_depth=min_depth)
-    elif min_depth != 1:
-        raise UserError("--min-depth goes with --exit")
-    if exit_kv != "latest":
-        from .exits import check_exit_kv
-
-        check_exit_kv(exit_kv)  # ValueError: a UserError
-        if rule is None and exit_depths is None:
-            raise UserError("--exit-kv goes with exits (--exit or --exit-depths)")
-        out["exit_kv"] = exit_kv
-    if exit_depths is not None:
-        from .exits import parse_exit_depths
-
-        out["exit_depths"] = parse_exit_depths(exit_depths, depth)
-    return out
-
-
 @app.command("predict")
 def predict_cmd(
     model: ModelOption = "huginn-3.5b",
@@ -193,14 +172,9 @@ def predict_cmd(
     depth: Annotated[int | None, typer.Option(help="recurrence depth R (default: model's)")] = None,
     kv_sharing: Annotated[int, typer.Option(
         help="0: one KV slot per depth; S in 1..R: S shared slots")] = 0,
-    exit_rule: Annotated[str | None, typer.Option(
-        "--exit", help="adaptive depth: RULE[:THRESHOLD] (kl, entropy-diff, latent-diff, "
-        "argmax-stable, gate); the exit depths are read from --depth-trace under it")] = None,
-    min_depth: Annotated[int, typer.Option(
-        help="--exit: the shallowest depth a token may stop at")] = 1,
-    exit_depths: Annotated[str | None, typer.Option(
-        help="adaptive depth: the exit depths' distribution, e.g. \"4:0.3,6:0.5,8:0.2\" "
-             "(--acceptance: of the drafts of tokens that go past the draft depth)")] = None,
+    exit_rule: ExitRuleOption = None,
+    min_depth: MinDepthOption = 1,
+    exit_depths: ExitDepthsOption = None,
     exit_kv: Annotated[str, typer.Option(
         help="with exits, what later tokens read of an exited token's skipped depths: latest "
              "(its KV at its exit) or reference (the public Huginn code's: a wave defers "
@@ -249,11 +223,8 @@ def predict_cmd(
     hw = override_hardware(base, bandwidth, flops, memory, launch_overhead, dtype, mode, host_speed)
     spec, hw = parallel_devices(spec, hw, tensor_parallel, link, link_bandwidth, link_latency,
                                 placement)
-    exits = _exit_options(exit_rule, min_depth, exit_depths, depth or spec.default_depth,
-                          exit_kv)
-    if exit_rule is not None and exit_depths is None and depth_trace is None:
-        raise UserError("--exit is priced from the exit depths a --depth-trace gives under it "
-                        "(or give their distribution: --exit-depths)")
+    exits = exit_options(exit_rule, min_depth, exit_depths, depth or spec.default_depth,
+                         exit_kv, depth_trace)
     workload = Workload(context_length=context, new_tokens=new_tokens, acceptance=acceptance,
                         depth_trace=str(depth_trace) if depth_trace else None,
                         batch_size=batch, dtype=dtype, kv_sharing=kv_sharing, depth=depth,

@@ -14,6 +14,14 @@ from .presets import get_hardware
 from .units import parse_bandwidth, parse_bytes, parse_duration, parse_flops
 
 # Options that several commands share.
+ExitRuleOption = Annotated[str | None, typer.Option(
+    "--exit", help="adaptive depth: RULE[:THRESHOLD] (kl, entropy-diff, latent-diff, "
+    "argmax-stable, gate); the exit depths are read from --depth-trace under it")]
+MinDepthOption = Annotated[int, typer.Option(
+    help="--exit: the shallowest depth a token may stop at")]
+ExitDepthsOption = Annotated[str | None, typer.Option(
+    help="adaptive depth: the exit depths' distribution, e.g. \"4:0.3,6:0.5,8:0.2\" "
+         "(--acceptance: of the drafts of tokens that go past the draft depth)")]
 ModelOption = Annotated[str, typer.Option("--model", help="model preset")]
 HardwareOption = Annotated[str, typer.Option("--hardware", help="hardware preset")]
 ProfileOption = Annotated[Path | None, typer.Option(
@@ -172,3 +180,33 @@ def parse_wake(text: str | None) -> tuple:
     except ValueError:
         raise UserError(f"--wake-overhead takes IDLE:EXTRA pairs of durations, idle above "
                         f"0, e.g. 1s:10ms,4s:35ms; got {text!r}") from None
+
+
+def exit_options(rule: str | None, min_depth: int, exit_depths: str | None, depth: int,
+                 exit_kv: str = "latest", depth_trace: Path | None = None
+                 ) -> dict[str, object]:
+    """The adaptive-depth fields of a workload, checked (one line for a bad one); a rule is
+    priced from the exit depths a depth trace gives under it, or from their distribution."""
+    if rule is not None and exit_depths is None and depth_trace is None:
+        raise UserError("--exit is priced from the exit depths a --depth-trace gives under it "
+                        "(or give their distribution: --exit-depths)")
+    out: dict[str, object] = {}
+    if rule is not None:
+        from .exits import ExitRule
+
+        ExitRule.parse(rule, min_depth, exit_kv).for_plan(False, depth)  # a UserError
+        out.update(exit_rule=rule, exit_min_depth=min_depth)
+    elif min_depth != 1:
+        raise UserError("--min-depth goes with --exit")
+    if exit_kv != "latest":
+        from .exits import check_exit_kv
+
+        check_exit_kv(exit_kv)  # ValueError: a UserError
+        if rule is None and exit_depths is None:
+            raise UserError("--exit-kv goes with exits (--exit or --exit-depths)")
+        out["exit_kv"] = exit_kv
+    if exit_depths is not None:
+        from .exits import parse_exit_depths
+
+        out["exit_depths"] = parse_exit_depths(exit_depths, depth)
+    return out

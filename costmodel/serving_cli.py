@@ -13,11 +13,14 @@ import typer
 from .cli_options import (
     CommitAheadOption,
     DtypeOption,
+    ExitDepthsOption,
+    ExitRuleOption,
     HardwareOption,
     JsonOption,
     LinkBandwidthOption,
     LinkLatencyOption,
     LinkOption,
+    MinDepthOption,
     ModelOption,
     ProfileOption,
     SequenceOverheadOption,
@@ -29,6 +32,7 @@ from .cli_options import (
     at_least_one,
     chosen_link,
     engine_overheads,
+    exit_options,
     hardware_of,
     override_hardware,
     parallel_devices,
@@ -147,6 +151,12 @@ def serving_cmd(
     acceptance: Annotated[float | None, typer.Option(
         help="draft acceptance in [0, 1] (default: the model's)")] = None,
     kv_sharing: Annotated[int, typer.Option(help="0: a KV slot per depth; S shared")] = 0,
+    exit_rule: ExitRuleOption = None,
+    min_depth: MinDepthOption = 1,
+    exit_depths: ExitDepthsOption = None,
+    depth_trace: Annotated[Path | None, typer.Option(
+        help="--exit: a measured depth trace, whose tokens' exit depths under the rule the "
+             "stream's tokens take")] = None,
     seed: Annotated[int, typer.Option(help="seed of the arrivals, lengths and drafts")] = 0,
     step_overhead: StepOverheadOption = "0s",
     sequence_overhead: SequenceOverheadOption = "0s",
@@ -197,6 +207,14 @@ def serving_cmd(
     hw = override_hardware(for_engine(engine, base, spec), None, None, None, None, dtype)
     spec, hw = parallel_devices(spec, hw, tensor_parallel, link, link_bandwidth, link_latency,
                                 placement)
+    if depth_trace is not None and exit_rule is None:
+        raise UserError("--depth-trace gives the exit depths of an --exit rule: give one")
+    exits = exit_options(exit_rule, min_depth, exit_depths, depth or spec.default_depth,
+                         depth_trace=depth_trace)
+    if depth_trace is not None:
+        exits["depth_trace"] = str(depth_trace)
+    if exits and not schedule:  # those with a closed form under exits (predict_serving's)
+        names = None
     options = {"max_batch": max_batch, "depth": depth, "dtype": dtype, "kv_sharing": kv_sharing,
                "acceptance": acceptance, "draft_depth": draft_depth, "width": width,
                "block_length": block_length, "slo_ttft_s": ttft, "slo_tpot_s": tpot,
@@ -205,12 +223,19 @@ def serving_cmd(
                "link": chosen_link(hw, link, link_bandwidth, link_latency) if placement else None,
                "engine": engine_overheads(step_overhead, sequence_overhead, request_overhead,
                                          tick_overhead, wave_overhead, commit_ahead,
-                                         wake_overhead, prompt_overhead)}
+                                         wake_overhead, prompt_overhead),
+               "exits": exits or None, "continuous_depth": engine == "vllm"}
     runs = []
     with spinner(f"serving {requests} requests at {len(sweep)} rate(s)", disable=as_json):
         for r in sweep:
             runs.append((r, predict_serving(spec, hw, stream(r), names=names,
                                             keep_served=per_request is not None, **options)))
+    if names is None:  # exits: the schedules priced
+        names = list(runs[0][1])
+        if not as_json:
+            typer.echo("note: WFD with exits is left out: a stream's steps are priced from the "
+                       "closed forms, and WFD's with exits is simulated (costmodel predict "
+                       "--exit-depths)", err=True)
     if per_request is not None:
         _write_per_request(per_request, runs, stream, requests_file is None)
     found = _highest_rates(spec, hw, stream, names, options, per_s, attainment, as_json) \
@@ -236,8 +261,10 @@ def serving_cmd(
         where = devices_text(hw) if placement is None else (
             f"{hw.name} x {len(devices(placement))} placed {placement} over "
             f"{options['link'].name}")
+        depth_note = next(iter(results.values())).mean_exit_depth
         _print(results, found, f"{spec.name} on {where}, {head['requests']} requests "
-               f"({source}), at most {max_batch} together")
+               f"({source}), at most {max_batch} together" + (
+                   f", exits at mean depth {depth_note:.2f}" if depth_note else ""))
     if engine == "vllm" and options["engine"] is None:
         typer.echo("note: the engine's own time (scheduling, sampling, output) is not counted: "
                    "give --step-overhead, --sequence-overhead, --prompt-overhead and "

@@ -22,11 +22,14 @@ reads and attention, which are linear in it).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
+from .adaptive import ExitProfile
+from .admission import readout_depths
 from .engines import EngineOverheads
-from .groups import block_calls_per_token
+from .groups import CallGroup, block_calls_per_token
 from .hardware import HardwareSpec
 from .model import LoopedModelSpec
 from .placement import StreamPlacement
@@ -39,17 +42,70 @@ from .workload import Workload
 CONTEXT_BUCKET = 16  # keys: a step's time is priced at its context rounded to these
 
 
+@dataclass(frozen=True)
+class StreamExits:
+    """Exits in a stream: each decoded token stops at a depth drawn from ``profile``; a batch's
+    tokens in step (this project's batch: a block call runs while any token is at its depth)
+    or, ``continuous``, each sequence at its own depth (the plugin's exit mode on vLLM, which
+    runs AR as a wave: it pays the engine's time per tick and commits ahead as the drafting
+    schedules do)."""
+
+    profile: ExitProfile
+    continuous: bool = False
+
+    def groups(self, schedule: Schedule, batch: int) -> list[CallGroup]:
+        """A step's calls at ``batch`` sequences, from the schedule's closed form with exits."""
+        groups = schedule.exit_groups(self.profile, batch, self.continuous)
+        if groups is None:
+            raise ValueError(f"{schedule.name.upper()} with exits has no closed form to price "
+                             "a stream step by step (predict simulates it): serve AR and DtV "
+                             "with exits (--schedule ar --schedule dtv)")
+        return groups
+
+    @classmethod
+    def of(cls, model: LoopedModelSpec, exits: dict, depth: int, draft_depth: int,
+           acceptance: float | None, continuous: bool) -> StreamExits:
+        """From a ``Workload``'s exit fields (``exits``: ``exit_depths``, or ``depth_trace``
+        with ``exit_rule``)."""
+        from .adaptive import exit_profile
+
+        workload = Workload(depth=depth, acceptance=acceptance, **exits)
+        return cls(exit_profile(model, workload, depth, draft_depth), continuous)
+
+    def schedules(self, schedules: dict[str, Schedule], names: Sequence[str] | None
+                  ) -> list[str]:
+        """The schedules a stream with exits runs: those asked for (each with a closed form
+        under exits: a ValueError in one line otherwise), or every one that has."""
+        if names is not None:
+            for name in names:
+                self.groups(schedules[name], 1)
+            return list(names)
+        return [name for name, schedule in schedules.items()
+                if schedule.exit_groups(self.profile, 1, self.continuous) is not None]
+
+    def waves(self, schedule: Schedule) -> bool:
+        return schedule.drafts or self.continuous
+
+    def readouts(self, schedule: Schedule, depth: int) -> int:
+        return readout_depths(schedule, depth, self.profile.exits.min_depth)
+
+
 def step_times(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule, *, alpha: float,
                depth: int, kv_sharing: int, dtype: str, max_batch: int, longest: int,
-               engine: EngineOverheads, placement: StreamPlacement | None = None
-               ) -> np.ndarray:
+               engine: EngineOverheads, placement: StreamPlacement | None = None,
+               exits: StreamExits | None = None) -> np.ndarray:
     """Seconds a step takes, ``[batch - 1, context]`` for every batch up to ``max_batch`` and
     every context (a sequence's tokens so far) up to ``longest``; on one device, or with the
-    parts placed on devices of their own (``placement``)."""
+    parts placed on devices of their own (``placement``); with ``exits``, each batch's calls
+    those of its tokens' exit depths."""
     buckets = np.arange(0, longest + CONTEXT_BUCKET, CONTEXT_BUCKET, dtype=float)
     keys = buckets + 1
     if hw.graphs.cuda_graphs:  # a replayed step reads its static span
         keys = np.array([static_span(int(k)) for k in keys], dtype=float)
+    if exits is not None:
+        bucketed = _exit_step_times(model, hw, schedule, exits, alpha, dtype, keys, max_batch,
+                                    engine, depth)
+        return np.repeat(bucketed, CONTEXT_BUCKET, axis=1)[:, :longest + 1]
     batches = np.arange(1, max_batch + 1, dtype=float)[:, None]
     groups = schedule.call_groups(depth, kv_sharing)
     if placement is None:
@@ -63,6 +119,24 @@ def step_times(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule, *, 
                     for b in range(1, max_batch + 1)])
     bucketed = per_token + own[:, None]
     return np.repeat(bucketed, CONTEXT_BUCKET, axis=1)[:, :longest + 1]
+
+
+def _exit_step_times(model, hw, schedule: Schedule, exits: StreamExits, alpha: float,
+                     dtype: str, keys: np.ndarray, max_batch: int, engine: EngineOverheads,
+                     depth: int) -> np.ndarray:
+    """``step_times``'s rows with exits: a batch's calls depend on how many tokens share them
+    (in step, a block call runs while any of them is still iterating), so each batch is priced
+    from its own call groups."""
+    rows = []
+    for b in range(1, max_batch + 1):
+        groups = exits.groups(schedule, b)
+        batch = np.array([[float(b)]])
+        calls = np.broadcast_to(_priced(model, hw, schedule, groups, alpha, dtype,
+                                        keys[None, :], batch), (1, len(keys)))[0]
+        waves = exits.waves(schedule)
+        ticks = float(block_calls_per_token(groups, np.asarray(alpha))) if waves else 0.0
+        rows.append(calls + engine.token_share_s(b, waves, ticks, depth))
+    return np.array(rows)
 
 
 def _priced(model, hw, schedule: Schedule, groups, alpha: float, dtype: str, keys, batches):
@@ -98,14 +172,14 @@ def part_priced(model, hw, schedule: Schedule, groups, alpha: float, dtype: str,
 def elapsed_times(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
                   requests: Sequence[Request], *, acceptance: float, depth: int,
                   kv_sharing: int, dtype: str, max_batch: int,
-                  engine: EngineOverheads, placement: StreamPlacement | None = None
-                  ) -> np.ndarray:
+                  engine: EngineOverheads, placement: StreamPlacement | None = None,
+                  exits: StreamExits | None = None) -> np.ndarray:
     """``step_times`` summed along the context from 0: ``[batch - 1, c]`` is what the steps
     from context 0 to c take, so any run of steps costs one difference."""
     longest = max(r.prompt_tokens + r.output_tokens for r in requests)
     times = step_times(model, hw, schedule, alpha=acceptance, depth=depth,
                        kv_sharing=kv_sharing, dtype=dtype, max_batch=max_batch,
-                       longest=longest, engine=engine, placement=placement)
+                       longest=longest, engine=engine, placement=placement, exits=exits)
     return np.concatenate([np.zeros((max_batch, 1)), np.cumsum(times, axis=1)], axis=1)
 
 
@@ -164,15 +238,16 @@ def serve_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
                 requests: Sequence[Request], *, max_batch: int, acceptance: float, depth: int,
                 kv_budget: int, kv_per_request: Sequence[int], kv_sharing: int = 0,
                 dtype: str = "bf16", engine: EngineOverheads | None = None,
-                placement: StreamPlacement | None = None) -> tuple[list[dict], float]:
+                placement: StreamPlacement | None = None, exits: StreamExits | None = None
+                ) -> tuple[list[dict], float]:
     """Each request's arrival, first token and finish as ``schedule`` serves the stream step by
     step, and the mean number of sequences per step (weighed by the steps' time)."""
     engine = engine or EngineOverheads()
     elapsed = elapsed_times(model, hw, schedule, requests, acceptance=acceptance, depth=depth,
                             kv_sharing=kv_sharing, dtype=dtype, max_batch=max_batch,
-                            engine=engine, placement=placement)
+                            engine=engine, placement=placement, exits=exits)
     per_round = round_tokens(schedule, acceptance)
-    readouts = 2 if schedule.drafts else 1
+    readouts = exits.readouts(schedule, depth) if exits else readout_depths(schedule, depth)
     prefill = _Prefills(model, hw, depth, dtype, kv_sharing, readouts, placement, engine=engine)
     served = [{"arrival_s": r.arrival_s, "output_tokens": r.output_tokens} for r in requests]
     ready = [r.arrival_s + engine.request_s for r in requests]

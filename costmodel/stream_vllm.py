@@ -34,13 +34,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .admission import readout_depths
 from .engines import EngineOverheads
 from .groups import block_calls_per_token
 from .hardware import HardwareSpec
 from .model import LoopedModelSpec
 from .requests import Request
 from .schedules.base import Schedule
-from .stream import _Prefills, decoding_run, elapsed_times, round_tokens
+from .stream import StreamExits, _Prefills, decoding_run, elapsed_times, round_tokens
 
 
 @dataclass
@@ -132,16 +133,19 @@ def serve_vllm_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedul
                      requests: Sequence[Request], *, max_batch: int, acceptance: float,
                      depth: int, kv_budget: int, kv_per_token: int, token_budget: int,
                      kv_sharing: int = 0, dtype: str = "bf16",
-                     engine: EngineOverheads | None = None) -> tuple[list[dict], float, int]:
+                     engine: EngineOverheads | None = None, exits: StreamExits | None = None
+                     ) -> tuple[list[dict], float, int]:
     """Each request's arrival, first token and finish under vLLM's scheduling, the mean number
     of sequences a step serves, and how many preemptions there were."""
     engine = engine or EngineOverheads()
     elapsed = elapsed_times(model, hw, schedule, requests, acceptance=acceptance, depth=depth,
                             kv_sharing=kv_sharing, dtype=dtype, max_batch=max_batch,
-                            engine=engine)
-    # the plugin's waves read a drafting schedule's prompt out at d and R in one call
-    prefill = _Prefills(model, hw, depth, dtype, kv_sharing, 2 if schedule.drafts else 1,
-                        together=True, engine=engine)
+                            engine=engine, exits=exits)
+    # the plugin's waves read a prompt out at all its readout depths (d and R; with exits,
+    # every depth a token may stop at) in one call
+    readouts = exits.readouts(schedule, depth) if exits else readout_depths(schedule, depth)
+    prefill = _Prefills(model, hw, depth, dtype, kv_sharing, readouts, together=True,
+                        engine=engine)
     served = [{"arrival_s": r.arrival_s, "output_tokens": r.output_tokens} for r in requests]
     ready = [r.arrival_s + engine.request_s for r in requests]
     fill = _fill(model, schedule, acceptance, depth, kv_sharing)
