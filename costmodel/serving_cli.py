@@ -207,12 +207,7 @@ def serving_cmd(
     hw = override_hardware(for_engine(engine, base, spec), None, None, None, None, dtype)
     spec, hw = parallel_devices(spec, hw, tensor_parallel, link, link_bandwidth, link_latency,
                                 placement)
-    if depth_trace is not None and exit_rule is None:
-        raise UserError("--depth-trace gives the exit depths of an --exit rule: give one")
-    exits = exit_options(exit_rule, min_depth, exit_depths, depth or spec.default_depth,
-                         depth_trace=depth_trace)
-    if depth_trace is not None:
-        exits["depth_trace"] = str(depth_trace)
+    exits = _exits(exit_rule, min_depth, exit_depths, depth_trace, depth or spec.default_depth)
     if exits and not schedule:  # those with a closed form under exits (predict_serving's)
         names = None
     options = {"max_batch": max_batch, "depth": depth, "dtype": dtype, "kv_sharing": kv_sharing,
@@ -256,20 +251,36 @@ def serving_cmd(
     for r, results in runs:
         source = f"{requests_file}" if requests_file else f"{r:g}/s {arrivals}" + (
             f", lengths of {lengths}" if lengths else "")
-        from .placement import devices
-
-        where = devices_text(hw) if placement is None else (
-            f"{hw.name} x {len(devices(placement))} placed {placement} over "
-            f"{options['link'].name}")
-        depth_note = next(iter(results.values())).mean_exit_depth
-        _print(results, found, f"{spec.name} on {where}, {head['requests']} requests "
-               f"({source}), at most {max_batch} together" + (
-                   f", exits at mean depth {depth_note:.2f}" if depth_note else ""))
+        _print(results, found, _title(spec, hw, placement, options["link"], results, source,
+                                      head["requests"], max_batch))
     if engine == "vllm" and options["engine"] is None:
         typer.echo("note: the engine's own time (scheduling, sampling, output) is not counted: "
                    "give --step-overhead, --sequence-overhead, --prompt-overhead and "
                    "--request-overhead "
                    "(bench/serving_load.py measures vLLM's)", err=True)
+
+
+def _exits(rule: str | None, min_depth: int, exit_depths: str | None,
+           depth_trace: Path | None, depth: int) -> dict:
+    """The stream's adaptive depth as a workload's exit fields (empty: fixed depth)."""
+    if depth_trace is not None and rule is None:
+        raise UserError("--depth-trace gives the exit depths of an --exit rule: give one")
+    exits = exit_options(rule, min_depth, exit_depths, depth, depth_trace=depth_trace)
+    if depth_trace is not None:
+        exits["depth_trace"] = str(depth_trace)
+    return exits
+
+
+def _title(spec, hw, placement: str | None, link, results, source: str, requests: int,
+           max_batch: int) -> str:
+    """A run's table title: the model, its devices, the stream and the batch (and exits)."""
+    from .placement import devices
+
+    where = devices_text(hw) if placement is None else (
+        f"{hw.name} x {len(devices(placement))} placed {placement} over {link.name}")
+    depth = next(iter(results.values())).mean_exit_depth
+    return (f"{spec.name} on {where}, {requests} requests ({source}), at most {max_batch} "
+            "together" + (f", exits at mean depth {depth:.2f}" if depth else ""))
 
 
 def _sweep(rate: str | None, rates: str | None, requests_file: Path | None,

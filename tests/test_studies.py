@@ -306,4 +306,9 @@ def test_serving_study_finds_where_each_schedule_keeps_its_objectives():
             ttft = [r["ttft_p50_s"] for r in sorted(rates, key=lambda r: r["rate_per_s"])]
             assert ttft == sorted(ttft), (model, schedule)
         kept = result.summary[model]["highest_rate_meeting_objectives_per_s"]
-        assert set(kept) == {"ar", "dtv", "wfd"} and all(k is not None for k in kept.values())
+        assert set(kept) == {"ar", "dtv", "wfd", "ar exits", "dtv exits"}
+        assert all(k is not None for k in kept.values())
+        # a lone request's tokens stop early: AR with exits is faster at the light rate
+        assert light["ar exits"]["tpot_p50_s"] < light["ar"]["tpot_p50_s"]
+        assert light["ar"]["mean_exit_depth"] is None
+        assert 1 < light["ar exits"]["mean_exit_depth"] < get_model(model).default_depth
