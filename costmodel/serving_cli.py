@@ -178,10 +178,10 @@ def serving_cmd(
         help="the model's parts on devices of their own, joined by --link: p|r|c (prelude | "
              "block | coda) or pc|r (prelude and coda | block); the running sequences "
              "pipelined over them in groups (with --fidelity steps)")] = None,
-    fidelity: Annotated[str, typer.Option(
-        help="calls (each call of each sequence simulated: drafts' acceptance drawn) or steps "
-             "(a step at a time from the closed forms: hundreds of times faster, for long "
-             "streams and rate searches)")] = "calls",
+    fidelity: Annotated[str | None, typer.Option(
+        help="calls (each call of each sequence simulated: drafts' acceptance drawn; the "
+             "default) or steps (a step at a time from the closed forms: hundreds of times "
+             "faster, for long streams and rate searches; the default with exits)")] = None,
     token_budget: Annotated[int | None, typer.Option(
         help="with --fidelity steps: schedule as vLLM does, this many tokens a step (its "
              "max_num_batched_tokens) shared by decoding and chunked prefills, KV taken as "
@@ -213,7 +213,9 @@ def serving_cmd(
     options = {"max_batch": max_batch, "depth": depth, "dtype": dtype, "kv_sharing": kv_sharing,
                "acceptance": acceptance, "draft_depth": draft_depth, "width": width,
                "block_length": block_length, "slo_ttft_s": ttft, "slo_tpot_s": tpot,
-               "seed": seed, "fidelity": one_of("fidelity", fidelity, FIDELITIES),
+               "seed": seed,
+               "fidelity": one_of("fidelity", fidelity or ("steps" if exits else "calls"),
+                                  FIDELITIES),
                "token_budget": token_budget, "placement": placement,
                "link": chosen_link(hw, link, link_bandwidth, link_latency) if placement else None,
                "engine": engine_overheads(step_overhead, sequence_overhead, request_overhead,

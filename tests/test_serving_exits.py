@@ -99,8 +99,9 @@ def test_what_a_stream_with_exits_cannot_price_is_refused_in_one_line():
 def test_the_command_serves_a_stream_with_exits(tmp_path, capsys):
     from costmodel.trace import DepthRecord, TraceHeader, write_jsonl
 
+    # with exits the stream is served step by step unless told otherwise
     common = ["serving", "--model", "huginn-3.5b", "--hardware", "h100-sxm", "--rate", "2/s",
-              "--requests", "30", "--fidelity", "steps"]
+              "--requests", "30"]
     code, out, err = run_cli(capsys, *common, "--exit-depths", "8:0.5,16:0.5", "--engine",
                              "vllm", "--token-budget", "2048", "--json")
     assert code == 0, err
