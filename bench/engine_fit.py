@@ -144,7 +144,7 @@ def fit_engine(measured: dict[str, float], spec, hw, prompt: Lengths, output: Le
     rows = [("lone_tpot_s", 1, bare), ("full_tpot_s", options["max_batch"], bare)]
     if "pair_tpot_s" in measured:
         rows.insert(1, ("pair_tpot_s", 2, bare))
-    drafts = options["names"][0] != "ar"
+    drafts = options["names"][0] != "ar" or bool(options.get("exits"))  # waves: exit mode
     if drafts and "lone_step_tpot_s" in measured:
         rows.append(("lone_step_tpot_s", 1, bare.model_copy(update={"commit_ahead": 0})))
     if not drafts:

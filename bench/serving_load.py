@@ -3,8 +3,8 @@ same streams: are the simulated latencies the served ones?
 
     python bench/serving_load.py --profile PROFILE.json [--model huginn-tiny] [--rates 2 4 8]
         [--requests 40] [--prompt-tokens 16-64] [--output-tokens 32] [--max-batch 8]
-        [--schedule ar] [--commit-ahead 8] [--fidelity steps|calls] [--token-budget 2048]
-        [--seed 0] [--together 1 2 3 4 8] [--fit-each] [--out FILE.json]
+        [--schedule ar] [--commit-ahead 8] [--exit RULE] [--fidelity steps|calls]
+        [--token-budget 2048] [--seed 0] [--together 1 2 3 4 8] [--fit-each] [--out FILE.json]
     python bench/serving_load.py --profile PROFILE.json --resimulate FILE.json
 
 Starts `vllm serve` (the plugin, eager, fp32) on a copy of the shipped tiny model with its byte
@@ -35,10 +35,11 @@ then serves N requests of the mean lengths arriving together, three times each, 
 their median TPOT beside the simulated: the engine's time per token as the requests it serves
 grow, which the streams mix. `--fit-each` measures and fits the engine's own time again right
 before each stream (each row of `--out` keeps the measurements its simulation was fitted to).
-`--resimulate`
-simulates an earlier run's `--out` file again with no server: a change to the cost model
-compared on the same measurements. Needs the serve-cpu extra. A profile of this machine:
-`costmodel calibrate --model huginn --quick`.
+`--exit RULE` serves with the plugin's exit mode, the streams simulated with the exit depths
+wfd's AR with the rule gives the first stream's prompts (fitted as the waves' engine time).
+`--resimulate` simulates an earlier run's `--out` file again with no server: a change to the
+cost model compared on the same measurements. Needs the serve-cpu extra. A profile of this
+machine: `costmodel calibrate --model huginn --quick`.
 """
 
 from __future__ import annotations
@@ -147,11 +148,16 @@ def engine_clock(base: str) -> tuple[float, int]:
     return seconds, round(value("vllm:request_prefill_time_seconds_count"))
 
 
+def stream_prompts(requests, seed: int) -> list[list[int]]:
+    """The prompts a stream's requests send: random printable bytes of their lengths."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(32, 127, r.prompt_tokens).tolist() for r in requests]
+
+
 def load(base: str, model: str, requests, seed: int, extra: dict | None = None
          ) -> list[Served]:
     """The stream sent open-loop: each request on its own thread at its arrival time."""
-    rng = np.random.default_rng(seed)
-    prompts = [rng.integers(32, 127, r.prompt_tokens).tolist() for r in requests]
+    prompts = stream_prompts(requests, seed)
     results: list[tuple[float, float, int] | None] = [None] * len(requests)
 
     def one(i: int) -> None:
@@ -221,6 +227,8 @@ def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     stream_arguments(parser, [2.0, 4.0, 8.0])
     parser.add_argument("--commit-ahead", type=int, default=8)
+    parser.add_argument("--exit", dest="exit_rule", metavar="RULE",
+                        help="serve with this exit rule (the plugin's exit mode)")
     parser.add_argument("--fidelity", choices=["steps", "calls"], default="steps",
                         help="simulate step by step as vLLM schedules (default), or call by "
                              "call")
@@ -250,11 +258,18 @@ def main() -> None:
     spec = get_model(args.model)
     profile = load_profile(args.profile)
     hw = for_engine("vllm", profile.hardware, spec)
+    if args.exit_rule:  # the depths wfd's AR with the rule stops the first stream's tokens at
+        from tiny_models import exit_distribution
+        first = request_stream(args.rates[0], args.requests, prompt, output, seed=args.seed)
+        args.exit_depths = exit_distribution(args.model, args.exit_rule,
+                                             stream_prompts(first, args.seed),
+                                             [r.output_tokens for r in first])
     options = simulation_options(args, profile.dtype)
     run = served_run(args, spec, hw, options, prompt, output)
     if args.out:
         args.out.write_text(json.dumps({
             "model": args.model, "schedule": args.schedule, "profile": str(args.profile),
+            "exit_rule": args.exit_rule, "exit_depths": getattr(args, "exit_depths", None),
             "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
             "max_batch": args.max_batch, "commit_ahead": args.commit_ahead,
             "fidelity": args.fidelity, "token_budget": args.token_budget, "seed": args.seed,
@@ -265,8 +280,9 @@ def served_run(args, spec, hw, options: dict, prompt: Lengths, output: Lengths) 
     """On a server of the plugin: the engine's own time measured and fitted (and its wake),
     the requests served together (``--together``), and each rate's stream served and
     simulated (the engine measured again before each stream with ``--fit-each``)."""
-    overrides = None if args.schedule == "ar" else {"schedule": args.schedule,
-                                                    "commit_ahead": args.commit_ahead}
+    overrides = {**({} if args.schedule == "ar" else {"schedule": args.schedule,
+                                                      "commit_ahead": args.commit_ahead}),
+                 **({"exit_rule": args.exit_rule} if args.exit_rule else {})} or None
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = served_folder(args.model, Path(tmp))
@@ -279,7 +295,7 @@ def served_run(args, spec, hw, options: dict, prompt: Lengths, output: Lengths) 
 
             def engine_now(wake=()) -> tuple[dict, EngineOverheads]:
                 measured = engine_measurements(serve, prompt, output, args.max_batch,
-                                               step_by_step=args.schedule != "ar",
+                                               step_by_step=bool(overrides),
                                                engine_clock=lambda: engine_clock(base))
                 return measured, fit_engine(measured, spec, hw, prompt, output, options,
                                             args.commit_ahead).model_copy(update={"wake": wake})
@@ -307,9 +323,11 @@ def served_run(args, spec, hw, options: dict, prompt: Lengths, output: Lengths) 
 
 
 def simulation_options(args, dtype: str) -> dict:
+    exits = getattr(args, "exit_depths", None)
     return {"max_batch": args.max_batch, "dtype": dtype, "names": [args.schedule],
             "seed": args.seed, "fidelity": args.fidelity,
-            "token_budget": args.token_budget if args.fidelity == "steps" else None}
+            "token_budget": args.token_budget if args.fidelity == "steps" else None,
+            **({"exits": {"exit_depths": exits}, "continuous_depth": True} if exits else {})}
 
 
 def simulated_row(rate: float, stream: list[Request], served: list[Served], spec, hw,
@@ -363,6 +381,7 @@ def resimulate(run: dict, args) -> None:
     args.prompt_tokens, args.output_tokens = run["prompt_tokens"], run["output_tokens"]
     for setting in ("fidelity", "token_budget", "seed"):  # as the run simulated it
         setattr(args, setting, run.get(setting, getattr(args, setting)))
+    args.exit_depths = {int(d): p for d, p in (run.get("exit_depths") or {}).items()} or None
     prompt, output = stream_lengths(args)
     spec = get_model(args.model)
     profile = load_profile(args.profile)

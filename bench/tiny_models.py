@@ -100,6 +100,18 @@ def distinct_lines(model, prompt: str, new_tokens: int = 200) -> dict:
     return {"prompt": prompt, "lines": len(lines), "distinct": len(set(lines)), "text": text}
 
 
+def exit_distribution(name: str, rule: str, prompts: list[list[int]], new_tokens: list[int]
+                      ) -> dict[int, float]:
+    """The depths at which wfd's AR with ``rule`` stops the decoded tokens of ``prompts`` (each
+    its own number of new tokens) on the shipped model ``name``, as a distribution."""
+    from costmodel.exits import ExitRule
+
+    model, parsed = load_model(name), ExitRule.parse(rule)
+    depths = [d for prompt, n in zip(prompts, new_tokens, strict=True) for d in generate(
+        model, prompt, max_new_tokens=n, schedule="ar", exit_rule=parsed).stats["exit_depths"]]
+    return {d: depths.count(d) / len(depths) for d in sorted(set(depths))}
+
+
 def exit_measurements(model, name: str, data: bytes, windows: int) -> dict:
     """Bits per byte at fixed depth and under each of the card's exit rules, with the mean exit
     depth and the exit depths' distribution."""

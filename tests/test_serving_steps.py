@@ -280,12 +280,15 @@ def load_bench():
     return serving_load
 
 
-@pytest.mark.parametrize("schedule, terms, step_by_step", [
-    ("ar", {"step_s": 0.003, "per_sequence_s": 0.0005}, False),
-    ("wfd", {"step_s": 0.002, "tick_s": 0.0007, "wave_tick_s": 0.0003}, True),
-    ("dtv", {"step_s": 0.003, "tick_s": 0.0006, "wave_tick_s": 0.0002}, False)])
+@pytest.mark.parametrize("schedule, terms, step_by_step, exits", [
+    ("ar", {"step_s": 0.003, "per_sequence_s": 0.0005}, False, None),
+    ("wfd", {"step_s": 0.002, "tick_s": 0.0007, "wave_tick_s": 0.0003}, True, None),
+    ("dtv", {"step_s": 0.003, "tick_s": 0.0006, "wave_tick_s": 0.0002}, False, None),
+    # the plugin's exit mode: AR as waves, each sequence at its own depth (--exit)
+    ("ar", {"step_s": 0.002, "tick_s": 0.0005, "wave_tick_s": 0.0002}, True,
+     {"exit_depths": {2: 0.3, 3: 0.5, 5: 0.2}})])
 def test_the_load_bench_recovers_an_engine_s_own_time_from_what_it_measures(schedule, terms,
-                                                                             step_by_step):
+                                                                             step_by_step, exits):
     """bench/serving_load.py's fit, given the TPOTs of lone requests, of two together and of a
     full batch, and the lone TTFT, that an engine with known own time makes (simulated, vLLM's
     scheduling), finds that time again: AR's per step and per sequence in a step; a drafting
@@ -297,7 +300,8 @@ def test_the_load_bench_recovers_an_engine_s_own_time_from_what_it_measures(sche
     bench = load_bench()
     prompt, output = Lengths.parse("16-64", "p"), Lengths.parse("32", "o")
     options = {"max_batch": 4, "dtype": "bf16", "names": [schedule], "seed": 0,
-               "fidelity": "steps", "token_budget": 2048}
+               "fidelity": "steps", "token_budget": 2048,
+               **({"exits": exits, "continuous_depth": True} if exits else {})}
     known = EngineOverheads(request_s=0.004, prompt_s=0.006, **terms)
     engine_had = [0.0, 0]  # seconds, requests: the engine's account of those it finished
 
