@@ -13,6 +13,10 @@ at a time. Newcomers are admitted between steps, as the call-by-call simulation 
 between rounds (first come first served, their whole KV reserved), and their prompts prefilled
 together, whole, before the next step.
 
+With exits (``StreamExits``) each step is priced from the schedule's closed form with exits at
+the step's batch (AR's and DtV's; WFD's is simulated, so it has none): its tokens in step, or
+each sequence at its own depth as the plugin's exit mode runs them on vLLM.
+
 What it leaves out against the call-by-call simulation: the draws of each draft's acceptance (a
 DtV or WFD sequence advances at its mean rate, so its TPOT spreads less: p99 shorter) and the
 wave's ramp after a prefill; and it prices a step at the batch's mean context (exact for the KV
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .adaptive import ExitProfile
+from .adaptive import ExitProfile, exit_profile
 from .admission import readout_depths
 from .engines import EngineOverheads
 from .groups import CallGroup, block_calls_per_token
@@ -67,8 +71,6 @@ class StreamExits:
            acceptance: float | None, continuous: bool) -> StreamExits:
         """From a ``Workload``'s exit fields (``exits``: ``exit_depths``, or ``depth_trace``
         with ``exit_rule``)."""
-        from .adaptive import exit_profile
-
         workload = Workload(depth=depth, acceptance=acceptance, **exits)
         return cls(exit_profile(model, workload, depth, draft_depth), continuous)
 
