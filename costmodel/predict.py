@@ -10,6 +10,7 @@ decode draws them (prompt i: seed i), and reports the run's figures."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
@@ -202,6 +203,7 @@ def predict(
     tensor_parallel: int = 1,
     link: str | Link | None = None,
     continuous_depth: bool = False,
+    only: Sequence[str] | None = None,
 ) -> Prediction:
     """Predict each registered schedule's per-token latency (AR, DtV, WFD) for one model,
     hardware and workload, each at its best variant (``Schedule.variants``).
@@ -214,7 +216,8 @@ def predict(
     continuously, each sequence at its own depth (the plugin's exit mode on vLLM), not in step
     (``wfd``'s batch); that mode runs AR as a wave, so with ``engine`` AR with exits pays the
     engine's time per tick and commits ahead as the plugin's drafting schedules do, and its
-    waves read a prompt out at all its readout depths in one call.
+    waves read a prompt out at all its readout depths in one call. ``only``: the registered
+    schedules to price (AR always, the speedups' baseline); default all.
     """
     spec, hw = split(*resolve(model, hardware), tensor_parallel, link)
     wl = Workload.model_validate(workload or {})  # a Workload, or its fields as a dict
@@ -259,7 +262,7 @@ def predict(
                     "block_calls": blocks / decoded}
 
     chosen: dict[str, Schedule] = {}
-    for name, kind in SCHEDULES.items():
+    for name, kind in _registered(only):
         best = min(((s, *priced(s)) for s in kind.variants(d, depth, **options)),
                    key=lambda f: float(f[2]["latency_s"]))
         schedule, groups, totals = best
@@ -276,6 +279,12 @@ def predict(
                    waves=exits is not None and continuous_depth)
     return Prediction(model=spec.name, hardware=hw, workload=wl, depth=depth, memory=memory,
                       schedules=results)
+
+
+def _registered(only: Sequence[str] | None) -> list[tuple[str, type[Schedule]]]:
+    """The registered schedules to price: those ``only`` names (AR always), or all."""
+    return [(name, kind) for name, kind in SCHEDULES.items()
+            if only is None or name in only or name == AR.name]
 
 
 def _check_request(wl: Workload, depth: int, block_length: int | None,

@@ -201,11 +201,12 @@ def chosen_schedules(model: LoopedModelSpec, hw: HardwareSpec, requests: Sequenc
                      max_batch: int, depth: int, dtype: str, kv_sharing: int = 0,
                      acceptance: float | None = None, draft_depth: int | None = None,
                      width: int | None = None, block_length: int | None = None,
-                     exits: dict | None = None) -> tuple[dict[str, Schedule], float]:
+                     exits: dict | None = None, only: Sequence[str] | None = None
+                     ) -> tuple[dict[str, Schedule], float]:
     """Each registered schedule at the variant ``predict`` finds best for the stream's mean
     request at a full batch (at batch 1 where a full batch of it does not fit), and the
     acceptance its drafts are verified at; with ``exits`` (a ``Workload``'s exit fields),
-    with those exits."""
+    with those exits. ``only``: the schedules to choose (``predict``'s; default all)."""
     from .predict import acceptance_for, predict, resolve_draft_depth
     from .schedules import get
 
@@ -213,7 +214,8 @@ def chosen_schedules(model: LoopedModelSpec, hw: HardwareSpec, requests: Sequenc
                "new_tokens": round(np.mean([r.output_tokens for r in requests])),
                "dtype": dtype, "depth": depth, "kv_sharing": kv_sharing,
                "acceptance": acceptance, **(exits or {})}
-    options = {"width": width, "draft_depth": draft_depth, "block_length": block_length}
+    options = {"width": width, "draft_depth": draft_depth, "block_length": block_length,
+               "only": only}
     best = predict(model, hw, {**typical, "batch_size": max_batch}, **options)
     if not best.memory.fits:
         best = predict(model, hw, typical, **options)
@@ -260,14 +262,14 @@ def predict_serving(model: LoopedModelSpec, hw: HardwareSpec, requests: Sequence
     placed = None if placement is None else StreamPlacement(
         placement, placed_link(hw, placement, link))
     depth = depth or model.default_depth
+    stream_exits = StreamExits.of(model, exits, depth, resolve_draft_depth(
+        model, depth, width, draft_depth), acceptance, continuous_depth) if exits else None
+    if stream_exits is not None:  # those with a closed form under exits (WFD is simulated)
+        names = stream_exits.schedules(names)
     schedules, alpha = chosen_schedules(
         model, hw, requests, max_batch=max_batch, depth=depth, dtype=dtype,
         kv_sharing=kv_sharing, acceptance=acceptance, draft_depth=draft_depth, width=width,
-        block_length=block_length, exits=exits)
-    stream_exits = StreamExits.of(model, exits, depth, resolve_draft_depth(
-        model, depth, width, draft_depth), acceptance, continuous_depth) if exits else None
-    if stream_exits is not None:
-        names = stream_exits.schedules(schedules, names)
+        block_length=block_length, exits=exits, only=names if exits else None)
     results = {}
     for name, schedule in schedules.items():
         if names is not None and name not in names:

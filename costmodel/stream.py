@@ -74,16 +74,17 @@ class StreamExits:
         workload = Workload(depth=depth, acceptance=acceptance, **exits)
         return cls(exit_profile(model, workload, depth, draft_depth), continuous)
 
-    def schedules(self, schedules: dict[str, Schedule], names: Sequence[str] | None
-                  ) -> list[str]:
+    def schedules(self, names: Sequence[str] | None) -> list[str]:
         """The schedules a stream with exits runs: those asked for (each with a closed form
         under exits: a ValueError in one line otherwise), or every one that has."""
-        if names is not None:
-            for name in names:
-                self.groups(schedules[name], 1)
-            return list(names)
-        return [name for name, schedule in schedules.items()
-                if schedule.exit_groups(self.profile, 1, self.continuous) is not None]
+        from .schedules import SCHEDULES
+
+        priced = [name for name, kind in SCHEDULES.items() if kind.variants(
+            1, self.profile.depth)[0].exit_groups(self.profile, 1, self.continuous) is not None]
+        for name in names or ():
+            if name not in priced:
+                self.groups(SCHEDULES[name].variants(1, self.profile.depth)[0], 1)  # refused
+        return priced if names is None else list(names)
 
     def waves(self, schedule: Schedule) -> bool:
         return schedule.drafts or self.continuous

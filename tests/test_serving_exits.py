@@ -129,3 +129,12 @@ def test_the_command_serves_a_stream_with_exits(tmp_path, capsys):
         code, _, err = run_cli(capsys, *common, *bad)
         assert code == 2 and message in err, err
         assert len(err.strip().splitlines()) == 1
+
+
+def test_predict_prices_only_the_schedules_named_and_ar():
+    """``predict(only=...)``: what a stream with exits asks of it (WFD with exits would be
+    simulated, for nothing); AR always, the speedups' baseline."""
+    full = predict(MODEL, HARDWARE, SHALLOW)
+    some = predict(MODEL, HARDWARE, SHALLOW, only=["dtv"])
+    assert set(full.schedules) == {"ar", "dtv", "wfd"} and set(some.schedules) == {"ar", "dtv"}
+    assert some.schedules["dtv"] == full.schedules["dtv"]
