@@ -194,7 +194,7 @@ def serving_cmd(
 ) -> None:
     """Serve a stream of requests: TTFT, TPOT and latency percentiles, throughput and goodput
     for AR, DtV and WFD (simulated call by call, or step by step, priced by the cost model)."""
-    from .serving import FIDELITIES, predict_serving
+    from .serving import FIDELITIES
 
     names, ttft, tpot = _checked(requests, max_batch, acceptance, attainment,
                                  schedule, slo_ttft, slo_tpot, find_rate)
@@ -222,17 +222,8 @@ def serving_cmd(
                                          tick_overhead, wave_overhead, commit_ahead,
                                          wake_overhead, prompt_overhead),
                "exits": exits or None, "continuous_depth": engine == "vllm"}
-    runs = []
-    with spinner(f"serving {requests} requests at {len(sweep)} rate(s)", disable=as_json):
-        for r in sweep:
-            runs.append((r, predict_serving(spec, hw, stream(r), names=names,
-                                            keep_served=per_request is not None, **options)))
-    if names is None:  # exits: the schedules priced
-        names = list(runs[0][1])
-        if not as_json:
-            typer.echo("note: WFD with exits is left out: a stream's steps are priced from the "
-                       "closed forms, and WFD's with exits is simulated (costmodel predict "
-                       "--exit-depths)", err=True)
+    runs, names = _served(spec, hw, stream, sweep, names, options, requests,
+                          per_request is not None, as_json)
     if per_request is not None:
         _write_per_request(per_request, runs, stream, requests_file is None)
     found = _highest_rates(spec, hw, stream, names, options, per_s, attainment, as_json) \
@@ -260,6 +251,26 @@ def serving_cmd(
                    "give --step-overhead, --sequence-overhead, --prompt-overhead and "
                    "--request-overhead "
                    "(bench/serving_load.py measures vLLM's)", err=True)
+
+
+def _served(spec, hw, stream, sweep: list[float], names: list[str] | None, options: dict,
+            requests: int, keep: bool, quiet: bool) -> tuple[list, list[str]]:
+    """Each rate's stream served, (rate, results by schedule), and the schedules served (with
+    exits and none named, those with a closed form: WFD is left out, with a note)."""
+    from .serving import predict_serving
+
+    runs = []
+    with spinner(f"serving {requests} requests at {len(sweep)} rate(s)", disable=quiet):
+        for r in sweep:
+            runs.append((r, predict_serving(spec, hw, stream(r), names=names, keep_served=keep,
+                                            **options)))
+    if names is None:
+        names = list(runs[0][1])
+        if not quiet:
+            typer.echo("note: WFD with exits is left out: a stream's steps are priced from the "
+                       "closed forms, and WFD's with exits is simulated (costmodel predict "
+                       "--exit-depths)", err=True)
+    return runs, names
 
 
 def _exits(rule: str | None, min_depth: int, exit_depths: str | None,

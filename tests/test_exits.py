@@ -195,7 +195,7 @@ def closed_form(model, profile, groups, alpha):
 
 
 @pytest.mark.slow
-@settings(max_examples=8, deadline=None, derandomize=True)
+@settings(max_examples=5, deadline=None, derandomize=True)
 @given(st.dictionaries(st.integers(1, 32), st.floats(0.05, 1.0), min_size=1, max_size=4),
        st.floats(0.0, 1.0), st.booleans(), st.integers(1, 8), st.integers(1, 31),
        st.integers(0, 2**16))

@@ -33,7 +33,7 @@ schedules = st.one_of(
 )
 
 
-@settings(max_examples=15, deadline=None, derandomize=True)
+@settings(max_examples=10, deadline=None, derandomize=True)
 @given(schedules, st.floats(0.0, 1.0), st.sampled_from([0, 1, 4]), st.integers(0, 2**16))
 def test_simulator_mean_agrees_with_closed_form(schedule, alpha, sharing, seed):
     model = get_model("ouro-2.6b") if seed % 2 else HUGINN

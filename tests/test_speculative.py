@@ -51,7 +51,7 @@ def test_every_draft_depth_at_block_lengths_1_to_8(family):
     prompt = [5, 9, 33, 2, 17]
     ar = run(model, prompt, max_new_tokens=20).tokens
     for d in range(1, model.config.depth):
-        for k in (1, 2, 3, 5, 8):  # and the hypothesis tests' draws between
+        for k in (1, 3, 8):  # and the hypothesis tests' draws between
             assert run(model, prompt, "dtv", max_new_tokens=20, block_length=k,
                        draft_depth=d).tokens == ar
         assert run(model, prompt, "wfd", max_new_tokens=20, draft_depth=d).tokens == ar
