@@ -19,8 +19,8 @@ vLLM schedules (the server's token budget, 2,048 on the CPU build), or call by c
 than 100 requests is about their slowest one; `--out` keeps each request's times).
 
 The engine's own time, which the per-call cost does not hold, is measured first and apart from
-the streams, from lone requests of the mean lengths, two of them arriving together and a full
-batch of them arriving together (`engine_measurements`), and given to the simulations: AR's
+the streams, six times each from lone requests of the mean lengths, two arriving together and
+a full batch arriving together (`engine_measurements`), and given to the simulations: AR's
 per step and per sequence in a step, a drafting schedule's per tick and per wave in a tick (the
 plugin's waves do their bookkeeping a tick at a time) and vLLM's per step, which the pair and
 lone requests whose waves commit nothing ahead tell apart (a lone wave's step commits up to 9
@@ -294,7 +294,7 @@ def served_run(args, spec, hw, options: dict, prompt: Lengths, output: Lengths) 
                 return load(base, str(folder), requests, seed, extra)
 
             def engine_now(wake=()) -> tuple[dict, EngineOverheads]:
-                measured = engine_measurements(serve, prompt, output, args.max_batch,
+                measured = engine_measurements(serve, prompt, output, args.max_batch, repeats=6,
                                                step_by_step=bool(overrides),
                                                engine_clock=lambda: engine_clock(base))
                 return measured, fit_engine(measured, spec, hw, prompt, output, options,
