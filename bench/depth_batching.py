@@ -36,10 +36,9 @@ import statistics
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
-from costmodel.exits import ExitRule
+from costmodel.exits import ExitRule, depth_distribution
 from wfd.batch import Request, decode_batch
 from wfd.checkpoint import load_model
 from wfd.generate import generate
@@ -134,8 +133,7 @@ def predicted_speedup(profile: Path, name: str, rule: str, depths: list[int], ba
             check=True)
         return json.loads(done.stdout)["schedules"][schedule]["tokens_per_s"]
 
-    counts = Counter(depths)
-    spread = ",".join(f"{r}:{n / len(depths):.8f}" for r, n in sorted(counts.items()))
+    spread = ",".join(f"{r}:{p:.8f}" for r, p in depth_distribution(depths).items())
     named = [] if rule.startswith("forced") else ["--exit", rule.split(":")[0]]
     return tokens_per_s("--exit-depths", spread, *named) / tokens_per_s()
 

@@ -104,12 +104,12 @@ def exit_distribution(name: str, rule: str, prompts: list[list[int]], new_tokens
                       ) -> dict[int, float]:
     """The depths at which wfd's AR with ``rule`` stops the decoded tokens of ``prompts`` (each
     its own number of new tokens) on the shipped model ``name``, as a distribution."""
-    from costmodel.exits import ExitRule
+    from costmodel.exits import ExitRule, depth_distribution
 
     model, parsed = load_model(name), ExitRule.parse(rule)
-    depths = [d for prompt, n in zip(prompts, new_tokens, strict=True) for d in generate(
-        model, prompt, max_new_tokens=n, schedule="ar", exit_rule=parsed).stats["exit_depths"]]
-    return {d: depths.count(d) / len(depths) for d in sorted(set(depths))}
+    return depth_distribution([d for prompt, n in zip(prompts, new_tokens, strict=True)
+                               for d in generate(model, prompt, max_new_tokens=n, schedule="ar",
+                                                 exit_rule=parsed).stats["exit_depths"]])
 
 
 def exit_measurements(model, name: str, data: bytes, windows: int) -> dict:

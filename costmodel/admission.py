@@ -12,6 +12,7 @@ from .model import LoopedModelSpec
 from .placement import StreamPlacement
 from .requests import Request
 from .schedules.base import Schedule
+from .slots import readout_depths
 from .workload import Workload
 
 
@@ -25,17 +26,9 @@ def kv_budget_bytes(model: LoopedModelSpec, hw: HardwareSpec, dtype: str, depth:
                            positions_per_call=positions_per_call)
     if placement is not None:
         return placement.kv_budget_bytes(
-            model, hw, dtype=dtype, depth=depth, readouts=2 if schedule.drafts else 1,
+            model, hw, dtype=dtype, depth=depth, readouts=readout_depths(schedule, depth),
             kv_sharing=kv_sharing, activation_bytes=memory.activation_bytes)
     return memory.capacity_bytes - memory.weights_bytes - memory.activation_bytes
-
-
-def readout_depths(schedule: Schedule, depth: int, exit_from: int | None = None) -> int:
-    """The depths a sequence's tokens are read out at, a coda KV slot each: R, d where the
-    schedule drafts, and with exits every depth from ``exit_from`` (the shallowest a token may
-    stop at) on."""
-    reads = {depth} | ({schedule.draft_depth} if schedule.drafts else set())
-    return len(reads | (set(range(exit_from, depth + 1)) if exit_from else set()))
 
 
 def kv_per_token(model: LoopedModelSpec, schedule: Schedule, *, depth: int, dtype: str,

@@ -139,6 +139,12 @@ def _needs(values, what: str, rule: str):
     return values
 
 
+def depth_distribution(depths: list[int]) -> dict[int, float]:
+    """Measured exit depths as a distribution (each depth's share, by depth): what
+    ``--exit-depths`` and ``Workload.exit_depths`` take."""
+    return {r: depths.count(r) / len(depths) for r in sorted(set(depths))}
+
+
 def parse_exit_depths(text: str, depth: int) -> dict[int, float]:
     """A distribution of exit depths, ``"4:0.3,6:0.5,8:0.2"`` (depth: probability, summing to
     1), each depth in 1..R; ValueError in one line otherwise."""

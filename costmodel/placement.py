@@ -38,7 +38,7 @@ from .model import LoopedModelSpec
 from .predict import _Pricer, acceptance_for, decode_keys, predict
 from .schedules import SCHEDULES, WFD
 from .schedules import get as get_schedule
-from .slots import static_span
+from .slots import readout_depths, static_span
 from .specs import DTYPE_BYTES
 from .workload import Workload
 
@@ -176,7 +176,7 @@ def place(model: LoopedModelSpec, hw: HardwareSpec, workload: Workload | dict, *
         moved = handoffs(model, groups, alpha, batch, wl.dtype, layout, link)
         bound, where = busiest(parts, layout)
         memory = device_bytes(model, wl, layout, depth=depth, lookahead=schedule.lookahead(depth),
-                              readouts=2 if schedule.drafts else 1,
+                              readouts=readout_depths(schedule, depth),
                               static=hw.graphs.cuda_graphs)
         placed = Placed(schedule=name, layout=layout, devices=len(devices(layout)),
                         one_device_latency_s=result.latency_per_token_s, part_s=parts,

@@ -27,7 +27,7 @@ from .parallel import split
 from .plans import check_draft_depth
 from .presets import resolve
 from .schedules import AR, SCHEDULES, Schedule, widest
-from .slots import check_kv_sharing, mean_decode_keys
+from .slots import check_kv_sharing, mean_decode_keys, readout_depths
 from .workload import Workload
 
 # the most tokens a finite run may simulate (prompts x new tokens), for the three schedules: a
@@ -267,7 +267,7 @@ def predict(
                    key=lambda f: float(f[2]["latency_s"]))
         schedule, groups, totals = best
         chosen[name] = schedule
-        readouts = len({depth} | exit_reads | ({d} if schedule.drafts else set()))
+        readouts = readout_depths(schedule, depth, exits.exits.min_depth if exits else None)
         results[name] = _result(spec, hw, wl, depth, schedule, groups, alpha, totals, readouts,
                                 readouts_together=continuous_depth,
                                 mean_exit_depth=exits.mean_depth if exits else None,

@@ -35,7 +35,7 @@ from .parallel import split
 from .placement import StreamPlacement, placed_link
 from .requests import Request, check_fits
 from .schedules.base import Schedule
-from .stream import StreamExits
+from .stream import StreamExits, stream_readouts
 from .workload import Workload
 
 
@@ -136,7 +136,7 @@ def serve(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
         kv_budget = kv_budget_bytes(model, hw, dtype, depth, max_batch,
                                     schedule.positions_per_call(depth), schedule, kv_sharing,
                                     placement)
-    readouts = exits.readouts(schedule, depth) if exits else None  # coda slots a token holds
+    readouts = stream_readouts(schedule, depth, exits)  # coda slots a token holds
     if token_budget is not None:
         if fidelity != "steps":
             raise ValueError("a token budget schedules steps as vLLM does: give fidelity steps")
@@ -201,19 +201,20 @@ def chosen_schedules(model: LoopedModelSpec, hw: HardwareSpec, requests: Sequenc
                      max_batch: int, depth: int, dtype: str, kv_sharing: int = 0,
                      acceptance: float | None = None, draft_depth: int | None = None,
                      width: int | None = None, block_length: int | None = None,
-                     exits: dict | None = None, only: Sequence[str] | None = None
+                     exits: StreamExits | None = None, only: Sequence[str] | None = None
                      ) -> tuple[dict[str, Schedule], float]:
     """Each registered schedule at the variant ``predict`` finds best for the stream's mean
     request at a full batch (at batch 1 where a full batch of it does not fit), and the
-    acceptance its drafts are verified at; with ``exits`` (a ``Workload``'s exit fields),
-    with those exits. ``only``: the schedules to choose (``predict``'s; default all)."""
+    acceptance its drafts are verified at; with ``exits``, with those exits (the drafts
+    verified those of positions that go past d). ``only``: the schedules to choose
+    (``predict``'s; default all)."""
     from .predict import acceptance_for, predict, resolve_draft_depth
     from .schedules import get
 
     typical = {"context_length": round(np.mean([r.prompt_tokens for r in requests])),
                "new_tokens": round(np.mean([r.output_tokens for r in requests])),
                "dtype": dtype, "depth": depth, "kv_sharing": kv_sharing,
-               "acceptance": acceptance, **(exits or {})}
+               "acceptance": acceptance, **(exits.fields if exits else {})}
     options = {"width": width, "draft_depth": draft_depth, "block_length": block_length,
                "only": only}
     best = predict(model, hw, {**typical, "batch_size": max_batch}, **options)
@@ -224,12 +225,8 @@ def chosen_schedules(model: LoopedModelSpec, hw: HardwareSpec, requests: Sequenc
 
         raise ValueError(f"the stream's mean request: {does_not_fit(best.memory, best.workload)}")
     d = resolve_draft_depth(model, depth, width, draft_depth)
-    if exits:  # the drafts verified are those of positions that go past d
-        from .adaptive import exit_profile
-
-        alpha = float(exit_profile(model, Workload(**typical), depth, d).acceptance(d))
-    else:
-        alpha = acceptance_for(model, Workload(**typical), depth, d)
+    alpha = float(exits.profile.acceptance(d)) if exits else acceptance_for(
+        model, Workload(**typical), depth, d)
     return {name: get(name).of(r.draft_depth, r.block_length, r.width_cap)
             for name, r in best.schedules.items()}, alpha
 
@@ -269,7 +266,7 @@ def predict_serving(model: LoopedModelSpec, hw: HardwareSpec, requests: Sequence
     schedules, alpha = chosen_schedules(
         model, hw, requests, max_batch=max_batch, depth=depth, dtype=dtype,
         kv_sharing=kv_sharing, acceptance=acceptance, draft_depth=draft_depth, width=width,
-        block_length=block_length, exits=exits, only=names if exits else None)
+        block_length=block_length, exits=stream_exits, only=names if exits else None)
     results = {}
     for name, schedule in schedules.items():
         if names is not None and name not in names:

@@ -12,6 +12,14 @@ def core_slot(depth: int, kv_sharing: int) -> int:
     return (depth - 1) % kv_sharing if kv_sharing else depth - 1
 
 
+def readout_depths(schedule, depth: int, exit_from: int | None = None) -> int:
+    """The depths a sequence's tokens are read out at under ``schedule``, a coda KV slot each:
+    R, d where the schedule drafts, and with exits every depth from ``exit_from`` (the
+    shallowest a token may stop at) on."""
+    reads = {depth} | ({schedule.draft_depth} if schedule.drafts else set())
+    return len(reads | (set(range(exit_from, depth + 1)) if exit_from else set()))
+
+
 def call_slots(kind: str, depths: Sequence[int], kv_sharing: int) -> list[int]:
     """The KV slot each position of a call reads and writes, as the call trace records it: 0 in
     the prelude, the core slot of its depth in the block, its readout depth in the coda."""

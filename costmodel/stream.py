@@ -26,12 +26,11 @@ reads and attention, which are linear in it).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .adaptive import ExitProfile, exit_profile
-from .admission import readout_depths
 from .engines import EngineOverheads
 from .groups import CallGroup, block_calls_per_token
 from .hardware import HardwareSpec
@@ -40,7 +39,7 @@ from .placement import StreamPlacement
 from .predict import _Pricer, prefill_time_s
 from .requests import Request
 from .schedules.base import Schedule
-from .slots import static_span
+from .slots import readout_depths, static_span
 from .workload import Workload
 
 CONTEXT_BUCKET = 16  # keys: a step's time is priced at its context rounded to these
@@ -52,19 +51,11 @@ class StreamExits:
     tokens in step (this project's batch: a block call runs while any token is at its depth)
     or, ``continuous``, each sequence at its own depth (the plugin's exit mode on vLLM, which
     runs AR as a wave: it pays the engine's time per tick and commits ahead as the drafting
-    schedules do)."""
+    schedules do). ``fields``: the ``Workload`` exit fields the profile was made from."""
 
     profile: ExitProfile
     continuous: bool = False
-
-    def groups(self, schedule: Schedule, batch: int) -> list[CallGroup]:
-        """A step's calls at ``batch`` sequences, from the schedule's closed form with exits."""
-        groups = schedule.exit_groups(self.profile, batch, self.continuous)
-        if groups is None:
-            raise ValueError(f"{schedule.name.upper()} with exits has no closed form to price "
-                             "a stream step by step (predict simulates it): serve AR and DtV "
-                             "with exits (--schedule ar --schedule dtv)")
-        return groups
+    fields: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, model: LoopedModelSpec, exits: dict, depth: int, draft_depth: int,
@@ -72,7 +63,14 @@ class StreamExits:
         """From a ``Workload``'s exit fields (``exits``: ``exit_depths``, or ``depth_trace``
         with ``exit_rule``)."""
         workload = Workload(depth=depth, acceptance=acceptance, **exits)
-        return cls(exit_profile(model, workload, depth, draft_depth), continuous)
+        return cls(exit_profile(model, workload, depth, draft_depth), continuous, dict(exits))
+
+    def groups(self, schedule: Schedule, batch: int) -> list[CallGroup]:
+        """A step's calls at ``batch`` sequences, from the schedule's closed form with exits."""
+        groups = schedule.exit_groups(self.profile, batch, self.continuous)
+        if groups is None:
+            raise _unpriced(schedule.name)
+        return groups
 
     def schedules(self, names: Sequence[str] | None) -> list[str]:
         """The schedules a stream with exits runs: those asked for (each with a closed form
@@ -83,14 +81,23 @@ class StreamExits:
             1, self.profile.depth)[0].exit_groups(self.profile, 1, self.continuous) is not None]
         for name in names or ():
             if name not in priced:
-                self.groups(SCHEDULES[name].variants(1, self.profile.depth)[0], 1)  # refused
+                raise _unpriced(name)
         return priced if names is None else list(names)
 
     def waves(self, schedule: Schedule) -> bool:
         return schedule.drafts or self.continuous
 
-    def readouts(self, schedule: Schedule, depth: int) -> int:
-        return readout_depths(schedule, depth, self.profile.exits.min_depth)
+
+def _unpriced(name: str) -> ValueError:
+    return ValueError(f"{name.upper()} with exits has no closed form to price a stream step by "
+                      "step (predict simulates it): serve AR and DtV with exits (--schedule ar "
+                      "--schedule dtv)")
+
+
+def stream_readouts(schedule: Schedule, depth: int, exits: StreamExits | None) -> int:
+    """The depths a sequence's tokens are read out at in a stream, a coda KV slot each (with
+    exits, every depth a token may stop at)."""
+    return readout_depths(schedule, depth, exits.profile.exits.min_depth if exits else None)
 
 
 def step_times(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule, *, alpha: float,
@@ -250,7 +257,7 @@ def serve_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
                             kv_sharing=kv_sharing, dtype=dtype, max_batch=max_batch,
                             engine=engine, placement=placement, exits=exits)
     per_round = round_tokens(schedule, acceptance)
-    readouts = exits.readouts(schedule, depth) if exits else readout_depths(schedule, depth)
+    readouts = stream_readouts(schedule, depth, exits)
     prefill = _Prefills(model, hw, depth, dtype, kv_sharing, readouts, placement, engine=engine)
     served = [{"arrival_s": r.arrival_s, "output_tokens": r.output_tokens} for r in requests]
     ready = [r.arrival_s + engine.request_s for r in requests]

@@ -34,14 +34,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .admission import readout_depths
 from .engines import EngineOverheads
 from .groups import block_calls_per_token
 from .hardware import HardwareSpec
 from .model import LoopedModelSpec
 from .requests import Request
 from .schedules.base import Schedule
-from .stream import StreamExits, _Prefills, decoding_run, elapsed_times, round_tokens
+from .stream import (
+    StreamExits,
+    _Prefills,
+    decoding_run,
+    elapsed_times,
+    round_tokens,
+    stream_readouts,
+)
 
 
 @dataclass
@@ -143,7 +149,7 @@ def serve_vllm_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedul
                             engine=engine, exits=exits)
     # the plugin's waves read a prompt out at all its readout depths (d and R; with exits,
     # every depth a token may stop at) in one call
-    readouts = exits.readouts(schedule, depth) if exits else readout_depths(schedule, depth)
+    readouts = stream_readouts(schedule, depth, exits)
     prefill = _Prefills(model, hw, depth, dtype, kv_sharing, readouts, together=True,
                         engine=engine)
     served = [{"arrival_s": r.arrival_s, "output_tokens": r.output_tokens} for r in requests]

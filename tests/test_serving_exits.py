@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from conftest import run_cli
 
-from costmodel.admission import readout_depths
 from costmodel.engines import EngineOverheads
 from costmodel.predict import predict
 from costmodel.presets import resolve
 from costmodel.requests import Request
 from costmodel.schedules import AR, DtV
 from costmodel.serving import predict_serving
+from costmodel.slots import readout_depths
 from costmodel.stream import StreamExits, step_times
 
 MODEL, HARDWARE = resolve("huginn-3.5b", "h100-sxm")

@@ -9,7 +9,7 @@ import math
 import torch
 from torch import nn
 
-from costmodel.exits import ExitRule
+from costmodel.exits import ExitRule, depth_distribution
 
 from .exits import log_probs
 from .generate import generate
@@ -50,5 +50,5 @@ def held_out_bits(model: nn.Module, data: bytes, rule: ExitRule | None, *, windo
     out: dict[str, object] = {"bits_per_byte": nll / count / math.log(2)}
     if depths:
         out["mean_exit_depth"] = sum(depths) / len(depths)
-        out["exit_depths"] = {r: depths.count(r) / len(depths) for r in sorted(set(depths))}
+        out["exit_depths"] = depth_distribution(depths)
     return out
