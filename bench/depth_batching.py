@@ -4,6 +4,7 @@ whatever depth each request is at) and in wfd's batch path, on the shipped tiny 
 
     python bench/depth_batching.py [--models huginn-tiny ouro-tiny] [--batches 1 8 16 32]
         [--new-tokens 128] [--repeats 3] [--schedule ar|wfd|dtv --draft-depth D] [--out F.json]
+        [--profile P.json [--fit-engine [RULE] | --engine-time F.json]]
 
 Each batch B sends B held-out prompts of 64 bytes together (batch 1: four, one at a time), each
 for --new-tokens greedy tokens. vLLM runs two engines a repeat, alternating: its own forward at
@@ -20,9 +21,14 @@ medians over the repeats. With ``--schedule wfd`` (or dtv) both sides run it: vL
 plugin's WFD without and with the rule, wfd its own. With ``--profile`` (calibrated on this
 machine) a row adds ``predicted_speedup``: ``costmodel predict --engine vllm --batch B`` of the
 schedule with the run's exit depths (wfd's AR with the rule, on the batch's prompts) over the
-same at fixed depth; with ``--engine-time F.json`` (``bench/vllm_predicted.py --out``'s: the
-engine's own time per step, sequence, tick and wave, fitted in the same hour) both sides pay
-it, the exit mode its waves' ticks too. Exits non-zero
+same at fixed depth (and ``predicted_exit_tokens_per_s``); with ``--engine-time F.json``
+(``bench/vllm_predicted.py --out``'s: the engine's own time per step, sequence, tick and wave,
+fitted from the plugin's WFD in the same hour) both sides pay it, the exit mode its waves' ticks
+too; with ``--fit-engine`` that time is fitted from this run instead, at its two smallest
+batches: per step and sequence from vLLM's forward at fixed depth, per tick and wave from the
+exit mode with each rule (its checks are its own: a rule's time is its own), or with
+``--fit-engine RULE`` from that rule for every rule; the rows fitted are marked ``fitted``, and
+every other row is predicted. Exits non-zero
 when a vLLM run's greedy tokens are not wfd's AR's with the same rule. Run it on a quiet
 machine: the engines use both cores.
 """
@@ -33,12 +39,16 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from costmodel.engines import EngineOverheads, for_engine
 from costmodel.exits import ExitRule, depth_distribution
+from costmodel.predict import ScheduleResult, predict
+from costmodel.presets import get_model
+from costmodel.profile import load_profile
+from costmodel.workload import Workload
 from wfd.batch import Request, decode_batch
 from wfd.checkpoint import load_model
 from wfd.generate import generate
@@ -46,7 +56,9 @@ from wfd.heldout import held_out_bits
 from wfd.serving.offline import run_apart
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_fit import engine_text  # noqa: E402
 from tiny_models import heldout_prompts, model_heldout  # noqa: E402
+from vllm_predicted import engine_lines  # noqa: E402
 
 from costmodel.clitools import script_main  # noqa: E402
 
@@ -115,38 +127,44 @@ def check_tokens(model, name: str, prompts, new_tokens: int, rules, vllm: dict, 
     return depths
 
 
-def predicted_speedup(profile: Path, name: str, rule: str, depths: list[int], batch: int,
-                      new_tokens: int, plan: dict, context: int = 64,
-                      engine: list[str] = ()) -> float:
-    """``costmodel predict --engine vllm``'s tokens/s of the schedule with these exit depths
-    over the same at fixed depth, at this batch (``plan``'s recurrence_depth: R; ``engine``:
-    more of predict's options, the engine's own time)."""
-    schedule = plan.get("schedule", "ar")
-    drafts = ["--draft-depth", str(plan["draft_depth"])] if "draft_depth" in plan else []
-    if "recurrence_depth" in plan:
-        drafts += ["--depth", str(plan["recurrence_depth"])]
-    def tokens_per_s(*extra: str) -> float:
-        done = subprocess.run(
-            ["costmodel", "predict", "--profile", str(profile), "--model", name, "--context",
-             str(context), "--new-tokens", str(new_tokens), "--batch", str(batch), "--engine",
-             "vllm", "--json", *drafts, *engine, *extra], capture_output=True, text=True,
-            check=True)
-        return json.loads(done.stdout)["schedules"][schedule]["tokens_per_s"]
-
-    spread = ",".join(f"{r}:{p:.8f}" for r, p in depth_distribution(depths).items())
-    named = [] if rule.startswith("forced") else ["--exit", rule.split(":")[0]]
-    return tokens_per_s("--exit-depths", spread, *named) / tokens_per_s()
+def predicted(profile, name: str, batch: int, new_tokens: int, plan: dict,
+              exits: tuple[str, list[int]] | None = None,
+              engine: EngineOverheads | None = None, context: int = 64) -> ScheduleResult:
+    """``costmodel predict --engine vllm``'s result for the schedule at this batch, with the
+    exit depths a rule gave (``exits``: (rule, depths)) or at fixed depth (``plan``'s
+    recurrence_depth: R; ``engine``: the engine's own time)."""
+    spec, schedule = get_model(name), plan.get("schedule", "ar")
+    fields = {}
+    if exits is not None:
+        rule, depths = exits
+        fields["exit_depths"] = depth_distribution(depths)
+        if not rule.startswith("forced"):
+            fields["exit_rule"] = rule.split(":")[0]
+    workload = Workload(context_length=context, new_tokens=new_tokens, batch_size=batch,
+                        dtype=profile.dtype, depth=plan.get("recurrence_depth"), **fields)
+    return predict(spec, for_engine("vllm", profile.hardware, spec), workload,
+                   draft_depth=plan.get("draft_depth"), engine=engine, continuous_depth=True,
+                   only=[schedule]).schedules[schedule]
 
 
-def engine_options(args) -> list[str]:
-    """``costmodel predict``'s options for the engine's own time in ``--engine-time``'s file."""
-    if args.engine_time is None:
-        return []
-    engine = json.loads(args.engine_time.read_text())["engine"]
-    return ["--step-overhead", f"{engine['step_s']}s", "--sequence-overhead",
-            f"{engine['per_sequence_s']}s", "--tick-overhead", f"{engine['tick_s']}s",
-            "--wave-overhead", f"{engine['wave_tick_s']}s", "--commit-ahead",
-            str(engine["commit_ahead"])]
+def fitted_engine(profile, name: str, rule: str, depths: list[int], measured: dict,
+                  batches: list[int], new_tokens: int, plan: dict) -> EngineOverheads:
+    """The engine's own time from this run's two smallest batches (``--fit-engine``): per step
+    and per sequence from vLLM's forward at fixed depth, per tick and per wave in a tick from the
+    exit mode with ``rule`` (``measured``: {(mode, batch): tokens/s})."""
+    two = sorted(set(batches))[:2]
+    bare = {b: predicted(profile, name, b, new_tokens, plan) for b in two}
+    waved = {b: predicted(profile, name, b, new_tokens, plan, (rule, depths)) for b in two}
+    depth = plan.get("recurrence_depth") or get_model(name).default_depth
+    return engine_lines({b: (measured["fixed", b], bare[b].tokens_per_s) for b in two},
+                        {b: (measured[rule, b], waved[b].tokens_per_s) for b in two},
+                        {b: waved[b].block_calls_per_token for b in two}, depth,
+                        EngineOverheads().commit_ahead)
+
+
+def engine_from_file(path: Path | None) -> EngineOverheads | None:
+    """The engine's own time in ``--engine-time``'s file (``bench/vllm_predicted.py --out``)."""
+    return None if path is None else EngineOverheads(**json.loads(path.read_text())["engine"])
 
 
 def model_rows(name: str, args) -> list[dict]:
@@ -166,32 +184,63 @@ def model_rows(name: str, args) -> list[dict]:
                           min(args.batches))
     fixed_bits = held_out_bits(model, data, None, windows=args.windows)["bits_per_byte"]
 
-    def median(passes, key, at=0):
+    def median(passes, key, at=0):  # at: tokens/s (0), mean exit depth (2); None: a figure
         return statistics.median(p[key][at] if at is not None else p[key] for p in passes)
 
     family = name.split("-")[0]
-    profile = next((p for p in args.profile if family in p.name), None)
+    path = next((p for p in args.profile if family in p.name), None)
+    profile = load_profile(path) if path else None
+    measured = {key: median(vllm, key) for key in vllm[0]}
+    engines = dict.fromkeys(rules, engine_from_file(args.engine_time))
+    fit_on = sorted(set(args.batches))[:2] if profile and args.fit_engine else []
+    for rule in rules if fit_on else ():
+        # the exit mode's own time depends on its rule (its checks): each rule's, or one's
+        own = rule if args.fit_engine == "each" else args.fit_engine
+        engines[rule] = fitted_engine(profile, name, own, depths[own], measured, args.batches,
+                                      args.new_tokens, plan)
+        print(f"{name}, {rule} (fitted on {own}): {engine_text(engines[rule])}",
+              file=sys.stderr)
     rows = []
     for rule in rules:
         bits = held_out_bits(model, data, ExitRule.parse(rule), windows=args.windows)
         for b in args.batches:
-            rows.append({
+            row = {
                 "model": name, "rule": rule, "batch": b,
-                "fixed_tokens_per_s": median(vllm, ("fixed", b)),
-                "exit_tokens_per_s": median(vllm, (rule, b)),
-                "wave_fixed_tokens_per_s": median(vllm, ("none", b)),
+                "fixed_tokens_per_s": measured["fixed", b],
+                "exit_tokens_per_s": measured[rule, b],
+                "wave_fixed_tokens_per_s": measured["none", b],
                 "mean_exit_depth": median(vllm, (rule, b), 2),
                 "bits_per_byte_change": bits["bits_per_byte"] / fixed_bits - 1,
                 "wfd_fixed_tokens_per_s": median(ours, ("fixed", b), None),
                 "wfd_exit_tokens_per_s": median(ours, (rule, b), None),
                 "fixed_passes": [round(p["fixed", b][0], 1) for p in vllm],
                 "exit_passes": [round(p[rule, b][0], 1) for p in vllm],
-                "schedule": args.schedule,
-                **({"predicted_speedup": predicted_speedup(profile, name, rule, depths[rule],
-                                                           b, args.new_tokens, plan,
-                                                           engine=engine_options(args))}
-                   if profile else {})})
+                "schedule": args.schedule}
+            if profile:
+                engine = engines[rule]
+                fixed = predicted(profile, name, b, args.new_tokens, plan, engine=engine)
+                exits = predicted(profile, name, b, args.new_tokens, plan, (rule, depths[rule]),
+                                  engine)
+                row.update(predicted_speedup=exits.tokens_per_s / fixed.tokens_per_s,
+                           predicted_exit_tokens_per_s=exits.tokens_per_s,
+                           fitted=b in fit_on and args.fit_engine in ("each", rule))
+            rows.append(row)
     return rows
+
+
+def check_fit(args) -> None:
+    """``--fit-engine`` refused before the run where it cannot be done, in one line."""
+    if not args.fit_engine:
+        return
+    if not args.profile or args.engine_time:
+        sys.exit("error: --fit-engine goes with --profile, in place of --engine-time")
+    if len(set(args.batches)) < 2:
+        sys.exit("error: --fit-engine fits on the two smallest of --batches: give two or more")
+    for name in args.models:
+        rules = args.rules or RULES.get(name, [])
+        if args.fit_engine != "each" and args.fit_engine not in rules:
+            sys.exit(f"error: --fit-engine {args.fit_engine}: not one of {name}'s rules "
+                     f"({', '.join(rules)})")
 
 
 def table(rows: list[dict]) -> str:
@@ -202,6 +251,7 @@ def table(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         predicted = f"{r['predicted_speedup']:.2f}x" if "predicted_speedup" in r else "-"
+        predicted += " (fitted)" if r.get("fitted") else ""
         lines.append(
             f"| {r['model']} | `{r['rule']}` | {r['batch']} | {r['mean_exit_depth']:.2f} | "
             f"{r['bits_per_byte_change']:+.2%} | {r['fixed_tokens_per_s']:.0f} | "
@@ -232,8 +282,13 @@ def main() -> None:
     parser.add_argument("--engine-time", type=Path,
                         help="bench/vllm_predicted.py --out's file: the engine's own time in the "
                              "predictions")
+    parser.add_argument("--fit-engine", nargs="?", const="each", metavar="RULE",
+                        help="fit the engine's own time from this run's two smallest batches "
+                             "(vLLM at fixed depth, the exit mode with each rule, or with RULE "
+                             "for every rule) and predict every other row with it")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    check_fit(args)
     rows = [row for name in args.models for row in model_rows(name, args)]
     print(table(rows))
     if args.out:

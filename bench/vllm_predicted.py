@@ -53,26 +53,37 @@ def predicted(peer: dict, row: dict, hardware: dict, engine: EngineOverheads | N
     return out
 
 
+def two_point_line(extra: dict[int, float]) -> tuple[float, float]:
+    """(a, b) of a + B * b through the figures at two batches B (neither below zero)."""
+    low, high = sorted(extra)
+    per = max(0.0, (extra[high] - extra[low]) / (high - low))
+    return max(0.0, extra[low] - low * per), per
+
+
+def engine_lines(steps: dict[int, tuple[float, float]], waves: dict[int, tuple[float, float]],
+                 ticks: dict[int, float], depth: int, commit_ahead: int) -> EngineOverheads:
+    """The engine's own time from tokens/s at two batches B, each (measured, predicted without
+    the engine): vLLM's AR's (``steps``) give its time per step and per sequence in a step (a
+    step of B sequences takes step + B * sequence more than its calls); the waves' (``waves``,
+    ``ticks`` per token by batch) the rest of their steps over their ticks, per tick and per wave
+    in a tick."""
+    step_s, sequence_s = two_point_line({b: b / m - b / p for b, (m, p) in steps.items()})
+    engine = EngineOverheads(step_s=step_s, per_sequence_s=sequence_s, commit_ahead=commit_ahead)
+    tick_s, wave_s = two_point_line({
+        b: (b / m - b / p - b * engine.per_token_s(b, True, ticks[b], depth)) / ticks[b]
+        for b, (m, p) in waves.items()})
+    return engine.model_copy(update={"tick_s": tick_s, "wave_tick_s": wave_s})
+
+
 def fit(peer: dict, hw: dict, model: str) -> EngineOverheads:
     """The engine's times from ``model``'s AR and WFD at batch 1 and 8."""
     rows = {row["batch"]: row for row in peer["rows"] if row["model"] == model}
     bare = {b: predicted(peer, rows[b], hw, None) for b in (1, 8)}
-    # a step of B sequences takes step + B * sequence more than its calls: (a, b) of a + B * b
-    def line(extra: dict[int, float]) -> tuple[float, float]:
-        per = max(0.0, (extra[8] - extra[1]) / 7)
-        return max(0.0, extra[1] - per), per
-
-    step_s, sequence_s = line({b: b / rows[b][MEASURED["ar"]] - b / bare[b]["ar"].tokens_per_s
-                               for b in (1, 8)})
-    engine = EngineOverheads(step_s=step_s, per_sequence_s=sequence_s,
-                             commit_ahead=peer.get("commit_ahead", 8))
-    # a tick of B waves likewise: the rest of the step over the block calls the waves made
-    depth = get_model(model).default_depth
-    ticks = {b: rows[b]["vllm_wfd_block_calls_per_token"] for b in (1, 8)}
-    tick_s, wave_s = line({b: (b / rows[b][MEASURED["wfd"]] - b / bare[b]["wfd"].tokens_per_s
-                               - b * engine.per_token_s(b, True, ticks[b], depth)) / ticks[b]
-                           for b in (1, 8)})
-    return engine.model_copy(update={"tick_s": tick_s, "wave_tick_s": wave_s})
+    return engine_lines(
+        {b: (rows[b][MEASURED["ar"]], bare[b]["ar"].tokens_per_s) for b in (1, 8)},
+        {b: (rows[b][MEASURED["wfd"]], bare[b]["wfd"].tokens_per_s) for b in (1, 8)},
+        {b: rows[b]["vllm_wfd_block_calls_per_token"] for b in (1, 8)},
+        get_model(model).default_depth, peer.get("commit_ahead", 8))
 
 
 def main() -> None:

@@ -138,3 +138,37 @@ def test_predict_prices_only_the_schedules_named_and_ar():
     some = predict(MODEL, HARDWARE, SHALLOW, only=["dtv"])
     assert set(full.schedules) == {"ar", "dtv", "wfd"} and set(some.schedules) == {"ar", "dtv"}
     assert some.schedules["dtv"] == full.schedules["dtv"]
+
+
+def test_the_exit_bench_recovers_the_exit_mode_s_own_time_from_two_batches():
+    """bench/depth_batching.py --fit-engine, given the tokens/s that an engine with known own
+    time makes at two batches (vLLM's forward at fixed depth, the exit mode with a rule; here
+    predicted with that time), finds the time again: per step and sequence from the first, per
+    tick and wave in a tick from the second; and predicts a third batch with it."""
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from costmodel.profile import load_profile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import depth_batching
+
+    root = Path(__file__).resolve().parents[1]
+    profile = SimpleNamespace(dtype="fp32", hardware=load_profile(
+        root / "costmodel/data/profiles/cpu-huginn-fp32-quick.json").hardware)
+    known = EngineOverheads(step_s=0.0014, per_sequence_s=0.00006, tick_s=0.0002,
+                            wave_tick_s=0.00015)
+    exits = ("kl:0.01", [3] * 50 + [2] * 20 + [5] * 20 + [8] * 10)
+    measured = {}
+    for batch in (1, 8, 16):
+        measured["fixed", batch] = depth_batching.predicted(profile, "huginn-tiny", batch, 128,
+                                                            {}, engine=known).tokens_per_s
+        measured["kl:0.01", batch] = depth_batching.predicted(
+            profile, "huginn-tiny", batch, 128, {}, exits, known).tokens_per_s
+    fitted = depth_batching.fitted_engine(profile, "huginn-tiny", *exits, measured, [8, 1],
+                                          128, {})
+    for field in ("step_s", "per_sequence_s", "tick_s", "wave_tick_s"):
+        assert getattr(fitted, field) == pytest.approx(getattr(known, field), rel=1e-6), field
+    again = depth_batching.predicted(profile, "huginn-tiny", 16, 128, {}, exits, fitted)
+    assert again.tokens_per_s == pytest.approx(measured["kl:0.01", 16], rel=1e-6)
