@@ -147,6 +147,14 @@ def predicted(profile, name: str, batch: int, new_tokens: int, plan: dict,
                    only=[schedule]).schedules[schedule]
 
 
+def predicted_pair(profile, name: str, batch: int, new_tokens: int, plan: dict,
+                   exits: tuple[str, list[int]], engine: EngineOverheads | None = None,
+                   context: int = 64) -> tuple[ScheduleResult, ScheduleResult]:
+    """``predicted`` at fixed depth and with the exits, beside each other."""
+    return (predicted(profile, name, batch, new_tokens, plan, None, engine, context),
+            predicted(profile, name, batch, new_tokens, plan, exits, engine, context))
+
+
 def fitted_engine(profile, name: str, rule: str, depths: list[int], measured: dict,
                   batches: list[int], new_tokens: int, plan: dict) -> EngineOverheads:
     """The engine's own time from this run's two smallest batches (``--fit-engine``): per step
@@ -217,10 +225,8 @@ def model_rows(name: str, args) -> list[dict]:
                 "exit_passes": [round(p[rule, b][0], 1) for p in vllm],
                 "schedule": args.schedule}
             if profile:
-                engine = engines[rule]
-                fixed = predicted(profile, name, b, args.new_tokens, plan, engine=engine)
-                exits = predicted(profile, name, b, args.new_tokens, plan, (rule, depths[rule]),
-                                  engine)
+                fixed, exits = predicted_pair(profile, name, b, args.new_tokens, plan,
+                                              (rule, depths[rule]), engines[rule])
                 row.update(predicted_speedup=exits.tokens_per_s / fixed.tokens_per_s,
                            predicted_exit_tokens_per_s=exits.tokens_per_s,
                            fitted=b in fit_on and args.fit_engine in ("each", rule))
@@ -289,6 +295,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     check_fit(args)
+    for path in args.profile:  # read before the run: a bad one is refused at once
+        load_profile(path)
+    engine_from_file(args.engine_time)
     rows = [row for name in args.models for row in model_rows(name, args)]
     print(table(rows))
     if args.out:

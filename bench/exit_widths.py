@@ -35,8 +35,12 @@ from pathlib import Path
 
 import numpy as np
 
+from costmodel.cli_options import engine_overheads
+from costmodel.engines import EngineOverheads
+from costmodel.profile import load_profile
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from depth_batching import predicted_speedup, requests_of, vllm_pass  # noqa: E402
+from depth_batching import predicted_pair, requests_of, vllm_pass  # noqa: E402
 from vllm_tensor_parallel import checkpoint  # noqa: E402
 
 from costmodel.clitools import script_main  # noqa: E402
@@ -86,17 +90,19 @@ def model_rows(name: str, args, tmp: Path) -> list[dict]:
                "mean_exit_depth": median(rule, b, 2)}
         if args.profile:
             preset = name.removesuffix(":random")
-            row["predicted_speedup"] = predicted_speedup(
-                args.profile, preset, rule, depths, b, args.new_tokens, plan,
-                context=PROMPT_TOKENS, engine=overheads(args.overheads))
+            fixed, exits = predicted_pair(args.profile, preset, b, args.new_tokens, plan,
+                                          (rule, depths), args.engine, PROMPT_TOKENS)
+            row["predicted_speedup"] = exits.tokens_per_s / fixed.tokens_per_s
         rows.append(row)
     return rows
 
 
-def overheads(times: list[str] | None) -> list[str]:
-    """predict's options for the engine's own time (step, sequence, tick, wave), or none."""
-    flags = ("--step-overhead", "--sequence-overhead", "--tick-overhead", "--wave-overhead")
-    return [part for flag, time in zip(flags, times or (), strict=False) for part in (flag, time)]
+def overheads(times: list[str] | None) -> EngineOverheads | None:
+    """The engine's own time per step, sequence, tick and wave (``--overheads``), or none."""
+    if not times:
+        return None
+    step, sequence, tick, wave = times
+    return engine_overheads(step, sequence, tick=tick, wave=wave)
 
 
 def table(rows: list[dict]) -> str:
@@ -128,6 +134,8 @@ def main() -> None:
                              "0.29ms 0.10ms")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    args.engine = overheads(args.overheads)  # bad units refused before the run
+    args.profile = args.profile and load_profile(args.profile)
     with tempfile.TemporaryDirectory() as tmp:
         rows = [row for name in args.models for row in model_rows(name, args, Path(tmp))]
     print(table(rows))
