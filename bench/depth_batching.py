@@ -28,7 +28,9 @@ too; with ``--fit-engine`` that time is fitted from this run instead, at its two
 batches: per step and sequence from vLLM's forward at fixed depth, per tick and wave from the
 exit mode with each rule (its checks are its own: a rule's time is its own), or with
 ``--fit-engine RULE`` from that rule for every rule; the rows fitted are marked ``fitted``, and
-every other row is predicted. Exits non-zero
+every other row is predicted; each row's ``engine`` is the time it was predicted with
+(``costmodel predict``'s ``--step-overhead --sequence-overhead --tick-overhead --wave-overhead``
+for other batches). Exits non-zero
 when a vLLM run's greedy tokens are not wfd's AR's with the same rule. Run it on a quiet
 machine: the engines use both cores.
 """
@@ -229,7 +231,9 @@ def model_rows(name: str, args) -> list[dict]:
                                               (rule, depths[rule]), engines[rule])
                 row.update(predicted_speedup=exits.tokens_per_s / fixed.tokens_per_s,
                            predicted_exit_tokens_per_s=exits.tokens_per_s,
-                           fitted=b in fit_on and args.fit_engine in ("each", rule))
+                           fitted=b in fit_on and args.fit_engine in ("each", rule),
+                           **({"engine": engines[rule].model_dump(mode="json")}
+                              if engines[rule] else {}))
             rows.append(row)
     return rows
 
