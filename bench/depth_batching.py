@@ -24,7 +24,7 @@ schedule with the run's exit depths (wfd's AR with the rule, on the batch's prom
 same at fixed depth (and ``predicted_exit_tokens_per_s``); with ``--engine-time F.json``
 (``bench/vllm_predicted.py --out``'s: the engine's own time per step, sequence, tick and wave,
 fitted from the plugin's WFD in the same hour) both sides pay it, the exit mode its waves' ticks
-too; with ``--fit-engine`` that time is fitted from this run instead, at its two smallest
+too; with ``--fit-engine`` (AR) that time is fitted from this run instead, at its two smallest
 batches: per step and sequence from vLLM's forward at fixed depth, per tick and wave from the
 exit mode with each rule (its checks are its own: a rule's time is its own), or with
 ``--fit-engine RULE`` from that rule for every rule; the rows fitted are marked ``fitted``, and
@@ -244,6 +244,8 @@ def check_fit(args) -> None:
         return
     if not args.profile or args.engine_time:
         sys.exit("error: --fit-engine goes with --profile, in place of --engine-time")
+    if args.schedule != "ar":  # the step's time is fitted from vLLM's forward at fixed depth
+        sys.exit("error: --fit-engine fits the exit mode of AR: leave out --schedule")
     if len(set(args.batches)) < 2:
         sys.exit("error: --fit-engine fits on the two smallest of --batches: give two or more")
     for name in args.models:
