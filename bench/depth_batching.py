@@ -198,10 +198,9 @@ def model_rows(name: str, args) -> list[dict]:
         return statistics.median(p[key][at] if at is not None else p[key] for p in passes)
 
     family = name.split("-")[0]
-    path = next((p for p in args.profile if family in p.name), None)
-    profile = load_profile(path) if path else None
+    profile = next((prof for file, prof in args.profiles.items() if family in file), None)
     measured = {key: median(vllm, key) for key in vllm[0]}
-    engines = dict.fromkeys(rules, engine_from_file(args.engine_time))
+    engines = dict.fromkeys(rules, args.engine)
     fit_on = sorted(set(args.batches))[:2] if profile and args.fit_engine else []
     for rule in rules if fit_on else ():
         # the exit mode's own time depends on its rule (its checks): each rule's, or one's
@@ -239,20 +238,20 @@ def model_rows(name: str, args) -> list[dict]:
 
 
 def check_fit(args) -> None:
-    """``--fit-engine`` refused before the run where it cannot be done, in one line."""
+    """``--fit-engine`` refused before the run where it cannot be done, in one line (exit 2)."""
     if not args.fit_engine:
         return
     if not args.profile or args.engine_time:
-        sys.exit("error: --fit-engine goes with --profile, in place of --engine-time")
+        raise ValueError("--fit-engine goes with --profile, in place of --engine-time")
     if args.schedule != "ar":  # the step's time is fitted from vLLM's forward at fixed depth
-        sys.exit("error: --fit-engine fits the exit mode of AR: leave out --schedule")
+        raise ValueError("--fit-engine fits the exit mode of AR: leave out --schedule")
     if len(set(args.batches)) < 2:
-        sys.exit("error: --fit-engine fits on the two smallest of --batches: give two or more")
+        raise ValueError("--fit-engine fits on the two smallest of --batches: give two or more")
     for name in args.models:
         rules = args.rules or RULES.get(name, [])
         if args.fit_engine != "each" and args.fit_engine not in rules:
-            sys.exit(f"error: --fit-engine {args.fit_engine}: not one of {name}'s rules "
-                     f"({', '.join(rules)})")
+            raise ValueError(f"--fit-engine {args.fit_engine}: not one of {name}'s rules "
+                             f"({', '.join(rules)})")
 
 
 def table(rows: list[dict]) -> str:
@@ -301,9 +300,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     check_fit(args)
-    for path in args.profile:  # read before the run: a bad one is refused at once
-        load_profile(path)
-    engine_from_file(args.engine_time)
+    # read once, before the run: a bad file is refused at once
+    args.profiles = {path.name: load_profile(path) for path in args.profile}
+    args.engine = engine_from_file(args.engine_time)
     rows = [row for name in args.models for row in model_rows(name, args)]
     print(table(rows))
     if args.out:
