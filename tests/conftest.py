@@ -1,5 +1,7 @@
+import importlib
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,6 +114,15 @@ def cpu_like_product_s(size: float, rows: int, working_set: float) -> float:
     bandwidth = 200e9 if working_set <= 2**24 else 20e9
     passes = rows if rows < 4 else 2
     return 2e-6 + size / bandwidth * passes + 2 * (size / 4) * rows / 100e9
+
+
+def bench_module(name: str):
+    """A script of bench/ as a module (the benches import each other's helpers by name, so
+    their folder goes on the path)."""
+    folder = str(Path(__file__).resolve().parents[1] / "bench")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module(name)
 
 
 def run_cli(capsys, *args: str, program: str = "costmodel") -> tuple[int, str, str]:

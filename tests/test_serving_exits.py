@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import bench_module, run_cli
 
 from costmodel.engines import EngineOverheads
 from costmodel.predict import predict
@@ -145,18 +145,11 @@ def test_the_exit_bench_recovers_the_exit_mode_s_own_time_from_two_batches():
     time makes at two batches (vLLM's forward at fixed depth, the exit mode with a rule; here
     predicted with that time), finds the time again: per step and sequence from the first, per
     tick and wave in a tick from the second; and predicts a third batch with it."""
-    import sys
-    from pathlib import Path
-    from types import SimpleNamespace
-
     from costmodel.profile import load_profile
+    from costmodel.store import PROFILES_DIR
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import depth_batching
-
-    root = Path(__file__).resolve().parents[1]
-    profile = SimpleNamespace(dtype="fp32", hardware=load_profile(
-        root / "costmodel/data/profiles/cpu-huginn-fp32-quick.json").hardware)
+    depth_batching = bench_module("depth_batching")
+    profile = load_profile(PROFILES_DIR / "cpu-huginn-fp32-quick.json")  # fp32
     known = EngineOverheads(step_s=0.0014, per_sequence_s=0.00006, tick_s=0.0002,
                             wave_tick_s=0.00015)
     exits = ("kl:0.01", [3] * 50 + [2] * 20 + [5] * 20 + [8] * 10)

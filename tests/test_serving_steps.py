@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import bench_module, run_cli
 
 from costmodel.engines import EngineOverheads, IdleWake
 from costmodel.groups import block_calls_per_token
@@ -270,16 +270,6 @@ def test_the_command_schedules_as_vllm_and_counts_preemptions(capsys):
     assert json.loads(out)["schedules"]["ar"]["preemptions"] > 0
 
 
-def load_bench():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import serving_load
-
-    return serving_load
-
-
 @pytest.mark.parametrize("schedule, terms, step_by_step, exits", [
     ("ar", {"step_s": 0.003, "per_sequence_s": 0.0005}, False, None),
     ("wfd", {"step_s": 0.002, "tick_s": 0.0007, "wave_tick_s": 0.0003}, True, None),
@@ -297,7 +287,7 @@ def test_the_load_bench_recovers_an_engine_s_own_time_from_what_it_measures(sche
     calls) or with lone waves measured committing nothing ahead as well; and with the engine's
     own account of the lone requests (vLLM's queue and prefill times), its time on a prompt
     apart from the request's way in and out."""
-    bench = load_bench()
+    bench = bench_module("serving_load")
     prompt, output = Lengths.parse("16-64", "p"), Lengths.parse("32", "o")
     options = {"max_batch": 4, "dtype": "bf16", "names": [schedule], "seed": 0,
                "fidelity": "steps", "token_budget": 2048,
@@ -328,7 +318,7 @@ def test_the_load_bench_splits_no_ttft_where_the_engine_accounts_for_none():
     """An engine whose own account counts none of the lone requests (metrics gone, or another
     engine's): no way in and out is measured, and the fit keeps the whole missing TTFT per
     request."""
-    bench = load_bench()
+    bench = bench_module("serving_load")
     prompt, output = Lengths.parse("32", "p"), Lengths.parse("8", "o")
 
     options = {"max_batch": 2, "dtype": "bf16", "names": ["ar"], "seed": 0}
@@ -355,7 +345,7 @@ def test_the_load_bench_simulates_a_saved_run_again_without_a_server(tmp_path, m
 
     from costmodel.store import PROFILES_DIR
 
-    bench = load_bench()
+    bench = bench_module("serving_load")
     served = [{"arrival_s": t, "prompt_tokens": 40, "output_tokens": 32, "ttft_s": [0.03, 0.0],
                "tpot_s": [0.006, 0.0]} for t in (0.0, 0.2, 0.3, 1.5)]
     run = {"model": "huginn-tiny", "schedule": "wfd", "max_batch": 4, "commit_ahead": 8,

@@ -3,12 +3,10 @@ requests (``costmodel.requests.LengthSample``, made by bench/length_samples.py),
 parts placed on devices of their own (``costmodel.placement.StreamPlacement``)."""
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import bench_module, run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -39,8 +37,7 @@ def test_a_shipped_length_sample_draws_pairs_that_fit_the_context(name):
 def test_a_length_sample_made_from_a_trace_holds_its_requests(prompt_top, output_top, seed):
     """bench/length_samples.py's histogram of a trace: every request counted in the cell its
     lengths fall in, and the pairs drawn from it within the cells that hold requests."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from length_samples import quarter_octaves
+    quarter_octaves = bench_module("length_samples").quarter_octaves
 
     rng = np.random.default_rng(seed)
     prompts = rng.integers(1, 2 ** prompt_top, 50)
