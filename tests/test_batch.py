@@ -71,6 +71,8 @@ def test_sampling_and_forced_outcomes_are_the_batch_1_run():
                          sampling=Sampling(0.8, seed=own.get(r.index, 3)),
                          force_acceptance=0.7, seed=5 + r.index, record=False)
         assert r.tokens == alone.tokens and r.acceptance == alone.stats["acceptance"]
+        assert (r.drafts_verified, r.accepted) == (alone.stats["drafts_verified"],
+                                                   alone.stats["accepted"])
         assert r.forced_acceptance
     tokens = {r.index: r.tokens for r in run.results}
     assert tokens[3] != tokens[0]  # the same prompt, another seed

@@ -295,7 +295,8 @@ def test_plan_exit_checks_read_out_every_depth_only_where_needed():
 def test_in_a_batch_each_sequences_positions_exit_on_their_own(case, schedule, prompts,
                                                                batch_size):
     """A batch goes on while one sequence's positions exit: each sequence's tokens are its own
-    AR-with-exit run's, and the batch's block calls hold only positions still going."""
+    AR-with-exit run's, its tokens stopping at the same depths, and the batch's block calls
+    hold only positions still going."""
     from wfd.batch import Request, decode_batch
 
     family, rule = case
@@ -305,8 +306,8 @@ def test_in_a_batch_each_sequences_positions_exit_on_their_own(case, schedule, p
                        exit_rule=rule, record=True)
     for result in run.results:
         p, n = prompts[result.index]
-        assert result.tokens == generate(model, p, max_new_tokens=n, exit_rule=rule,
-                                         record=False).tokens
+        alone = generate(model, p, max_new_tokens=n, exit_rule=rule, record=False)
+        assert (result.tokens, result.exit_depths) == (alone.tokens, alone.stats["exit_depths"])
 
 
 # --- adaptive drafting -------------------------------------------------------------------

@@ -24,6 +24,7 @@ from conftest import TINY_CONFIGS, damped
 from serving_jobs import UNBOUND, Engines, vllm_job, vllm_tokens
 
 from costmodel.exits import ExitRule
+from wfd.batch import Request, SequenceResult, decode_batch
 from wfd.checkpoint import build, init_random, load_model, save
 from wfd.generate import generate
 from wfd.tokenizer import ByteTokenizer, write_byte_tokenizer
@@ -63,9 +64,19 @@ def sharded(folder: Path) -> Path:
     return folder
 
 
+def wfd_runs(model, prompts, max_new_tokens: int = NEW_TOKENS, schedule: str = "ar",
+             **options) -> list[SequenceResult]:
+    """wfd's decode of each prompt (in their order), the prompts decoded together by its batch
+    path: each sequence's tokens, exit depths, drafts verified and accepted and block calls are
+    its own run's (tests/test_batch.py, tests/test_exits.py), in a fourth of the time of one
+    prompt after another."""
+    requests = [Request(i, p, max_new_tokens) for i, p in enumerate(prompts)]
+    run = decode_batch(model, requests, schedule=schedule, batch_size=len(prompts), **options)
+    return sorted(run.results, key=lambda result: result.index)
+
+
 def ar_tokens(model, prompts, max_new_tokens: int = NEW_TOKENS, **options) -> list[list[int]]:
-    return [generate(model, p, max_new_tokens=max_new_tokens, schedule="ar", **options).tokens
-            for p in prompts]
+    return [result.tokens for result in wfd_runs(model, prompts, max_new_tokens, **options)]
 
 
 @pytest.mark.parametrize("name", ["huginn-tiny", "ouro-tiny"])
@@ -107,9 +118,9 @@ def test_dtv_on_vllm_drafts_with_its_own_checkpoint_and_emits_ar_tokens(engines,
     model = load_model(name)
     ar, dtv = {}, {}  # by new tokens: AR's tokens, and the drafts wfd's DtV(3, d) accepts
     for n in {run["max_tokens"] for run in runs}:
-        ar[n] = [generate(model, p, max_new_tokens=n, schedule="ar").tokens for p in prompts]
-        dtv[n] = sum(generate(model, p, max_new_tokens=n, schedule="dtv", block_length=3,
-                              draft_depth=draft_depth).stats["accepted"] for p in prompts)
+        ar[n] = ar_tokens(model, prompts, n)
+        dtv[n] = sum(r.accepted for r in wfd_runs(model, prompts, n, "dtv", block_length=3,
+                                                   draft_depth=draft_depth))
     for run, done in zip(runs, job["runs"], strict=False):
         assert done["tokens"] == ar[run["max_tokens"]], run
     accepted = sum(dtv[run["max_tokens"]] for run in runs)
@@ -153,14 +164,14 @@ def test_the_plugin_s_wfd_and_dtv_emit_ar_tokens_and_verify_what_wfd_verifies(
     job = vllm_job(engines, tmp_path, folder, runs + sampled, overrides=options,
                    kv_blocks=12 if squeezed else None, block_tokens=32 if squeezed else None)
     model = load_model(name)
-    ours = {n: [generate(model, p, max_new_tokens=n, schedule=schedule, draft_depth=draft_depth,
-                         block_length=3) for p in prompts] for n in {r["max_tokens"] for r in runs}}
+    ours = {n: wfd_runs(model, prompts, n, schedule, draft_depth=draft_depth, block_length=3)
+            for n in {r["max_tokens"] for r in runs}}
     verified = accepted = 0
     for run, done in zip(runs, job["runs"], strict=False):
         theirs = ours[run["max_tokens"]]
         assert done["tokens"] == [w.tokens for w in theirs], run
-        outcomes = [ok for w in theirs for ok in w.outcomes.values()]
-        verified, accepted = verified + len(outcomes), accepted + sum(outcomes)
+        verified += sum(w.drafts_verified for w in theirs)
+        accepted += sum(w.accepted for w in theirs)
         if not squeezed or run["batch"] == 1:  # a preempted request verifies tokens again
             assert (done["wave"]["verified"], done["wave"]["accepted"]) == (verified, accepted)
     assert [w.tokens for w in ours[NEW_TOKENS]] == ar_tokens(model, prompts)  # AR's tokens
@@ -221,18 +232,29 @@ def test_exit_rules_on_vllm_emit_wfd_s_ar_with_exit_tokens(engines, tmp_path, na
         wave = job["runs"][0]["wave"]
         assert wave["readout_calls"] == wave["block_calls"] - (model.config.depth - 1) * len(
             prompts)
-    depths_before = 0
+    depths_before, ours = 0, {}
     for run, done in zip(runs, job["runs"], strict=True):
         text = run["exit"] or engine_rule
-        rule = {"force_exits": text.split(":", 1)[1]} if text.startswith("forced:") else {
-            "exit_rule": ExitRule.parse(text)}
-        ours = [generate(model, p, max_new_tokens=new, schedule="ar", **rule) for p in prompts]
-        assert done["tokens"] == [r.tokens for r in ours], run
-        depths = sum(d for r in ours for d in r.stats["exit_depths"])
+        if text not in ours:
+            ours[text] = ar_with_exits(model, prompts, new, text)
+        assert done["tokens"] == [tokens for tokens, _ in ours[text]], run
+        depths = sum(d for _, exited in ours[text] for d in exited)
         if not ahead:  # (a preempted request commits some tokens again)
             assert done["wave"]["decoded_depths"] - depths_before == depths, run
         assert depths < len(prompts) * new * model.config.depth  # tokens did exit
         depths_before = done["wave"]["decoded_depths"]
+
+
+def ar_with_exits(model, prompts, new: int, rule: str) -> list[tuple[list[int], list[int]]]:
+    """wfd's AR with the exit ``rule`` (forced:DEPTHS: forced exits): each prompt's tokens
+    and the depths they exited at."""
+    if rule.startswith("forced:"):  # each prompt's drawn with the run's seed, as vLLM's
+        # requests draw theirs (a batch draws with the seed + the prompt's index)
+        runs = [generate(model, p, max_new_tokens=new, force_exits=rule.split(":", 1)[1])
+                for p in prompts]
+        return [(r.tokens, r.stats["exit_depths"]) for r in runs]
+    return [(r.tokens, r.exit_depths)
+            for r in wfd_runs(model, prompts, new, exit_rule=ExitRule.parse(rule))]
 
 
 def test_waves_near_the_longest_sequence_go_on_where_vllm_drafts_zeros(engines, tmp_path):

@@ -44,9 +44,14 @@ class SequenceResult:
     wall_s: float  # from admission to the last token
     time_to_first_token_s: float
     block_calls: int  # the batch's block calls this sequence took part in
-    acceptance: float | None
+    acceptance: float | None  # accepted / drafts_verified
     forced_acceptance: bool = False
+    drafts_verified: int = 0
+    accepted: int = 0
     admitted_s: float = 0.0  # from the run's start to the sequence's admission
+    # with an exit rule: the depth each decoded token exited at (its own run's: generate's
+    # stats["exit_depths"])
+    exit_depths: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -85,7 +90,9 @@ class BatchDecoder(Decoder):
                 self.runner.capture_s - self.capture_at_admission),
             time_to_first_token_s=(self.first_token_at or 0.0) - self.admitted_at,
             block_calls=block_calls, acceptance=stats.get("acceptance"),
-            forced_acceptance=bool(stats.get("forced_acceptance")))
+            forced_acceptance=bool(stats.get("forced_acceptance")),
+            drafts_verified=stats["drafts_verified"], accepted=stats["accepted"],
+            exit_depths=list(self.exit_depths))
 
 
 def run_together(runner: Runner, lanes: list[Lane]) -> None:
@@ -201,11 +208,8 @@ def _run(runner: Runner, setup: RunSetup, requests: Sequence[Request], probe, re
         if on_call is not None:
             on_call()
 
-    exit_depths: list[list[int]] = []
-
     def finish(lane: Lane) -> None:
         cache.release(lane.region)
-        exit_depths.append(lane.executor.exit_depths)
         results.append(lane.executor.result(lane.job, lane.block_calls))
         results[-1].admitted_s = lane.executor.admitted_at - start_s
         if on_result is not None:
@@ -223,7 +227,7 @@ def _run(runner: Runner, setup: RunSetup, requests: Sequence[Request], probe, re
     stats.update(setup.schedule.batch_stats(probe))
     stats.update(block_calls=len(blocks), positions_per_block_call=sum(blocks) / len(blocks))
     if setup.exit_rule is not None:
-        depths = [r for lane_depths in exit_depths for r in lane_depths]
+        depths = [r for result in results for r in result.exit_depths]
         stats.update(exit_rule=setup.exit_rule.label,
                      mean_exit_depth=sum(depths) / max(len(depths), 1))
     return BatchRun(results=results, wall_s=wall, prefill_s=prefill_s, records=runner.records,
