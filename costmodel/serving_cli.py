@@ -260,7 +260,11 @@ def _served(spec, hw, stream, sweep: list[float], names: list[str] | None, optio
     from .serving import predict_serving
 
     runs = []
-    with spinner(f"serving {requests} requests at {len(sweep)} rate(s)", disable=quiet):
+    # call by call a long stream takes minutes (about 30-50 s a 1,000 requests a schedule on a
+    # 2-core VM): the wait says so while it spins
+    slow = ", call by call (--fidelity steps: hundreds of times faster)" if (
+        options["fidelity"] == "calls" and requests >= 1000) else ""
+    with spinner(f"serving {requests} requests at {len(sweep)} rate(s){slow}", disable=quiet):
         for r in sweep:
             runs.append((r, predict_serving(spec, hw, stream(r), names=names, keep_served=keep,
                                             **options)))

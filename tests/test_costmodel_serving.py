@@ -149,6 +149,41 @@ def test_more_load_means_longer_waits():
     assert heavy.throughput_tokens_per_s > light.throughput_tokens_per_s
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
+def test_a_saturated_stream_holds_few_calls_and_prices_them_as_all_at_once(schedule,
+                                                                           monkeypatch):
+    """Far past saturation a drafting schedule's waves are seldom all between rounds (where a
+    newcomer's admission settles the clock): the calls waiting to be priced are settled every
+    SETTLE_EVERY of them, and priced a few at a time each request's times are those priced all
+    at once (the engine's time with each call, first tokens and finishes marked)."""
+    from costmodel import stream_calls
+
+    held = []
+    add = stream_calls._Clock.add
+
+    def counting(clock, *args, **kwargs):
+        add(clock, *args, **kwargs)
+        held.append(len(clock.pending))
+
+    requests = request_stream(10_000.0, 24, Lengths(low=8, high=40), Lengths(low=4, high=24),
+                              seed=2)
+    engine = EngineOverheads(step_s=1e-4, per_sequence_s=2e-5, tick_s=3e-5, wave_tick_s=1e-5,
+                             prompt_s=2e-4)
+
+    def times():
+        served, _ = serve(MODEL, HARDWARE, schedule, requests, max_batch=4, acceptance=0.7,
+                          depth=8, seed=5, engine=engine)
+        return [t for s in served for t in (s.first_token_s, s.finish_s)]
+
+    monkeypatch.setattr(stream_calls._Clock, "add", counting)
+    whole = times()
+    assert max(held) > 40
+    monkeypatch.setattr(stream_calls, "SETTLE_EVERY", 7)
+    held.clear()
+    assert times() == pytest.approx(whole, rel=1e-12)
+    assert max(held) <= 8
+
+
 def test_a_requests_file_is_read_in_order_or_refused_by_line(tmp_path):
     good = tmp_path / "requests.jsonl"
     good.write_text('{"arrival_s": 0, "prompt_tokens": 10, "output_tokens": 4}\n\n'
