@@ -80,11 +80,11 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.0f}" if seconds >= 0.01 else f"{seconds * 1e3:.2f}"
 
 
-def _print(results, rates: dict[str, float | None], title: str) -> None:
+def _print(results, rates: dict[str, float | None], title: str, searched: str) -> None:
     headers = ["schedule", "TTFT p50/p90/p99 ms", "TPOT p50/p90/p99 ms", "E2E p50/p99 s",
                "tokens/s", "req/s", "batch", "SLOs met", "goodput req/s"]
     if rates:
-        headers.append("highest rate /s")
+        headers.append(f"highest rate /s ({searched})")
     rows = []
     for name, r in results.items():
         row = [r.options.removeprefix("--schedule "),
@@ -139,7 +139,8 @@ def serving_cmd(
         help="with --rates: a figure (PNG) of TTFT and TPOT against the rate")] = None,
     find_rate: Annotated[bool, typer.Option(
         help="also search the highest rate at which --attainment of the requests meet the "
-             "objectives")] = False,
+             "objectives (a step at a time unless --fidelity calls: a search simulates the "
+             "stream a dozen times a schedule)")] = False,
     attainment: Annotated[float, typer.Option(
         help="the fraction of requests that must meet the objectives")] = 0.9,
     schedule: Annotated[list[str] | None, typer.Option(
@@ -181,7 +182,8 @@ def serving_cmd(
     fidelity: Annotated[str | None, typer.Option(
         help="calls (each call of each sequence simulated: drafts' acceptance drawn; the "
              "default) or steps (a step at a time from the closed forms: hundreds of times "
-             "faster, for long streams and rate searches; the default with exits)")] = None,
+             "faster, for long streams; the default with exits and for --find-rate's "
+             "search)")] = None,
     token_budget: Annotated[int | None, typer.Option(
         help="with --fidelity steps: schedule as vLLM does, this many tokens a step (its "
              "max_num_batched_tokens) shared by decoding and chunked prefills, KV taken as "
@@ -226,8 +228,10 @@ def serving_cmd(
                           per_request is not None, as_json)
     if per_request is not None:
         _write_per_request(per_request, runs, stream, requests_file is None)
-    found = _highest_rates(spec, hw, stream, names, options, per_s, attainment, as_json) \
-        if find_rate else {}
+    # the search simulates the stream a dozen times a schedule: a step at a time unless asked
+    searched = fidelity or "steps"
+    found = _highest_rates(spec, hw, stream, names, {**options, "fidelity": searched}, per_s,
+                           attainment, as_json) if find_rate else {}
     if plot is not None and not save_figure(plot, _latency_figure(runs, ttft, tpot), (10, 4)):
         typer.echo(NO_PLOTS, err=True)
     head = {"model": spec.name, "hardware": hw.name, "engine": engine,
@@ -239,13 +243,14 @@ def serving_cmd(
                    "schedules": {n: x.model_dump(mode="json") for n, x in results.items()}}
                   for r, results in runs]
         print_json({**head, **(dumped[0] if rates is None else {"sweep": dumped}),
-                    **({"highest_rate_per_s": found} if find_rate else {})})
+                    **({"highest_rate_per_s": found, "rate_search_fidelity": searched}
+                       if find_rate else {})})
         return
     for r, results in runs:
         source = f"{requests_file}" if requests_file else f"{r:g}/s {arrivals}" + (
             f", lengths of {lengths}" if lengths else "")
         _print(results, found, _title(spec, hw, placement, options["link"], results, source,
-                                      head["requests"], max_batch))
+                                      head["requests"], max_batch), searched)
     if engine == "vllm" and options["engine"] is None:
         typer.echo("note: the engine's own time (scheduling, sampling, output) is not counted: "
                    "give --step-overhead, --sequence-overhead, --prompt-overhead and "

@@ -214,6 +214,7 @@ def test_the_command_prints_each_schedule_and_finds_the_rate(capsys):
         assert result["requests"] == 30 and result["ttft_s"]["p99"] >= result["ttft_s"]["p50"]
         assert report["highest_rate_per_s"][name] is None or \
             report["highest_rate_per_s"][name] > 0
+    assert report["rate_search_fidelity"] == "steps"  # the search's dozen streams: fast
     code, out, _ = run_cli(capsys, "serving", "--model", "huginn-tiny", "--requests", "10",
                            "--output-tokens", "8", "--max-batch", "2")
     assert code == 0 and "TTFT p50/p90/p99 ms" in out and "wfd --draft-depth" in out
