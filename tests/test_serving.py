@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_CONFIGS, damped
+from serving_expected import NEW_TOKENS, ar_tokens, ar_with_exits, wfd_runs
 from serving_jobs import UNBOUND, Engines, vllm_job, vllm_tokens
 
 from costmodel.exits import ExitRule
-from wfd.batch import Request, SequenceResult, decode_batch
 from wfd.checkpoint import build, init_random, load_model, save
 from wfd.generate import generate
 from wfd.tokenizer import ByteTokenizer, write_byte_tokenizer
@@ -38,7 +38,6 @@ ROOT = Path(__file__).resolve().parents[1]
 CODE = ["import os\nimport sys\n\n\ndef main(argv):\n    ", "class Node:\n    def __init__(self",
         "for i in range(", "    return ", "def parse(text):\n    ", "# sort the list\n",
         "if __name__ == '__main__':\n    ", "x = [i * i for i in "]
-NEW_TOKENS = 20
 @pytest.fixture(scope="session")
 def engines(tmp_path_factory):
     running = Engines(tmp_path_factory.mktemp("engines") / "engines.log")
@@ -62,21 +61,6 @@ def sharded(folder: Path) -> Path:
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     (folder / "model.safetensors").unlink()
     return folder
-
-
-def wfd_runs(model, prompts, max_new_tokens: int = NEW_TOKENS, schedule: str = "ar",
-             **options) -> list[SequenceResult]:
-    """wfd's decode of each prompt (in their order), the prompts decoded together by its batch
-    path: each sequence's tokens, exit depths, drafts verified and accepted and block calls are
-    its own run's (tests/test_batch.py, tests/test_exits.py), in a fourth of the time of one
-    prompt after another."""
-    requests = [Request(i, p, max_new_tokens) for i, p in enumerate(prompts)]
-    run = decode_batch(model, requests, schedule=schedule, batch_size=len(prompts), **options)
-    return sorted(run.results, key=lambda result: result.index)
-
-
-def ar_tokens(model, prompts, max_new_tokens: int = NEW_TOKENS, **options) -> list[list[int]]:
-    return [result.tokens for result in wfd_runs(model, prompts, max_new_tokens, **options)]
 
 
 @pytest.mark.parametrize("name", ["huginn-tiny", "ouro-tiny"])
@@ -243,18 +227,6 @@ def test_exit_rules_on_vllm_emit_wfd_s_ar_with_exit_tokens(engines, tmp_path, na
             assert done["wave"]["decoded_depths"] - depths_before == depths, run
         assert depths < len(prompts) * new * model.config.depth  # tokens did exit
         depths_before = done["wave"]["decoded_depths"]
-
-
-def ar_with_exits(model, prompts, new: int, rule: str) -> list[tuple[list[int], list[int]]]:
-    """wfd's AR with the exit ``rule`` (forced:DEPTHS: forced exits): each prompt's tokens
-    and the depths they exited at."""
-    if rule.startswith("forced:"):  # each prompt's drawn with the run's seed, as vLLM's
-        # requests draw theirs (a batch draws with the seed + the prompt's index)
-        runs = [generate(model, p, max_new_tokens=new, force_exits=rule.split(":", 1)[1])
-                for p in prompts]
-        return [(r.tokens, r.stats["exit_depths"]) for r in runs]
-    return [(r.tokens, r.exit_depths)
-            for r in wfd_runs(model, prompts, new, exit_rule=ExitRule.parse(rule))]
 
 
 def test_waves_near_the_longest_sequence_go_on_where_vllm_drafts_zeros(engines, tmp_path):
