@@ -106,8 +106,8 @@ def serve(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
           kv_sharing: int = 0, dtype: str = "bf16", kv_budget: int | None = None,
           seed: int = 0, engine: EngineOverheads | None = None, fidelity: str = "calls",
           token_budget: int | None = None, stats: dict | None = None,
-          placement: StreamPlacement | None = None, exits: StreamExits | None = None
-          ) -> tuple[list[Served], float]:
+          placement: StreamPlacement | None = None, exits: StreamExits | None = None,
+          on_served: Callable[[], None] | None = None) -> tuple[list[Served], float]:
     """Each request as ``schedule`` serves the stream (drafts accepted at ``acceptance``, drawn
     per request from ``seed``), and the mean number of sequences per call. ``engine``: the
     engine's own time, a step's shared by the tokens it commits (one per running sequence: an
@@ -118,7 +118,8 @@ def serve(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
     KV taken as tokens come, preemption: ``costmodel.stream_vllm``; ``stats`` gets how many
     preemptions). ``placement``: the parts on devices of their own, step by step
     (``costmodel.placement.StreamPlacement``). ``exits``: each token's depth drawn from an
-    exit profile, step by step (``costmodel.stream.StreamExits``)."""
+    exit profile, step by step (``costmodel.stream.StreamExits``). ``on_served``: called as
+    each request is done, call by call (a progress bar's; a stream of steps takes no time)."""
 
     if exits is not None and (fidelity != "steps" or placement is not None):
         raise ValueError("exits in a stream are priced step by step on one device (or tensor "
@@ -170,7 +171,7 @@ def serve(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
     served, mean_batch = serve_calls(model, hw, schedule, requests, max_batch=max_batch,
                                      acceptance=acceptance, depth=depth, kv_sharing=kv_sharing,
                                      dtype=dtype, kv_budget=kv_budget, seed=seed,
-                                     engine=engine or EngineOverheads())
+                                     engine=engine or EngineOverheads(), on_served=on_served)
     return [Served(**s) for s in served], mean_batch
 
 
@@ -241,7 +242,8 @@ def predict_serving(model: LoopedModelSpec, hw: HardwareSpec, requests: Sequence
                     tensor_parallel: int = 1, link: str | Link | None = None,
                     fidelity: str = "calls", token_budget: int | None = None,
                     placement: str | None = None, keep_served: bool = False,
-                    exits: dict | None = None, continuous_depth: bool = False
+                    exits: dict | None = None, continuous_depth: bool = False,
+                    on_served: Callable[[], None] | None = None
                     ) -> dict[str, ServingResult]:
     """Each schedule (``names``: those of the registry to run; default all) serving the
     stream; on ``tensor_parallel`` devices joined by ``link`` (``costmodel.parallel.split``),
@@ -251,7 +253,7 @@ def predict_serving(model: LoopedModelSpec, hw: HardwareSpec, requests: Sequence
     (``exit_depths``, or ``depth_trace`` with ``exit_rule``), priced step by step, the
     tokens of a batch in step or, ``continuous_depth``, each at its own depth (the plugin's
     exit mode on vLLM); only the schedules with a closed form under exits (AR, DtV) by
-    default."""
+    default. ``on_served``: ``serve``'s, for every schedule's stream."""
     from .predict import resolve_draft_depth
 
     check_fits(requests, model.max_position_embeddings)
@@ -276,7 +278,7 @@ def predict_serving(model: LoopedModelSpec, hw: HardwareSpec, requests: Sequence
                                    acceptance=alpha, depth=depth, kv_sharing=kv_sharing,
                                    dtype=dtype, seed=seed, engine=engine, fidelity=fidelity,
                                    token_budget=token_budget, stats=stats, placement=placed,
-                                   exits=stream_exits)
+                                   exits=stream_exits, on_served=on_served)
         results[name] = summarize(schedule, served, mean_batch, slo_ttft_s=slo_ttft_s,
                                   slo_tpot_s=slo_tpot_s, preemptions=stats.get("preemptions"))
         if keep_served:

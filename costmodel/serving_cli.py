@@ -5,6 +5,7 @@ objectives. ``register`` adds it to the `costmodel` app (costmodel.cli)."""
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -37,7 +38,7 @@ from .cli_options import (
     override_hardware,
     parallel_devices,
 )
-from .clitools import UserError, one_of, print_json, spinner, text_table
+from .clitools import UserError, one_of, print_json, spinner, stderr_progress, text_table
 from .engines import for_engine
 from .figures import NO_PLOTS, latency_against_rate, save_figure
 from .parallel import devices_text
@@ -224,8 +225,8 @@ def serving_cmd(
                                          tick_overhead, wave_overhead, commit_ahead,
                                          wake_overhead, prompt_overhead),
                "exits": exits or None, "continuous_depth": engine == "vllm"}
-    runs, names = _served(spec, hw, stream, sweep, names, options, requests,
-                          per_request is not None, as_json)
+    runs, names = _served(spec, hw, stream, sweep, names, options, per_request is not None,
+                          as_json)
     if per_request is not None:
         _write_per_request(per_request, runs, stream, requests_file is None)
     # the search simulates the stream a dozen times a schedule: a step at a time unless asked
@@ -259,20 +260,18 @@ def serving_cmd(
 
 
 def _served(spec, hw, stream, sweep: list[float], names: list[str] | None, options: dict,
-            requests: int, keep: bool, quiet: bool) -> tuple[list, list[str]]:
+            keep: bool, quiet: bool) -> tuple[list, list[str]]:
     """Each rate's stream served, (rate, results by schedule), and the schedules served (with
     exits and none named, those with a closed form: WFD is left out, with a note)."""
     from .serving import predict_serving
 
     runs = []
-    # call by call a long stream takes minutes (about 30-50 s a 1,000 requests a schedule on a
-    # 2-core VM): the wait says so while it spins
-    slow = ", call by call (--fidelity steps: hundreds of times faster)" if (
-        options["fidelity"] == "calls" and requests >= 1000) else ""
-    with spinner(f"serving {requests} requests at {len(sweep)} rate(s){slow}", disable=quiet):
+    count = len(stream(sweep[0]))  # --requests, or a requests file's
+    with _serving_progress(count, len(sweep), len(names or ()), options["fidelity"],
+                           quiet) as advance:
         for r in sweep:
             runs.append((r, predict_serving(spec, hw, stream(r), names=names, keep_served=keep,
-                                            **options)))
+                                            on_served=advance, **options)))
     if names is None:
         names = list(runs[0][1])
         if not quiet:
@@ -280,6 +279,25 @@ def _served(spec, hw, stream, sweep: list[float], names: list[str] | None, optio
                        "closed forms, and WFD's with exits is simulated (costmodel predict "
                        "--exit-depths)", err=True)
     return runs, names
+
+
+@contextmanager
+def _serving_progress(requests: int, rates: int, schedules: int, fidelity: str, quiet: bool):
+    """A function to call as each request is served: call by call (about 30-50 s a 1,000
+    requests a schedule on a 2-core VM) a bar of the requests served over every schedule and
+    rate, and a hint when the stream is long; step by step a spinner (a stream takes well under
+    a second)."""
+    if fidelity != "calls" or quiet:
+        with spinner(f"serving {requests} requests at {rates} rate(s)", disable=quiet):
+            yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+
+    hint = " (--fidelity steps: hundreds of times faster)" if requests >= 1000 else ""
+    with stderr_progress(TextColumn(f"requests served, call by call{hint}"), BarColumn(),
+                         MofNCompleteColumn(), TimeElapsedColumn()) as progress:
+        task = progress.add_task("", total=requests * rates * schedules)
+        yield lambda: progress.advance(task)
 
 
 def _exits(rule: str | None, min_depth: int, exit_depths: str | None,

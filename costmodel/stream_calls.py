@@ -22,14 +22,17 @@ from .trace import CallRecord
 def serve_calls(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
                 requests: Sequence[Request], *, max_batch: int, acceptance: float, depth: int,
                 kv_sharing: int, dtype: str, kv_budget: int, seed: int,
-                engine: EngineOverheads) -> tuple[list[dict], float]:
+                engine: EngineOverheads, on_served: Callable[[], None] | None = None
+                ) -> tuple[list[dict], float]:
     """Each request's arrival, first token and finish, and the mean number of sequences per
-    call (weighed by the calls' time)."""
+    call (weighed by the calls' time); ``on_served`` is called as each request is done (a
+    progress bar's)."""
     from .batching import run_batch
 
     stream = _Stream(model, hw, schedule, requests, acceptance=acceptance, depth=depth,
                      kv_sharing=kv_sharing, dtype=dtype, kv_budget=kv_budget, seed=seed,
                      engine=engine)
+    stream.on_served = on_served
     run_batch(list(range(len(requests))), max_batch, stream.start, stream.run_call,
               stream.finish, stream.admit)
     clock = stream.clock
@@ -127,6 +130,7 @@ class _Stream:
         self.accounted: dict[int, int] = {}  # committed tokens whose engine time is counted
         self.ticks = self.committed = 0  # block calls and tokens so far, for the engine's share
         self.last_call_lanes = 1
+        self.on_served: Callable[[], None] | None = None
         self.needs = kv_needs(model, schedule, requests, depth=depth, dtype=dtype,
                               kv_sharing=kv_sharing, kv_budget=kv_budget)
 
@@ -185,6 +189,8 @@ class _Stream:
         self.clock.extend_last(self.committed_since(lane)
                                * self.engine_per_token(self.last_call_lanes))
         self.clock.at_end(lambda t, i=lane.job: self.served[i].__setitem__("finish_s", t))
+        if self.on_served is not None:
+            self.on_served()
 
     def committed_since(self, lane) -> int:
         """Tokens the sequence committed since this was last asked (its prefill's counted)."""

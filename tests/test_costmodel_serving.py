@@ -184,6 +184,15 @@ def test_a_saturated_stream_holds_few_calls_and_prices_them_as_all_at_once(sched
     assert max(held) <= 8
 
 
+def test_each_request_served_call_by_call_is_counted_once_for_a_progress_bar():
+    """``on_served``: the command's bar of requests served, every schedule's stream."""
+    requests = request_stream(50.0, 9, Lengths(low=8, high=20), Lengths(low=4, high=12))
+    served = []
+    predict_serving(MODEL, HARDWARE, requests, max_batch=3, names=["ar", "wfd"],
+                    on_served=lambda: served.append(1))
+    assert len(served) == 2 * len(requests)
+
+
 def test_a_requests_file_is_read_in_order_or_refused_by_line(tmp_path):
     good = tmp_path / "requests.jsonl"
     good.write_text('{"arrival_s": 0, "prompt_tokens": 10, "output_tokens": 4}\n\n'
