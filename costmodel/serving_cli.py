@@ -225,8 +225,12 @@ def serving_cmd(
                                          tick_overhead, wave_overhead, commit_ahead,
                                          wake_overhead, prompt_overhead),
                "exits": exits or None, "continuous_depth": engine == "vllm"}
-    runs, names = _served(spec, hw, stream, sweep, names, options, per_request is not None,
-                          as_json)
+    head = {"model": spec.name, "hardware": hw.name, "engine": engine,
+            **({"placement": placement} if placement else {}),
+            "requests": len(stream(per_s)), "max_batch": max_batch,  # a requests file's too
+            **({"lengths": lengths} if lengths else {})}
+    runs, names = _served(spec, hw, stream, sweep, names, options, head["requests"],
+                          per_request is not None, as_json)
     if per_request is not None:
         _write_per_request(per_request, runs, stream, requests_file is None)
     # the search simulates the stream a dozen times a schedule: a step at a time unless asked
@@ -235,10 +239,6 @@ def serving_cmd(
                            attainment, as_json) if find_rate else {}
     if plot is not None and not save_figure(plot, _latency_figure(runs, ttft, tpot), (10, 4)):
         typer.echo(NO_PLOTS, err=True)
-    head = {"model": spec.name, "hardware": hw.name, "engine": engine,
-            **({"placement": placement} if placement else {}),
-            "requests": len(stream(per_s)), "max_batch": max_batch,
-            **({"lengths": lengths} if lengths else {})}
     if as_json:
         dumped = [{"rate_per_s": None if requests_file else r,
                    "schedules": {n: x.model_dump(mode="json") for n, x in results.items()}}
@@ -260,13 +260,12 @@ def serving_cmd(
 
 
 def _served(spec, hw, stream, sweep: list[float], names: list[str] | None, options: dict,
-            keep: bool, quiet: bool) -> tuple[list, list[str]]:
+            count: int, keep: bool, quiet: bool) -> tuple[list, list[str]]:
     """Each rate's stream served, (rate, results by schedule), and the schedules served (with
     exits and none named, those with a closed form: WFD is left out, with a note)."""
     from .serving import predict_serving
 
     runs = []
-    count = len(stream(sweep[0]))  # --requests, or a requests file's
     with _serving_progress(count, len(sweep), len(names or ()), options["fidelity"],
                            quiet) as advance:
         for r in sweep:

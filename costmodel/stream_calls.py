@@ -31,8 +31,7 @@ def serve_calls(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
 
     stream = _Stream(model, hw, schedule, requests, acceptance=acceptance, depth=depth,
                      kv_sharing=kv_sharing, dtype=dtype, kv_budget=kv_budget, seed=seed,
-                     engine=engine)
-    stream.on_served = on_served
+                     engine=engine, on_served=on_served)
     run_batch(list(range(len(requests))), max_batch, stream.start, stream.run_call,
               stream.finish, stream.admit)
     clock = stream.clock
@@ -118,7 +117,7 @@ class _Stream:
     def __init__(self, model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
                  requests: Sequence[Request], *, acceptance: float, depth: int,
                  kv_sharing: int, dtype: str, kv_budget: int, seed: int,
-                 engine: EngineOverheads):
+                 engine: EngineOverheads, on_served: Callable[[], None] | None = None):
         self.model, self.schedule, self.requests = model, schedule, requests
         self.acceptance, self.depth, self.seed = acceptance, depth, seed
         self.kv_sharing = kv_sharing
@@ -130,7 +129,7 @@ class _Stream:
         self.accounted: dict[int, int] = {}  # committed tokens whose engine time is counted
         self.ticks = self.committed = 0  # block calls and tokens so far, for the engine's share
         self.last_call_lanes = 1
-        self.on_served: Callable[[], None] | None = None
+        self.on_served = on_served
         self.needs = kv_needs(model, schedule, requests, depth=depth, dtype=dtype,
                               kv_sharing=kv_sharing, kv_budget=kv_budget)
 

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import bench_module
 
 from costmodel.profile import (
     load_profile,
@@ -202,8 +203,7 @@ def test_a_reference_that_fails_costs_the_bench_only_itself(tmp_path, monkeypatc
     reference.mkdir()
     (reference / "__init__.py").write_text("")
     (reference / "modeling_ouro.py").write_text(code)
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))
-    import decode_speed
+    decode_speed = bench_module("decode_speed")
 
     out = tmp_path / "bench.json"
     monkeypatch.setattr(sys, "argv", [
