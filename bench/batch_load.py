@@ -15,7 +15,8 @@ printed side by side. The batch path's own time beside its calls (merging the se
 inputs, splitting the outputs, each plan's bookkeeping), which a calibration at batch 1 does
 not hold, is fitted first and apart from the streams, as bench/serving_load.py fits vLLM's:
 lone requests of the mean lengths, two and then a full batch of them arriving together; and its
-wake from idle (lone requests after 0.5-4 s asleep; `--no-wake` leaves it out).
+wake from idle (lone requests arriving after 0.1-2 s asleep, the decoder sleeping until
+they arrive, as in a stream; `--no-wake` leaves it out).
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def main() -> None:
                "seed": args.seed}
     engine = engine_overheads(
         lambda requests, seed: decoded(model, requests, args.schedule, args.max_batch, seed)[0],
-        spec, profile.hardware, prompt, output, options, commit_ahead=0, in_process=True)
+        spec, profile.hardware, prompt, output, options, commit_ahead=0, in_process=True,
+        repeats=6)  # a few seconds: the fit's figures move with the machine's speed
     if args.wake:
         lone = lone_request(prompt, output, lambda requests, seed: decoded(
             model, requests, args.schedule, args.max_batch, seed)[0])

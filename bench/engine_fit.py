@@ -20,7 +20,6 @@ The wake after an idle (``wake_after_idle``) is measured apart.
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -58,11 +57,19 @@ def simulated_together(spec, hw, engine: EngineOverheads, options: dict, prompt:
 
 
 def lone_request(prompt: Lengths, output: Lengths,
-                 serve: Callable[[list[Request], int], list[Served]]) -> Callable[[], float]:
+                 serve: Callable[[list[Request], int], list[Served]]) -> Callable[[float], float]:
     """A lone request of the mean lengths served by ``serve`` (requests and a seed for their
-    prompts: as served), its TTFT; each call's prompt another (no prefix cached)."""
+    prompts: as served), arriving ``idle_s`` after its stream starts, its TTFT from that
+    arrival: the engine idles meanwhile as it does in a stream (a server waits on its socket,
+    the batch path sleeps until the arrival), so what it takes to start again is in the TTFT;
+    each call's prompt another (no prefix cached)."""
     seeds = itertools.count(1000)
-    return lambda: serve(mean_requests(prompt, output), next(seeds))[0].ttft_s
+
+    def after(idle_s: float) -> float:
+        request = Request(arrival_s=idle_s, prompt_tokens=round(prompt.mean),
+                          output_tokens=round(output.mean))
+        return serve([request], next(seeds))[0].ttft_s
+    return after
 
 
 def engine_text(engine: EngineOverheads, whose: str = "the engine's") -> str:
@@ -97,25 +104,30 @@ def engine_measurements(measure, prompt: Lengths, output: Lengths, batch: int,
     ones whose waves commit nothing ahead (``measure(requests, seed, {"commit_ahead": 0})``), a
     step a token. ``engine_clock``: the engine's own account of the requests it finished
     (seconds queued and prefilling, summed, and how many), from which the lone ones' mean time
-    on the way in and out, the engine not yet or no longer on them (``lone_way_s``)."""
-    def served(together: int, *extra) -> list[Served]:
-        return served_together(measure, prompt, output, together, range(repeats), *extra)
-
-    before = engine_clock() if engine_clock else None
-    lone = served(1)
+    on the way in and out, the engine not yet or no longer on them (``lone_way_s``). Each of
+    the ``repeats`` rounds serves every kind once, in turn: the terms are fitted from how the
+    kinds differ, so a drift of the machine's speed must fall on all of them alike."""
+    kinds = {"lone": (1, ()), **({"pair": (2, ())} if batch > 2 else {}), "full": (batch, ()),
+             **({"stepped": (1, ({"commit_ahead": 0},))} if step_by_step else {})}
+    served: dict[str, list[Served]] = {kind: [] for kind in kinds}
+    engine_had = [0.0, 0]  # the engine's own account of the lone ones: seconds, requests
+    for seed in range(repeats):
+        for kind, (together, extra) in kinds.items():
+            before = engine_clock() if engine_clock and kind == "lone" else None
+            served[kind] += served_together(measure, prompt, output, together, [seed], *extra)
+            if before is not None:
+                after = engine_clock()
+                engine_had = [engine_had[0] + after[0] - before[0],
+                              engine_had[1] + after[1] - before[1]]
+    lone = served["lone"]
     way = {}
-    if before is not None:
-        (after_s, after_n), (before_s, before_n) = engine_clock(), before
-        if after_n - before_n == len(lone):  # the engine's count is the lone ones'
-            way = {"lone_way_s": max(0.0, float(np.mean([s.ttft_s for s in lone]))
-                                     - (after_s - before_s) / len(lone))}
-    pair = {"pair_tpot_s": median_tpot(served(2))} if batch > 2 else {}
-    full = median_tpot(served(batch))
-    stepped = ({"lone_step_tpot_s": median_tpot(served(1, {"commit_ahead": 0}))}
-               if step_by_step else {})
-    return {"lone_tpot_s": median_tpot(lone),
-            "lone_ttft_s": float(np.median([s.ttft_s for s in lone])), **pair,
-            "full_tpot_s": full, **stepped, **way}
+    if engine_clock and engine_had[1] == len(lone):  # the engine's count is the lone ones'
+        way = {"lone_way_s": max(0.0, float(np.mean([s.ttft_s for s in lone]))
+                                 - engine_had[0] / len(lone))}
+    names = {"lone": "lone_tpot_s", "pair": "pair_tpot_s", "full": "full_tpot_s",
+             "stepped": "lone_step_tpot_s"}
+    return {**{names[kind]: median_tpot(served[kind]) for kind in kinds},
+            "lone_ttft_s": float(np.median([s.ttft_s for s in lone])), **way}
 
 
 def fit_engine(measured: dict[str, float], spec, hw, prompt: Lengths, output: Lengths,
@@ -169,19 +181,21 @@ def fit_engine(measured: dict[str, float], spec, hw, prompt: Lengths, output: Le
     return steps.model_copy(update={"request_s": request})
 
 
-def wake_after_idle(lone_ttft: Callable[[], float],
-                    idles: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0), repeats: int = 3
+def wake_after_idle(lone_ttft: Callable[[float], float],
+                    idles: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0, 2.0), repeats: int = 5
                     ) -> tuple[IdleWake, ...]:
-    """An engine's extra TTFT for a lone request (``lone_ttft()``: one served, its TTFT) sent
-    after it idled for each of ``idles`` seconds, over one sent right after the last (medians
-    of ``repeats``): its wake, which the simulation adds to a request that finds it idle."""
-    def after(idle: float) -> float:
-        time.sleep(idle)
-        return lone_ttft()
-
-    busy = float(np.median([after(0.0) for _ in range(2 * repeats)]))
-    return tuple(IdleWake(idle_s=idle, extra_s=max(0.0, float(np.median(
-        [after(idle) for _ in range(repeats)])) - busy)) for idle in idles)
+    """An engine's extra TTFT for a lone request (``lone_ttft(idle)``: one arriving after the
+    engine idled ``idle`` s, its TTFT) after each of ``idles``, over one arriving at once
+    (medians of ``repeats``, the idle times taken in turn so that a drift of the machine's
+    speed falls on all of them): its wake, which the simulation adds to a request that finds
+    it idle. Streams of a few requests a second mostly find it idle for well under a second."""
+    times: dict[float, list[float]] = {idle: [] for idle in (0.0, *idles)}
+    for _ in range(repeats):
+        for idle in (0.0, *idles, 0.0):  # the request at once twice a round
+            times[idle].append(lone_ttft(idle))
+    at_once = float(np.median(times[0.0]))
+    return tuple(IdleWake(idle_s=idle, extra_s=max(0.0, float(np.median(times[idle]))
+                                                    - at_once)) for idle in idles)
 
 
 def wake_text(engine: EngineOverheads) -> str:

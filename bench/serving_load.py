@@ -29,7 +29,7 @@ requests' TTFT split by vLLM's own account of them on /metrics (queued and prefi
 time on a prompt's step, busy, and per request on its way in and out, not (`engine_fit.py`;
 `costmodel serving --step-overhead --sequence-overhead --tick-overhead --wave-overhead
 --prompt-overhead --request-overhead`); so is its wake, the extra time of a request that
-finds the server idle (`wake_after_idle`: lone requests after 0.5, 1, 2 and 4 s idle;
+finds the server idle (`wake_after_idle`: lone requests after 0.1-2 s idle;
 `--wake-overhead`), which is what makes the tail of TTFT at low rates. `--together N ...`
 then serves N requests of the mean lengths arriving together, three times each, and prints
 their median TPOT beside the simulated: the engine's time per token as the requests it serves
@@ -183,7 +183,7 @@ def load(base: str, model: str, requests, seed: int, extra: dict | None = None
 def wake_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-wake", dest="wake", action="store_false",
                         help="leave out the engine's wake from idle (measured by default: "
-                             "lone requests after 0.5-4 s idle, about 25 s)")
+                             "lone requests after 0.1-2 s idle, about 30 s)")
 
 
 def stream_arguments(parser: argparse.ArgumentParser, rates: list[float]) -> None:

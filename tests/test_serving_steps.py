@@ -12,7 +12,7 @@ from costmodel.groups import block_calls_per_token
 from costmodel.presets import resolve
 from costmodel.requests import Lengths, Request, request_stream
 from costmodel.schedules import AR, WFD, DtV
-from costmodel.serving import predict_serving, serve
+from costmodel.serving import Served, predict_serving, serve
 from costmodel.stream import step_times
 
 MODEL, HARDWARE = resolve("huginn-tiny", "a6000")
@@ -391,3 +391,44 @@ def test_the_load_bench_simulates_a_saved_run_again_without_a_server(tmp_path, m
             runpy.run_path(bench.__file__, run_name="__main__")
         err = capsys.readouterr().err.strip().splitlines()
         assert done.value.code == 2 and len(err) == 1 and said in err[0], err
+
+
+def test_the_load_bench_measures_the_wake_as_a_stream_meets_it():
+    """bench/engine_fit.py's wake: a lone request arriving after each idle time (the engine
+    idling until it arrives, as in a stream, so what it takes to start again is in its TTFT
+    from that arrival), the idle times taken in turn, less one arriving at once."""
+    bench = bench_module("engine_fit")
+    known = EngineOverheads(wake=[IdleWake(idle_s=0.5, extra_s=0.004),
+                                  IdleWake(idle_s=2.0, extra_s=0.010)])
+    asked = []
+
+    def serve(requests: list, seed: int) -> list:
+        (request,) = requests
+        asked.append(request.arrival_s)
+        ttft = 0.020 + known.wake_s(request.arrival_s)
+        return [Served(arrival_s=request.arrival_s, first_token_s=request.arrival_s + ttft,
+                       finish_s=request.arrival_s + ttft + 0.1,
+                       output_tokens=request.output_tokens)]
+
+    lone = bench.lone_request(Lengths.parse("16-64", "p"), Lengths.parse("32", "o"), serve)
+    wake = bench.wake_after_idle(lone, idles=(0.25, 1.0, 2.0), repeats=2)
+    assert [w.idle_s for w in wake] == [0.25, 1.0, 2.0]
+    assert [w.extra_s for w in wake] == pytest.approx([0.002, 0.006, 0.010])
+    assert asked == [0.0, 0.25, 1.0, 2.0, 0.0] * 2
+
+
+def test_the_load_bench_serves_each_kind_of_measurement_in_turn():
+    """The engine's fit compares lone requests, pairs and full batches: each round serves
+    every kind once, so a drift of the machine's speed during the fit falls on all alike."""
+    bench = bench_module("engine_fit")
+    asked = []
+
+    def serve(requests: list, seed: int, extra: dict | None = None) -> list:
+        asked.append((len(requests), seed, extra))
+        return [Served(arrival_s=0.0, first_token_s=0.02, finish_s=0.1, output_tokens=9)
+                for _ in requests]
+
+    bench.engine_measurements(serve, Lengths.parse("32", "p"), Lengths.parse("9", "o"), 4,
+                              repeats=2, step_by_step=True)
+    assert asked == [(n, seed, extra) for seed in (0, 1)
+                     for n, extra in ((1, None), (2, None), (4, None), (1, {"commit_ahead": 0}))]
