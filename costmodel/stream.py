@@ -9,9 +9,10 @@ token at the step's batch and the sequences' mean context, plus the engine's own
 times are priced once, vectorized over every batch size and context (in buckets of
 ``CONTEXT_BUCKET`` keys), and summed along the context, so the engine's clock jumps from one
 event to the next (an arrival it may admit, a sequence that finishes) in one lookup, not a step
-at a time. Newcomers are admitted between steps, as the call-by-call simulation admits them
-between rounds (first come first served, their whole KV reserved), and their prompts prefilled
-together, whole, before the next step.
+at a time. Newcomers are admitted at the end of the step they arrive in (first come first
+served, their whole KV reserved), their prompts prefilled together, whole, before the next
+step, and their first tokens counted from their arrival, as the call-by-call simulation starts a
+newcomer's prefill at the next call, mid-round.
 
 With exits (``StreamExits``) each step is priced from the schedule's closed form with exits at
 the step's batch (AR's and DtV's; WFD's is simulated, so it has none): its tokens in step, or
@@ -193,14 +194,13 @@ def elapsed_times(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
     return np.concatenate([np.zeros((max_batch, 1)), np.cumsum(times, axis=1)], axis=1)
 
 
-def decoding_run(line: np.ndarray, context: int, most: int, wait: float | None = None,
-                 per_round: int = 1) -> tuple[int, float]:
+def decoding_run(line: np.ndarray, context: int, most: int, wait: float | None = None
+                 ) -> tuple[int, float]:
     """(steps, their time) of a batch that only decodes from ``context`` (``line``: its row of
     ``elapsed_times``): at most ``most``, and where a request arrives ``wait`` seconds from
-    now, up to the first round's end at or after it."""
+    now, up to the end of the step it arrives in."""
     if wait is not None:
-        until = np.searchsorted(line, line[context] + wait) - context
-        most = max(1, min(most, int(np.ceil(until / per_round) * per_round)))
+        most = max(1, min(most, int(np.searchsorted(line, line[context] + wait)) - context))
     steps = min(most, len(line) - 1 - context)
     return steps, float(line[context + steps] - line[context])
 
@@ -256,13 +256,13 @@ def serve_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
     elapsed = elapsed_times(model, hw, schedule, requests, acceptance=acceptance, depth=depth,
                             kv_sharing=kv_sharing, dtype=dtype, max_batch=max_batch,
                             engine=engine, placement=placement, exits=exits)
-    per_round = round_tokens(schedule, acceptance)
     readouts = stream_readouts(schedule, depth, exits)
     prefill = _Prefills(model, hw, depth, dtype, kv_sharing, readouts, placement, engine=engine)
     served = [{"arrival_s": r.arrival_s, "output_tokens": r.output_tokens} for r in requests]
     ready = [r.arrival_s + engine.request_s for r in requests]
     running: dict[int, list[int]] = {}  # request -> [tokens still to commit, its context]
     now, reserved, waiting, busy, weighed, woke = 0.0, 0, 0, 0.0, 0.0, 0.0
+    step_began = None  # where the step a newcomer arrived in began (none: not decoding then)
 
     def startable(taken: int) -> bool:  # the next in line has arrived, with a place and KV
         return (waiting < len(requests) and taken < max_batch and ready[waiting] <= now
@@ -275,11 +275,17 @@ def serve_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
             reserved += kv_per_request[waiting]
             waiting += 1
         if newcomers:
+            # a newcomer arriving mid-step starts its prefill at the next call, which the steps
+            # do not hold: its first token as if it started at its arrival (the running ones'
+            # step, which in fact ends after that prefill, is counted as ended before it)
+            early = now - max(step_began, max(ready[i] for i in newcomers)) if (
+                step_began is not None) else 0.0
+            step_began = None
             took = prefill.step([requests[i].prompt_tokens for i in newcomers]) + woke
             woke = 0.0  # the first step after an idle runs the slower
             busy, weighed, now = busy + took, weighed + took * len(newcomers), now + took
             for i in newcomers:
-                served[i]["first_token_s"] = now
+                served[i]["first_token_s"] = now - max(0.0, early)
                 running[i] = [requests[i].output_tokens - 1, requests[i].prompt_tokens + 1]
             reserved -= finish(running, served, now, kv_per_request)
             if startable(len(running)):
@@ -294,9 +300,12 @@ def serve_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
         b = len(running)
         context = round(np.mean([c for _, c in running.values()]))
         arrives = waiting < len(requests) and b < max_batch and ready[waiting] > now
-        steps, took = decoding_run(elapsed[b - 1], context,
-                                   min(left for left, _ in running.values()),
-                                   ready[waiting] - now if arrives else None, per_round)
+        line = elapsed[b - 1]
+        steps, took = decoding_run(line, context, min(left for left, _ in running.values()),
+                                   ready[waiting] - now if arrives else None)
+        # cut by an arrival: where its step began, for the newcomer's first token
+        step_began = now + took - float(line[context + steps] - line[context + steps - 1]) if (
+            arrives and steps) else None
         busy, weighed, now = busy + took, weighed + took * b, now + took
         for state in running.values():
             state[0] -= steps

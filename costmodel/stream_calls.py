@@ -40,10 +40,17 @@ def serve_calls(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
     return [stream.served[i] for i in range(len(requests))], mean_batch
 
 
-# calls priced at most this many at a time: a saturated stream of drafting schedules may go
-# long between the moments that need the time (an admission between rounds), and its calls
-# held till then grew with the stream (millions for 10,000 requests)
+# calls priced at most this many at a time: a saturated stream, with no place free for a
+# newcomer, may go long between the moments that need the time, and its calls held till then
+# grew with the stream (millions for 10,000 requests)
 SETTLE_EVERY = 4096
+# at most this many calls held unpriced while a request waits for its arrival: within them the
+# longest call of a shape stands for its next ones (their contexts grow little meanwhile)
+BOUND_CALLS = 64
+
+
+def _shape(record: CallRecord) -> tuple[str, int]:
+    return record.kind, len(record.positions)
 
 
 @dataclass
@@ -60,6 +67,8 @@ class _Clock:
 
     def __post_init__(self):
         self.pending: list[tuple[CallRecord, int, float]] = []
+        # the longest call priced yet of each shape (part, positions), the engine's time apart
+        self.longest: dict[tuple[str, int], float] = {}
         self.marks: list[tuple[int, Callable[[float], None]]] = []
         self.previous: str | None = None
         self.woke = 0.0  # the wake the next call pays, after an idle
@@ -71,6 +80,22 @@ class _Clock:
             self.settle()
         self.pending.append((record, sequences, engine_s + self.woke))
         self.woke = 0.0
+
+    def passed(self, time: float) -> bool:
+        """Whether ``time`` has passed by the end of the calls added so far. A stream's next
+        arrival, mostly well ahead, is checked before every call, and pricing a run of calls
+        at once is what keeps the stream fast: the calls are priced for it only where they may
+        reach it, each taken at most twice as long as the longest priced yet of its shape
+        (part and positions), with the engine's time it carries (one of a shape not priced yet,
+        or more than ``BOUND_CALLS`` of them: priced)."""
+        if time <= self.now:
+            return True
+        if len(self.pending) <= BOUND_CALLS:
+            bounds = [self.longest.get(_shape(r)) for r, _, _ in self.pending]
+            if None not in bounds and time > self.now + 2 * sum(bounds) + sum(
+                    engine for _, _, engine in self.pending):
+                return False
+        return time <= self.settle()
 
     def extend_last(self, engine_s: float) -> None:
         """``engine_s`` more of the engine's time with the last call added."""
@@ -92,6 +117,9 @@ class _Clock:
             records = [r for r, _, _ in self.pending]
             price_records(self.model, self.hw, records, dtype=self.dtype, before=self.previous)
             walls = np.array([r.wall_s + engine for r, _, engine in self.pending])
+            for record in records:
+                shape = _shape(record)
+                self.longest[shape] = max(self.longest.get(shape, 0.0), record.wall_s)
             ends = self.now + np.cumsum(walls)
             for index, setter in self.marks:
                 setter(float(ends[index]))
@@ -137,10 +165,8 @@ class _Stream:
         clock, arrives = self.clock, self.requests[i].arrival_s + self.engine.request_s
         if not lanes:
             clock.idle_until(arrives, self.engine)
-        elif any(lane.calls_in_round for lane in lanes):
-            return False  # between rounds only: a newcomer's prefill waits for the round's end
-        elif arrives > clock.now and arrives > clock.settle():
-            return False
+        elif not clock.passed(arrives):  # by the end of the calls so far: the batch path
+            return False  # admits a newcomer before any call, mid-round too, as wfd's does
         if sum(self.reserved.values()) + self.needs[i] > self.kv_budget:
             return False
         self.reserved[i] = self.needs[i]

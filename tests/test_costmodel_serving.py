@@ -351,3 +351,54 @@ def test_a_sweep_of_rates_gives_a_table_each_and_a_figure(capsys, tmp_path):
     code, _, err = run_cli(capsys, "serving", "--model", "huginn-tiny", "--plot",
                            str(figure))
     assert code == 2 and "--plot needs two rates or more" in err
+
+
+@pytest.mark.parametrize("fidelity", ["calls", "steps"])
+@pytest.mark.parametrize("schedule", [AR(), DtV(draft_depth=4, block_length=6)],
+                         ids=lambda s: s.name)
+def test_a_newcomer_mid_round_starts_its_prefill_at_the_next_call(schedule, fidelity):
+    """`wfd`'s batch path admits a request that has arrived before any call, mid-round too, and
+    its prefill runs first: beside a running request its first token comes about its lone
+    prefill's time after its arrival, not after the rest of the running round (Huginn-3.5B's
+    AR round is 34 calls; a DtV round several times that)."""
+    model, hw = resolve("huginn-3.5b", "h100-sxm")
+    kw = {"max_batch": 4, "acceptance": 0.8, "depth": 32, "seed": 1, "fidelity": fidelity}
+    first = Request(arrival_s=0.0, prompt_tokens=256, output_tokens=64)
+    (running,), _ = serve(model, hw, schedule, [first], **kw)
+    round_s = (running.finish_s - running.first_token_s) / 63 * schedule.tokens_per_round(0.8)
+    arrives = running.first_token_s + 0.4 * round_s  # well inside a round
+    newcomer = Request(arrival_s=arrives, prompt_tokens=128, output_tokens=16)
+    (lone,), _ = serve(model, hw, schedule, [newcomer.model_copy(update={"arrival_s": 0.0})],
+                       **kw)
+    _, beside = serve(model, hw, schedule, [first, newcomer], **kw)[0]
+    assert lone.ttft_s * (1 - 1e-9) <= beside.ttft_s < lone.ttft_s + 0.1 * round_s
+
+
+def test_pricing_the_calls_in_runs_admits_as_pricing_each_call_would(monkeypatch):
+    """The call-by-call stream prices its calls in runs and checks the next arrival before each
+    call against a bound on the calls not yet priced: every request is admitted where checking
+    the priced time before every call admits it (Ouro's small prelude and coda calls are priced
+    first, its block calls far longer; an engine's own time rides on some calls)."""
+    from costmodel import stream_calls
+    from costmodel.profile import load_profile
+    from costmodel.store import PROFILES_DIR
+
+    profile = load_profile(PROFILES_DIR / "cpu-huginn-fp32-quick.json")
+    cases = [("ouro-2.6b", resolve("ouro-2.6b", "a6000")[1], "64-512", 2.0, {}),
+             ("huginn-tiny", profile.hardware, "16-64", 8.0, {"dtype": "fp32", "engine": (
+                 EngineOverheads(step_s=0.002, per_sequence_s=4e-4, tick_s=3e-4,
+                                 wave_tick_s=2e-4, prompt_s=0.005))})]
+    for name, hw, prompts, rate, options in cases:
+        model = resolve(name, "a6000")[0]
+        requests = request_stream(rate, 30, Lengths.parse(prompts, "p"),
+                                  Lengths.parse("32", "o"), seed=3)
+        bounded = predict_serving(model, hw, requests, max_batch=8, keep_served=True, **options)
+        with monkeypatch.context() as patched:
+            patched.setattr(stream_calls._Clock, "passed",
+                            lambda clock, time: time <= clock.now or time <= clock.settle())
+            each = predict_serving(model, hw, requests, max_batch=8, keep_served=True,
+                                   **options)
+        for schedule, result in bounded.items():
+            for a, b in zip(result.served, each[schedule].served, strict=True):
+                assert a.first_token_s == pytest.approx(b.first_token_s, rel=1e-9, abs=1e-12)
+                assert a.finish_s == pytest.approx(b.finish_s, rel=1e-9, abs=1e-12)

@@ -304,7 +304,9 @@ def test_serving_study_finds_where_each_schedule_keeps_its_objectives():
         assert light["wfd"]["tpot_p50_s"] < light["ar"]["tpot_p50_s"]
         for (schedule,), rates in by(mine, "schedule").items():
             ttft = [r["ttft_p50_s"] for r in sorted(rates, key=lambda r: r["rate_per_s"])]
-            assert ttft == sorted(ttft), (model, schedule)
+            # (at light load a lone prefill's, the same to rounding)
+            assert all(later >= earlier * (1 - 1e-12)
+                       for earlier, later in zip(ttft, ttft[1:], strict=False)), (model, schedule)
         kept = result.summary[model]["highest_rate_meeting_objectives_per_s"]
         assert set(kept) == {"ar", "dtv", "wfd", "ar exits", "dtv exits"}
         assert all(k is not None for k in kept.values())
