@@ -5,16 +5,18 @@ import json
 
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import bench_module, run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from costmodel.engines import EngineOverheads
 from costmodel.presets import resolve
+from costmodel.profile import load_profile
 from costmodel.requests import Lengths, Request, read_requests, request_stream
 from costmodel.schedules import AR, WFD, DtV
 from costmodel.serving import highest_rate, predict_serving, serve, summarize
 from costmodel.simulate import acceptance_draws, simulate_batch
+from costmodel.store import PROFILES_DIR
 
 MODEL, HARDWARE = resolve("huginn-tiny", "a6000")
 SCHEDULES = [AR(), DtV(draft_depth=2, block_length=3), WFD(draft_depth=2)]
@@ -380,8 +382,6 @@ def test_pricing_the_calls_in_runs_admits_as_pricing_each_call_would(monkeypatch
     the priced time before every call admits it (Ouro's small prelude and coda calls are priced
     first, its block calls far longer; an engine's own time rides on some calls)."""
     from costmodel import stream_calls
-    from costmodel.profile import load_profile
-    from costmodel.store import PROFILES_DIR
 
     profile = load_profile(PROFILES_DIR / "cpu-huginn-fp32-quick.json")
     cases = [("ouro-2.6b", resolve("ouro-2.6b", "a6000")[1], "64-512", 2.0, {}),
@@ -402,3 +402,22 @@ def test_pricing_the_calls_in_runs_admits_as_pricing_each_call_would(monkeypatch
             for a, b in zip(result.served, each[schedule].served, strict=True):
                 assert a.first_token_s == pytest.approx(b.first_token_s, rel=1e-9, abs=1e-12)
                 assert a.finish_s == pytest.approx(b.finish_s, rel=1e-9, abs=1e-12)
+
+
+def test_the_batch_path_load_bench_measures_and_simulates_the_same_stream(tmp_path, monkeypatch):
+    """bench/batch_load.py end to end at a tiny size (its wake left out: half a minute of
+    idles): the batch path's own time fitted, a stream decoded by `wfd`'s batch path and
+    simulated beside it, each request kept with both its figures."""
+    bench = bench_module("batch_load")
+    out = tmp_path / "load.json"
+    monkeypatch.setattr("sys.argv", [
+        "batch_load.py", "--profile", str(PROFILES_DIR / "cpu-huginn-fp32-quick.json"),
+        "--schedule", "wfd", "--rates", "40", "--requests", "3", "--prompt-tokens", "8",
+        "--output-tokens", "4", "--max-batch", "2", "--no-wake", "--out", str(out)])
+    bench.main()
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["rate_per_s"] == 40 and 0 < row["acceptance"] <= 1
+    for figures in (row["measured"], row["simulated"]):
+        assert all(value > 0 for value in figures.values())
+    assert len(row["requests"]) == 3
+    assert all(len(r["ttft_s"]) == 2 and len(r["tpot_s"]) == 2 for r in row["requests"])
