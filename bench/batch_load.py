@@ -78,14 +78,16 @@ def main() -> None:
             args.max_batch, args.seed)  # warm-up
     options = {"max_batch": args.max_batch, "dtype": profile.dtype, "names": [args.schedule],
                "seed": args.seed}
+
+    def served(requests, seed: int) -> list:  # the requests as the batch path served them
+        return decoded(model, requests, args.schedule, args.max_batch, seed)[0]
+
     engine = engine_overheads(
-        lambda requests, seed: decoded(model, requests, args.schedule, args.max_batch, seed)[0],
-        spec, profile.hardware, prompt, output, options, commit_ahead=0, in_process=True,
-        repeats=6)  # a few seconds: the fit's figures move with the machine's speed
+        served, spec, profile.hardware, prompt, output, options, commit_ahead=0,
+        in_process=True, repeats=6)  # a few seconds: the fit's figures move with the machine
     if args.wake:
-        lone = lone_request(prompt, output, lambda requests, seed: decoded(
-            model, requests, args.schedule, args.max_batch, seed)[0])
-        engine = engine.model_copy(update={"wake": wake_after_idle(lone)})
+        engine = engine.model_copy(update={
+            "wake": wake_after_idle(lone_request(prompt, output, served))})
     print(engine_text(engine, "the batch path's"), flush=True)
     rows = []
     for rate in args.rates:

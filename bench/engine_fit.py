@@ -66,9 +66,8 @@ def lone_request(prompt: Lengths, output: Lengths,
     seeds = itertools.count(1000)
 
     def after(idle_s: float) -> float:
-        request = Request(arrival_s=idle_s, prompt_tokens=round(prompt.mean),
-                          output_tokens=round(output.mean))
-        return serve([request], next(seeds))[0].ttft_s
+        (request,) = mean_requests(prompt, output)
+        return serve([request.model_copy(update={"arrival_s": idle_s})], next(seeds))[0].ttft_s
     return after
 
 
@@ -107,26 +106,26 @@ def engine_measurements(measure, prompt: Lengths, output: Lengths, batch: int,
     on the way in and out, the engine not yet or no longer on them (``lone_way_s``). Each of
     the ``repeats`` rounds serves every kind once, in turn: the terms are fitted from how the
     kinds differ, so a drift of the machine's speed must fall on all of them alike."""
-    kinds = {"lone": (1, ()), **({"pair": (2, ())} if batch > 2 else {}), "full": (batch, ()),
-             **({"stepped": (1, ({"commit_ahead": 0},))} if step_by_step else {})}
+    # each kind by the median TPOT it measures: (requests together, measure's extra argument)
+    kinds = {"lone_tpot_s": (1, ()), **({"pair_tpot_s": (2, ())} if batch > 2 else {}),
+             "full_tpot_s": (batch, ()),
+             **({"lone_step_tpot_s": (1, ({"commit_ahead": 0},))} if step_by_step else {})}
     served: dict[str, list[Served]] = {kind: [] for kind in kinds}
     engine_had = [0.0, 0]  # the engine's own account of the lone ones: seconds, requests
     for seed in range(repeats):
         for kind, (together, extra) in kinds.items():
-            before = engine_clock() if engine_clock and kind == "lone" else None
+            before = engine_clock() if engine_clock and kind == "lone_tpot_s" else None
             served[kind] += served_together(measure, prompt, output, together, [seed], *extra)
             if before is not None:
                 after = engine_clock()
                 engine_had = [engine_had[0] + after[0] - before[0],
                               engine_had[1] + after[1] - before[1]]
-    lone = served["lone"]
+    lone = served["lone_tpot_s"]
     way = {}
     if engine_clock and engine_had[1] == len(lone):  # the engine's count is the lone ones'
         way = {"lone_way_s": max(0.0, float(np.mean([s.ttft_s for s in lone]))
                                  - engine_had[0] / len(lone))}
-    names = {"lone": "lone_tpot_s", "pair": "pair_tpot_s", "full": "full_tpot_s",
-             "stepped": "lone_step_tpot_s"}
-    return {**{names[kind]: median_tpot(served[kind]) for kind in kinds},
+    return {**{kind: median_tpot(runs) for kind, runs in served.items()},
             "lone_ttft_s": float(np.median([s.ttft_s for s in lone])), **way}
 
 

@@ -278,14 +278,14 @@ def serve_steps(model: LoopedModelSpec, hw: HardwareSpec, schedule: Schedule,
             # a newcomer arriving mid-step starts its prefill at the next call, which the steps
             # do not hold: its first token as if it started at its arrival (the running ones'
             # step, which in fact ends after that prefill, is counted as ended before it)
-            early = now - max(step_began, max(ready[i] for i in newcomers)) if (
+            early = max(0.0, now - max(step_began, *(ready[i] for i in newcomers))) if (
                 step_began is not None) else 0.0
             step_began = None
             took = prefill.step([requests[i].prompt_tokens for i in newcomers]) + woke
             woke = 0.0  # the first step after an idle runs the slower
             busy, weighed, now = busy + took, weighed + took * len(newcomers), now + took
             for i in newcomers:
-                served[i]["first_token_s"] = now - max(0.0, early)
+                served[i]["first_token_s"] = now - early
                 running[i] = [requests[i].output_tokens - 1, requests[i].prompt_tokens + 1]
             reserved -= finish(running, served, now, kv_per_request)
             if startable(len(running)):
